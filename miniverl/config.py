@@ -1,0 +1,197 @@
+"""Every default of the product, as structured-config dataclasses registered with Hydra's ConfigStore.
+
+YAML files under conf/ only select and override; a key that is not a field here, or a value of the
+wrong type, fails in Hydra before anything starts. `validate` then checks what types cannot express
+(ranges and combinations) and names the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miniverl.protocol import ConfigError
+
+
+@dataclass
+class DataConfig:
+    task: str = "reverse"  # a name in miniverl.data.tasks.TASKS
+    min_len: int = 3  # problem size bounds (characters to reverse, digits to add)
+    max_len: int = 8
+    prompts_per_step: int = 32  # G: prompt groups per step (each sampled rollout.n times)
+    eval_prompts: int = 64  # fixed held-out prompts for the start/periodic/final evaluation
+    max_prompt_length: int = 32  # tokens; a longer prompt is an error, never silently cut
+    seed: int = 0
+
+
+@dataclass
+class ModelSpec:
+    path: str = "builtin:student"  # builtin:student | builtin:teacher | a model directory | a hub id
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 32
+    alpha: float = 64.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    init_seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    student: ModelSpec = field(default_factory=lambda: ModelSpec(path="builtin:student"))
+    teacher: ModelSpec = field(default_factory=lambda: ModelSpec(path="builtin:teacher"))
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    cache_dir: str = "~/.cache/miniverl"  # where built-in models are cached
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "hf_reference"  # a name in miniverl.rollout.BACKENDS
+    n: int = 2  # N: samples per prompt
+    temperature: float = 1.0  # sampling temperature (0 = greedy); the loss temperature is separate
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_new_tokens: int = 16
+    seed: int = 0
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = "gkd"  # a name in miniverl.objectives.OBJECTIVES
+    # gkd
+    beta: float = 0.5  # 0 = forward KL(p||q), 1 = reverse KL(q||p), between: generalized JSD
+    loss_temperature: float = 1.0
+    teacher_topk: int = 64  # K tokens of teacher support per position; 0 = full vocabulary
+    # pg_k1
+    discount: float = 0.0  # gamma for the discounted k1 return; 0 = per-token advantage
+    is_cap: float = 2.0  # truncated importance sampling cap on q_theta / q_sampler
+    kl_coef: float = 0.0  # reference-KL penalty folded into the per-token reward (0 = off)
+    kl_kind: str = "k1"  # k1|k2|k3 (verl aliases kl|mse|low_var_kl) and abs
+    reward_coef: float = 0.0  # weight of the GRPO-normalized task reward added to every token's advantage
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 400
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 16  # rows per forward/backward; the loss is normalized per optimizer step
+    eval_every: int = 100  # steps between evaluations (0 = only before and after training)
+    save_checkpoint: bool = True  # adapter + optimizer + step in <run dir>/checkpoint
+    seed: int = 0
+
+
+@dataclass
+class ActorResources:
+    num_gpus: float = 0.0  # fraction of one GPU (used only when resources.device resolves to cuda)
+    num_cpus: float = 0.5
+
+
+@dataclass
+class ResourcesConfig:
+    device: str = "auto"  # auto (cuda when visible to the driver) | cpu | cuda
+    ray_address: str | None = None  # None starts a local Ray cluster
+    dashboard: bool = True  # start the Ray dashboard when the installed Ray has it
+    torch_threads: int = 0  # per actor; 0 = all cores (the actors compute one at a time)
+    emulate_gpu_gib: float | None = None  # cap each actor at num_gpus * this many GiB (16 = RTX 4080)
+    rollout: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.4))
+    scorer: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
+    learner: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
+
+
+@dataclass
+class TrackingConfig:
+    wandb_mode: str = "offline"  # offline (no account, no network) | online | disabled
+    project: str = "miniverl"
+    run_name: str | None = None
+    progress_bar: bool = True
+
+
+@dataclass
+class MiniVerlConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+SCHEMA_NAME = "miniverl_schema"
+
+
+def register_configs() -> None:
+    """Put the schema in Hydra's ConfigStore (called by main, not at import)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=MiniVerlConfig)
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: MiniVerlConfig) -> None:
+    """Range and combination checks that run before any model is loaded or actor started."""
+    from miniverl.data.tasks import TASKS
+    from miniverl.objectives import OBJECTIVES
+    from miniverl.objectives.kl import KL_KINDS
+    from miniverl.rollout import BACKENDS
+
+    t, d, r, o = cfg.trainer, cfg.data, cfg.rollout, cfg.objective
+    _require(
+        t.total_steps > 0,
+        f"trainer.total_steps={t.total_steps}: need at least 1 step (e.g. trainer.total_steps=60)",
+    )
+    _require(t.micro_batch_size > 0, f"trainer.micro_batch_size={t.micro_batch_size}: must be >= 1")
+    _require(
+        t.eval_every >= 0,
+        f"trainer.eval_every={t.eval_every}: use 0 (start and end only) or a positive step count",
+    )
+    _require(t.lr > 0, f"trainer.lr={t.lr}: must be > 0")
+    _require(d.prompts_per_step > 0, f"data.prompts_per_step={d.prompts_per_step}: must be >= 1")
+    _require(d.eval_prompts > 0, f"data.eval_prompts={d.eval_prompts}: must be >= 1")
+    _require(
+        0 < d.min_len <= d.max_len,
+        f"data.min_len/max_len={d.min_len}/{d.max_len}: need 0 < min_len <= max_len",
+    )
+    _require(d.max_prompt_length > 0, f"data.max_prompt_length={d.max_prompt_length}: must be >= 1")
+    _require(r.n >= 1, f"rollout.n={r.n}: need at least one sample per prompt")
+    _require(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens}: must be >= 1")
+    _require(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples need temperature > 0")
+    _require(r.top_k >= 0 and 0 < r.top_p <= 1, "rollout.top_k must be >= 0 and rollout.top_p in (0, 1]")
+    _require(0 <= o.beta <= 1, f"objective.beta={o.beta}: must be in [0, 1]")
+    _require(o.loss_temperature > 0, f"objective.loss_temperature={o.loss_temperature}: must be > 0")
+    _require(o.teacher_topk >= 0, f"objective.teacher_topk={o.teacher_topk}: use 0 (full vocabulary) or K >= 1")
+    _require(0 <= o.discount <= 1, f"objective.discount={o.discount}: must be in [0, 1]")
+    _require(o.is_cap >= 1, f"objective.is_cap={o.is_cap}: must be >= 1 (verl uses about 2)")
+    _require(o.kl_kind in KL_KINDS, f"objective.kl_kind={o.kl_kind!r}: use one of {', '.join(KL_KINDS)}")
+    if o.name == "pg_k1":
+        # PG-k1's advantage uses the sampler's log-probs of the *untempered* policy: sampling from
+        # anything else makes the gradient estimate biased (DESIGN.md).
+        _require(
+            r.temperature == 1.0 and r.top_k == 0 and r.top_p == 1.0,
+            "objective pg_k1 samples at temperature 1 with no top-k/top-p; set rollout.temperature=1"
+            " rollout.top_k=0 rollout.top_p=1",
+        )
+    _require(cfg.resources.device in ("auto", "cpu", "cuda"), "resources.device must be auto, cpu or cuda")
+    _require(
+        cfg.tracking.wandb_mode in ("offline", "online", "disabled"),
+        f"tracking.wandb_mode={cfg.tracking.wandb_mode!r}: use offline, online or disabled",
+    )
+    for name, res in (
+        ("rollout", cfg.resources.rollout),
+        ("scorer", cfg.resources.scorer),
+        ("learner", cfg.resources.learner),
+    ):
+        _require(res.num_gpus >= 0 and res.num_cpus >= 0, f"resources.{name}: num_gpus and num_cpus must be >= 0")
+    TASKS.require(d.task)
+    BACKENDS.require(r.backend)
+    OBJECTIVES.require(o.name)

@@ -1,0 +1,43 @@
+"""The prompt stream: task examples tokenized by the student's tokenizer, checked against the limit."""
+
+from __future__ import annotations
+
+import random
+
+from miniverl.data.tasks import TASKS
+from miniverl.protocol import ConfigError, PromptBatch
+
+EVAL_SEED_OFFSET = 1_000_000  # eval prompts come from a stream disjoint from every training step's
+
+
+class PromptSource:
+    """Deterministic prompt groups: `batch(step, g)` is the same for the same seed and step."""
+
+    def __init__(self, task: str, min_len: int, max_len: int, tokenizer, max_prompt_length: int, seed: int) -> None:
+        self.task = TASKS.get(task)
+        self.min_len, self.max_len = min_len, max_len
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.seed = seed
+
+    def _make(self, rng: random.Random, count: int, prefix: str) -> PromptBatch:
+        ids, uids, answers = [], [], []
+        for i in range(count):
+            ex = self.task(rng, self.min_len, self.max_len)
+            tokens = self.tokenizer(ex.prompt)["input_ids"]
+            if len(tokens) > self.max_prompt_length:
+                raise ConfigError(
+                    f"prompt {prefix}-{i} ({ex.prompt!r}) has {len(tokens)} tokens, more than"
+                    f" data.max_prompt_length={self.max_prompt_length}; raise data.max_prompt_length or"
+                    f" shorten the task (data.max_len={self.max_len})"
+                )
+            ids.append(tokens)
+            uids.append(f"{prefix}-{i}")
+            answers.append(ex.answer)
+        return PromptBatch(ids, uids, answers)
+
+    def batch(self, step: int, groups: int) -> PromptBatch:
+        return self._make(random.Random(self.seed * 7919 + step), groups, f"s{step}")
+
+    def eval_batch(self, count: int) -> PromptBatch:
+        return self._make(random.Random(self.seed + EVAL_SEED_OFFSET), count, "eval")

@@ -1,0 +1,50 @@
+"""Hydra entry point: `python -m miniverl.main +experiment=gkd`.
+
+Side effects (config registration, Ray, wandb, logging) start here and nowhere at import.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from miniverl.config import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from miniverl.protocol import MiniVerlError
+    from miniverl.run import train
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    config = OmegaConf.to_object(cfg)
+    try:
+        summary = train(config, run_dir, OmegaConf.to_container(cfg, resolve=True))
+    except MiniVerlError as e:
+        print(f"\nminiverl: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print_summary(summary, run_dir)
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    print(
+        "\n[miniverl] done: {steps} steps of {objective} on {device} in {wall_seconds:.0f}s\n"
+        "  reverse KL to teacher (nats/token): {start_reverse_kl:.4f} -> {end_reverse_kl:.4f}\n"
+        "  greedy task accuracy:               {start_accuracy:.3f} -> {end_accuracy:.3f}".format(**summary)
+    )
+    print(f"  run directory: {run_dir} (config, metrics.jsonl, summary.json, checkpoint/, wandb/)")
+    memory = {k: v for k, v in summary["memory"].items() if v}
+    if memory:
+        print(f"  peak GPU memory per actor (GiB): {json.dumps(memory)}")
+
+
+if __name__ == "__main__":
+    main()

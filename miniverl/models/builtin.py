@@ -1,0 +1,206 @@
+"""The embedded default models: a teacher and a smaller student trained on a built-in task by our own code.
+
+No machine here reaches a model hub, so the default experiment distils between two tiny Qwen2-architecture
+models built from a `transformers` config. The teacher is trained to high accuracy; the student gets a
+short warm-up so that it starts partly competent (on-policy distillation needs samples that resemble the
+task). Both are cached under `<cache_dir>/builtin/<task>-<key>/`, where the key hashes everything
+that determines the weights, so changing the task or the recipe builds new models instead of reusing
+stale ones. `python scripts/build_models.py` builds them ahead of time; the main job builds them on
+first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from miniverl.data.tasks import TASKS, Example
+
+BUILD_RECIPE_VERSION = 1  # bump when the training code changes what it produces
+MAX_POSITIONS = 64  # longest prompt + answer of the built-in tasks is far below this
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+
+
+@dataclass(frozen=True)
+class SftSpec:
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int
+
+
+# Sized so both build in well under 3 minutes on 2 CPU cores (measured: see README).
+TEACHER_ARCH = ArchSpec(128, 4, 4, 2, 384)
+STUDENT_ARCH = ArchSpec(64, 2, 4, 2, 192)
+TEACHER_SFT = SftSpec(steps=1200, batch_size=64, lr=3e-3, seed=1)
+STUDENT_SFT = SftSpec(steps=250, batch_size=64, lr=3e-3, seed=2)
+
+
+@dataclass(frozen=True)
+class BuiltinRecipe:
+    task: str
+    min_len: int
+    max_len: int
+    teacher_arch: ArchSpec = TEACHER_ARCH
+    student_arch: ArchSpec = STUDENT_ARCH
+    teacher_sft: SftSpec = TEACHER_SFT
+    student_sft: SftSpec = STUDENT_SFT
+    version: int = BUILD_RECIPE_VERSION
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return f"{self.task}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_ROLES = ("teacher", "student")
+
+
+def builtin_dir(cache_dir: str | Path, recipe: BuiltinRecipe) -> Path:
+    return Path(cache_dir).expanduser() / "builtin" / recipe.key()
+
+
+def ensure_builtin_models(cache_dir: str | Path, recipe: BuiltinRecipe, log=print) -> dict[str, Path]:
+    """Return {"teacher": dir, "student": dir}, building (and caching) whatever is missing."""
+    root = builtin_dir(cache_dir, recipe)
+    paths = {role: root / role for role in BUILTIN_ROLES}
+    for role, arch, sft in (
+        ("teacher", recipe.teacher_arch, recipe.teacher_sft),
+        ("student", recipe.student_arch, recipe.student_sft),
+    ):
+        if (paths[role] / "build.json").exists():
+            continue
+        log(f"[miniverl] building the built-in {role} for task {recipe.task!r} (cached in {paths[role]})")
+        _build_one(paths[role], recipe, arch, sft, log)
+    return paths
+
+
+def _build_one(target: Path, recipe: BuiltinRecipe, arch: ArchSpec, sft: SftSpec, log) -> None:
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from miniverl.models.tokenizer import save_char_tokenizer
+
+    tmp = target.with_name(f"{target.name}.tmp-{random.getrandbits(32):08x}")
+    tmp.mkdir(parents=True)
+    try:
+        save_char_tokenizer(tmp)
+        tok = AutoTokenizer.from_pretrained(str(tmp))
+        torch.manual_seed(sft.seed)
+        config = Qwen2Config(
+            vocab_size=len(tok),
+            max_position_embeddings=MAX_POSITIONS,
+            tie_word_embeddings=True,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            **asdict(arch),
+        )
+        model = Qwen2ForCausalLM(config)
+        start = time.perf_counter()
+        sft_train(model, tok, recipe, sft, log)
+        acc = greedy_accuracy(model, tok, recipe, n=256, seed=sft.seed + 1000)
+        model.save_pretrained(str(tmp))
+        info = {
+            "recipe": asdict(recipe),
+            "greedy_accuracy": acc,
+            "train_seconds": time.perf_counter() - start,
+        }
+        (tmp / "build.json").write_text(json.dumps(info, indent=2))
+        log(f"[miniverl] built {target.name}: greedy accuracy {acc:.3f} in {info['train_seconds']:.0f}s")
+        if target.exists():  # another process won the race; keep its copy
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _examples(recipe: BuiltinRecipe, rng: random.Random, n: int) -> list[Example]:
+    task = TASKS.get(recipe.task)
+    return [task(rng, recipe.min_len, recipe.max_len) for _ in range(n)]
+
+
+def _sft_batch(tok, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded BOS+prompt+answer+EOS with labels only on answer+EOS. Shapes: 3 x [B, T]."""
+    rows, labels = [], []
+    for ex in examples:
+        p = tok(ex.prompt)["input_ids"]
+        a = tok(ex.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append(p + a)
+        labels.append([-100] * len(p) + a)
+    t = max(map(len, rows))
+    ids = torch.full((len(rows), t), tok.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(rows), t), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), t), dtype=torch.long)
+    for i, (r, lb) in enumerate(zip(rows, labels)):
+        ids[i, : len(r)] = torch.tensor(r)
+        lab[i, : len(lb)] = torch.tensor(lb)
+        mask[i, : len(r)] = 1
+    return ids, mask, lab
+
+
+def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> None:
+    """Supervised training on fresh task examples with AdamW and a cosine schedule with warm-up."""
+    rng = random.Random(sft.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.01)
+    warmup = max(1, sft.steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, sft.steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    model.train()
+    report_every = max(1, sft.steps // 5)
+    for step in range(sft.steps):
+        ids, mask, lab = _sft_batch(tok, _examples(recipe, rng, sft.batch_size))
+        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % report_every == 0:
+            log(f"[miniverl]   sft step {step + 1}/{sft.steps} loss {loss.item():.3f}")
+    model.eval()
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, recipe: BuiltinRecipe, n: int, seed: int) -> float:
+    """Exact-match accuracy of greedy answers on `n` fresh examples."""
+    examples = _examples(recipe, random.Random(seed), n)
+    prompts = [tok(ex.prompt)["input_ids"] for ex in examples]
+    t = max(map(len, prompts))
+    ids = torch.full((n, t), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, t), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding for generation
+        ids[i, t - len(p) :] = torch.tensor(p)
+        mask[i, t - len(p) :] = 1
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=recipe.max_len * 2 + 2,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    answers = tok.batch_decode(out[:, t:], skip_special_tokens=True)
+    return sum(a == ex.answer for a, ex in zip(answers, examples)) / n

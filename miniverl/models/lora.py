@@ -1,0 +1,56 @@
+"""The student with a LoRA adapter (peft), built the same way by the learner and the HF rollout backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miniverl.models.loading import load_causal_lm
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+    init_seed: int
+
+
+def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: str):
+    """Base model from `path` wrapped with a fresh adapter; lora_B starts at 0, so it serves the base."""
+    from peft import LoraConfig, get_peft_model
+
+    base = load_causal_lm(path, dtype, device)
+    torch.manual_seed(lora.init_seed)
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(base, config)
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's portable names, copied to the CPU."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model).items()}
+
+
+def load_adapter_state(model, weights: dict[str, torch.Tensor]) -> None:
+    """Load `weights` into the model's adapter; a name that matches nothing is an error, not a no-op."""
+    from peft import set_peft_model_state_dict
+
+    expected = set(adapter_state(model))
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+        raise ValueError(
+            f"adapter names do not match the served model (missing {missing}, unexpected {extra});"
+            " learner and rollout must use the same model.lora settings"
+        )
+    set_peft_model_state_dict(model, weights)

@@ -1,0 +1,54 @@
+"""Advantages: GRPO group normalization (verl rules) and discounted per-token returns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+GRPO_EPS = 1e-6  # verl compute_grpo_outcome_advantage: (s - mean) / (std + eps)
+
+
+def grpo_advantages(scores: torch.Tensor, uid: Sequence[str], norm_by_std: bool = True) -> torch.Tensor:
+    """Group-normalized sequence scores: per uid group `(s - mean) / (std + 1e-6)`.
+
+    The std is the unbiased one (torch.std, as verl); a group of one has mean 0 and std 1, so its
+    advantage is its raw score (verl's rule). With norm_by_std=False only the mean is removed.
+
+    Shapes: scores [B], uid length B -> [B].
+    """
+    if scores.dim() != 1 or scores.shape[0] != len(uid):
+        raise ValueError(f"scores must be [B] with one uid per row; got {tuple(scores.shape)} and {len(uid)}")
+    scores = scores.to(torch.float32)
+    groups: dict[str, list[int]] = {}
+    for i, u in enumerate(uid):
+        groups.setdefault(u, []).append(i)
+    out = torch.empty_like(scores)
+    for rows in groups.values():
+        s = scores[rows]
+        if len(rows) == 1:
+            mean, std = torch.zeros(()), torch.ones(())
+        else:
+            mean, std = s.mean(), s.std()
+        out[rows] = (s - mean) / (std + GRPO_EPS) if norm_by_std else s - mean
+    return out
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, discount: float) -> torch.Tensor:
+    """Per-token return `A_t = sum_{k>=t} discount^(k-t) r_k` over masked tokens of each row.
+
+    discount 0 gives `A_t = r_t`. Tokens outside the mask contribute nothing and get 0.
+
+    Shapes: rewards, mask [B, T] -> [B, T].
+    """
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"discount must be in [0, 1], got {discount}")
+    rewards = rewards * mask
+    if discount == 0.0:
+        return rewards
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        running = rewards[:, t] + discount * running * mask[:, t]
+        out[:, t] = running
+    return out * mask

@@ -1,0 +1,137 @@
+"""Direct GKD (Agarwal et al., ICLR 2024): generalized Jensen-Shannon divergence per response token.
+
+`JSD_beta(p || q) = beta KL(p || m) + (1 - beta) KL(q || m)`, `m = beta p + (1 - beta) q`, p the teacher,
+q the student. As beta -> 0 the mixture form vanishes like beta * KL(p || q), and as beta -> 1 like
+(1 - beta) * KL(q || p), so the endpoints are defined as the exact KLs: beta = 0 is forward KL(p || q),
+beta = 1 is reverse KL(q || p) (as TRL's GKDTrainer does). Gradient flows into every student logit.
+
+Top-k support: only the teacher's K most likely tokens travel between actors. The rest of the
+vocabulary is kept as one *tail bucket*: the divergence is computed over K + 1 categories, the K
+tokens plus the tail mass of each distribution (teacher: 1 - sum of its top-K probabilities, or the
+exact value when the scorer ships it; student: its exact mass outside the K ids). This is the
+divergence between the two distributions coarsened to K + 1 outcomes, so it never exceeds the full
+divergence and equals it once K covers the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# A teacher tail that rounds to 0 (fp32 sum of a peaked top-K) would make reverse KL infinite wherever
+# the student keeps any tail mass; the smallest normal float32 keeps it finite and still punishing.
+TAIL_FLOOR = torch.finfo(torch.float32).tiny
+
+
+def _sum_plogp_ratio(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """sum_i a_i (log a_i - log b_i) over the last dim, with 0 * log(0 / b) = 0 (also in the gradient)."""
+    zero = torch.isneginf(log_a)
+    safe_a = torch.where(zero, torch.zeros_like(log_a), log_a)
+    safe_b = torch.where(zero, torch.zeros_like(log_b), log_b)
+    a = torch.where(zero, torch.zeros_like(log_a), safe_a.exp())
+    return (a * (safe_a - safe_b)).sum(dim=-1)
+
+
+def jsd_from_logprobs(teacher_logp: torch.Tensor, student_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """Generalized JSD between two normalized log-distributions over the last dim.
+
+    Shapes: teacher_logp, student_logp [B, T, C] -> [B, T].
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if beta == 0.0:
+        return _sum_plogp_ratio(teacher_logp, student_logp)  # forward KL(p || q)
+    if beta == 1.0:
+        return _sum_plogp_ratio(student_logp, teacher_logp)  # reverse KL(q || p)
+    mix = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log1p(-beta))  # log m
+    return beta * _sum_plogp_ratio(teacher_logp, mix) + (1.0 - beta) * _sum_plogp_ratio(student_logp, mix)
+
+
+def generalized_jsd(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float = 1.0
+) -> torch.Tensor:
+    """Per-token generalized JSD over the full vocabulary, both distributions at `temperature`.
+
+    Shapes: student_logits, teacher_logits [B, T, V] -> [B, T] (nats).
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"logit shapes differ: {tuple(student_logits.shape)} vs {tuple(teacher_logits.shape)}")
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # [B, T, V]
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # [B, T, V]
+    return jsd_from_logprobs(t, s, beta)
+
+
+def topk_generalized_jsd(
+    student_logits: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    beta: float,
+    temperature: float = 1.0,
+    teacher_tail_logprob: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token generalized JSD over the teacher's top-K support plus one tail bucket.
+
+    `teacher_topk_logprobs` must already be at the loss temperature: log_softmax(teacher_logits / T)
+    at `teacher_topk_ids`. The student logits are divided by `temperature` here.
+    `teacher_tail_logprob` is log(1 - sum of the teacher's top-K probabilities); when omitted it is
+    derived from the top-K log-probs, floored at TAIL_FLOOR. With K >= V there is no tail bucket.
+
+    Shapes: student_logits [B, T, V], teacher_topk_* [B, T, K], teacher_tail_logprob [B, T] -> [B, T].
+    """
+    if teacher_topk_logprobs.shape != teacher_topk_ids.shape:
+        raise ValueError("teacher_topk_logprobs and teacher_topk_ids must have the same [B, T, K] shape")
+    s_all = student_logits.float() / temperature  # [B, T, V]
+    log_z = torch.logsumexp(s_all, dim=-1, keepdim=True)  # [B, T, 1]
+    s_k = s_all.gather(-1, teacher_topk_ids) - log_z  # [B, T, K]
+    t_k = teacher_topk_logprobs.float()  # [B, T, K]
+    if teacher_topk_ids.shape[-1] >= s_all.shape[-1]:
+        return jsd_from_logprobs(t_k, s_k, beta)
+    s_tail = torch.logsumexp(s_all.scatter(-1, teacher_topk_ids, float("-inf")), dim=-1) - log_z[..., 0]
+    if teacher_tail_logprob is None:
+        t_mass = (1.0 - t_k.exp().sum(dim=-1)).clamp(min=TAIL_FLOOR)  # [B, T]
+        teacher_tail_logprob = t_mass.log()
+    t_tail = teacher_tail_logprob.float().clamp(min=math.log(TAIL_FLOOR))
+    s_cat = torch.cat([s_k, s_tail.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
+    t_cat = torch.cat([t_k, t_tail.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
+    return jsd_from_logprobs(t_cat, s_cat, beta)
+
+
+class GkdObjective:
+    """Direct GKD in the learner: generalized JSD per response token against the teacher's support."""
+
+    needs_reference = False
+
+    def __init__(self, beta: float, loss_temperature: float, teacher_topk: int) -> None:
+        self.beta = beta
+        self.loss_temperature = loss_temperature
+        self.teacher_support_k = teacher_topk  # 0 = full vocabulary
+
+    @classmethod
+    def from_config(cls, cfg) -> GkdObjective:
+        return cls(beta=cfg.beta, loss_temperature=cfg.loss_temperature, teacher_topk=cfg.teacher_topk)
+
+    def prepare(self, batch, scores, rewards, ref_log_prob) -> torch.Tensor | None:
+        return None  # GKD needs no batch-level advantages
+
+    def loss(self, logits, logprobs, batch, scores, advantages, num_step_tokens):
+        """Shapes: logits [b, Tr, V], logprobs [b, Tr] -> (scalar loss, metrics)."""
+        from miniverl.objectives.aggregation import masked_mean, step_token_mean
+
+        if scores.teacher_topk_logprobs is None:
+            raise ValueError("GKD needs the teacher's support; the scorer returned none")
+        if scores.teacher_topk_ids is None:  # full vocabulary, already at the loss temperature
+            student = F.log_softmax(logits.float() / self.loss_temperature, dim=-1)  # [b, Tr, V]
+            per_token = jsd_from_logprobs(scores.teacher_topk_logprobs, student, self.beta)
+        else:
+            per_token = topk_generalized_jsd(
+                logits,
+                scores.teacher_topk_logprobs,
+                scores.teacher_topk_ids,
+                self.beta,
+                self.loss_temperature,
+                scores.teacher_tail_logprob,
+            )
+        mask = batch.response_mask.to(per_token.device, per_token.dtype)
+        return step_token_mean(per_token, mask, num_step_tokens), {"jsd": masked_mean(per_token.detach(), mask)}

@@ -1,0 +1,131 @@
+"""PG-k1: policy gradient with the per-token k1 signal `r_t = log p(y_t|s_t) - log q_old(y_t|s_t)`.
+
+This is the on-policy distillation loss of Tinker / MOPD. With discount 0 the advantage is `A_t = r_t`,
+and the expected gradient of `-sum_t rho_t A_t` (rho_t = q_theta / q_old, A_t detached) equals the
+gradient of the per-token reverse KL(q || p) on the sampled states. The advantage must be this
+*action-dependent* quantity: a state-only quantity (such as a top-k KL at s_t) has zero expected
+policy gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.objectives.advantages import discounted_returns
+from miniverl.objectives.aggregation import masked_mean, step_token_mean
+
+# verl's truncated importance sampling (TIS) uses a cap of about 2 on the learner/sampler ratio.
+DEFAULT_IS_CAP = 2.0
+
+
+def k1_advantages(
+    teacher_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, discount: float = 0.0
+) -> torch.Tensor:
+    """Detached advantages from the k1 reward `teacher - old`, discounted over future tokens.
+
+    Shapes: [B, T] -> [B, T].
+    """
+    rewards = (teacher_logprobs - old_logprobs).detach() * mask
+    return discounted_returns(rewards, mask, discount)
+
+
+def truncated_pg_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    is_cap: float = DEFAULT_IS_CAP,
+    num_step_tokens: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`-sum_t w_t A_t / N` whose gradient is `-sum_t w_t A_t grad log q_theta(y_t) / N`.
+
+    `w_t = min(rho_t, is_cap)` with `rho_t = exp(logprobs - old_logprobs)`, used as a detached weight:
+    where rho_t <= is_cap the gradient equals that of `rho_t A_t` exactly (grad rho = rho grad log q);
+    above the cap the weight is truncated to is_cap instead of being dropped (truncated importance
+    sampling). `old_logprobs` are the sampler's log-probs, so rho also corrects sampler/learner gaps.
+    N is the step's response-token count (default: mask.sum()).
+
+    Shapes: logprobs, old_logprobs, advantages, mask [B, T] -> (scalar loss, metrics).
+    """
+    mask = mask.to(logprobs.dtype)
+    n = mask.sum().item() if num_step_tokens is None else num_step_tokens
+    ratio = torch.exp(logprobs.detach() - old_logprobs)  # [B, T]
+    weight = ratio.clamp(max=is_cap)
+    # exp(lp - lp.detach()) is 1 in value and carries grad log q: value -w A, gradient -w A grad log q.
+    surrogate = weight * torch.exp(logprobs - logprobs.detach()) * advantages.detach()
+    loss = step_token_mean(-surrogate, mask, n)
+    metrics = {
+        "clipped_ratio_frac": masked_mean((ratio > is_cap).float(), mask),
+        "ratio_mean": masked_mean(ratio, mask),
+    }
+    return loss, metrics
+
+
+def pg_k1_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    discount: float = 0.0,
+    is_cap: float = DEFAULT_IS_CAP,
+    num_step_tokens: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PG-k1 loss: advantage `r_t = teacher - old` (detached, discounted when discount > 0), truncated
+    importance ratio `exp(logprobs - old_logprobs)` capped at `is_cap`, normalized by mask tokens.
+
+    Shapes: logprobs, old_logprobs, teacher_logprobs, mask [B, T] -> (scalar loss, metrics).
+    """
+    adv = k1_advantages(teacher_logprobs, old_logprobs, mask, discount)
+    loss, metrics = truncated_pg_loss(logprobs, old_logprobs, adv, mask, is_cap, num_step_tokens)
+    metrics["advantage_mean"] = masked_mean(adv, mask.to(adv.dtype))
+    return loss, metrics
+
+
+class PgK1Objective:
+    """PG-k1 in the learner, with an optional reference-KL penalty and GRPO-normalized task reward.
+
+    Per-token reward `r_t = (log p - log q_sampler) - kl_coef * kl(q_sampler, ref)`, discounted into
+    `A_t`, plus `reward_coef * grpo(task score)` on every token of the sequence. The reference is the
+    student with its adapter disabled (no second model).
+    """
+
+    teacher_support_k = None  # only the sampled token's teacher log-prob is needed
+    loss_temperature = 1.0
+
+    def __init__(self, discount: float, is_cap: float, kl_coef: float, kl_kind: str, reward_coef: float) -> None:
+        self.discount, self.is_cap = discount, is_cap
+        self.kl_coef, self.kl_kind, self.reward_coef = kl_coef, kl_kind, reward_coef
+        self.needs_reference = kl_coef > 0
+
+    @classmethod
+    def from_config(cls, cfg) -> PgK1Objective:
+        return cls(cfg.discount, cfg.is_cap, cfg.kl_coef, cfg.kl_kind, cfg.reward_coef)
+
+    def prepare(self, batch, scores, rewards, ref_log_prob) -> torch.Tensor:
+        """Whole-batch advantages (groups and discounting need every row). Shapes: -> [B, Tr]."""
+        from miniverl.objectives.advantages import discounted_returns, grpo_advantages
+        from miniverl.objectives.kl import kl_penalty
+
+        mask = batch.response_mask.float()
+        old = batch.rollout_log_probs
+        token_reward = (scores.teacher_log_probs - old) * mask
+        if self.kl_coef > 0:
+            token_reward = token_reward - self.kl_coef * kl_penalty(old, ref_log_prob, self.kl_kind) * mask
+        adv = discounted_returns(token_reward, mask, self.discount)
+        if self.reward_coef > 0:
+            if rewards is None:
+                raise ValueError("objective.reward_coef > 0 needs task rewards; the controller passed none")
+            adv = adv + self.reward_coef * grpo_advantages(rewards, batch.uid).unsqueeze(1) * mask
+        return adv.detach()
+
+    def loss(self, logits, logprobs, batch, scores, advantages, num_step_tokens):
+        """Shapes: logprobs [b, Tr], advantages [b, Tr] -> (scalar loss, metrics)."""
+        device = logprobs.device
+        return truncated_pg_loss(
+            logprobs,
+            batch.rollout_log_probs.to(device),
+            advantages.to(device),
+            batch.response_mask.to(device),
+            self.is_cap,
+            num_step_tokens,
+        )

@@ -1,0 +1,245 @@
+"""Typed batches that travel between the actors, validated on construction.
+
+Key names follow verl (see DESIGN.md) so the bridge stays thin. Shapes use one alphabet:
+B batch rows, G prompt groups, N samples per group (B = G * N), Tp prompt tokens, Tr response
+tokens, V vocabulary, K teacher top-k support.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+class MiniVerlError(Exception):
+    """A problem the user can fix; the message names the problem and the fix."""
+
+
+class ConfigError(MiniVerlError):
+    """The configuration (or what it points at) cannot work."""
+
+
+class BatchError(MiniVerlError, ValueError):
+    """A batch violates its contract (shape, dtype or mask)."""
+
+
+class PolicyMismatchError(MiniVerlError):
+    """Strict sync was violated: data or an engine does not match the published policy."""
+
+
+@dataclass(frozen=True)
+class PolicyIdentity:
+    """Which policy a component holds: a monotonic version and a digest of the trainable weights."""
+
+    version: int
+    digest: str
+
+    def short(self) -> str:
+        return f"v{self.version}:{self.digest[:12]}"
+
+
+@dataclass
+class PolicySnapshot:
+    """What the learner publishes: its identity and the trainable weights (CPU tensors)."""
+
+    identity: PolicyIdentity
+    weights: dict[str, torch.Tensor]
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over sorted names, dtypes, shapes and raw bytes of `weights`.
+
+    Computed independently by the learner (what it publishes) and by a rollout engine (what it
+    holds after loading), so an engine that silently kept old weights cannot echo the right digest.
+    """
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+@dataclass
+class PromptBatch:
+    """G prompts as unpadded token ids, one `uid` each, and the answer its reward checks against."""
+
+    prompt_ids: list[list[int]]
+    uid: list[str]
+    ground_truth: list[str]
+
+    def __post_init__(self) -> None:
+        g = len(self.prompt_ids)
+        if g == 0:
+            raise BatchError("PromptBatch is empty: pass at least one prompt")
+        if len(self.uid) != g or len(self.ground_truth) != g:
+            raise BatchError(
+                f"PromptBatch has {g} prompts but {len(self.uid)} uids and {len(self.ground_truth)} answers;"
+                " give one uid and one answer per prompt"
+            )
+        if len(set(self.uid)) != g:
+            raise BatchError("PromptBatch uids must be unique: each prompt is one group")
+        for i, ids in enumerate(self.prompt_ids):
+            if len(ids) == 0:
+                raise BatchError(f"prompt {i} ({self.uid[i]}) has no tokens")
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def select(self, idx: list[int]) -> PromptBatch:
+        return PromptBatch(
+            [self.prompt_ids[i] for i in idx], [self.uid[i] for i in idx], [self.ground_truth[i] for i in idx]
+        )
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise BatchError(msg)
+
+
+def _is_binary(mask: torch.Tensor) -> bool:
+    return bool(((mask == 0) | (mask == 1)).all())
+
+
+def _check_padding_side(mask: torch.Tensor, side: str, name: str) -> None:
+    """Right padding: ones then zeros in every row; left padding: zeros then ones."""
+    m = mask.long()
+    steps = m[:, 1:] - m[:, :-1]  # [B, T-1]
+    bad = (steps > 0) if side == "right" else (steps < 0)
+    rows = bad.any(dim=1).nonzero().flatten().tolist()
+    _check(not rows, f"{name} must be {side}-padded (contiguous ones); rows {rows[:8]} are not")
+
+
+@dataclass
+class RolloutBatch:
+    """B = G * N sampled responses, rows grouped by prompt (all N samples of a uid are adjacent).
+
+    `rollout_log_probs` is the sampler's log-prob of each sampled token under the untempered,
+    untruncated policy (vLLM's default `raw_logprobs`), 0 where `response_mask` is 0.
+    `response_mask` is 1 on every sampled token up to and including the first EOS.
+    """
+
+    prompts: torch.Tensor  # [B, Tp] long, left-padded
+    prompt_mask: torch.Tensor  # [B, Tp] long, 1 = real prompt token
+    responses: torch.Tensor  # [B, Tr] long, right-padded
+    response_mask: torch.Tensor  # [B, Tr] long
+    rollout_log_probs: torch.Tensor  # [B, Tr] float32
+    uid: list[str]  # [B]
+    ground_truth: list[str]  # [B]
+    policy_version: int
+    finished: torch.Tensor = field(default=None)  # [B] bool, True when the row ended with a stop token
+
+    def __post_init__(self) -> None:
+        b = self.prompts.shape[0]
+        if self.finished is None:
+            self.finished = torch.zeros(b, dtype=torch.bool)
+        _check(self.prompts.dim() == 2 and self.responses.dim() == 2, "prompts and responses must be [B, T]")
+        _check(
+            self.prompt_mask.shape == self.prompts.shape,
+            f"prompt_mask {tuple(self.prompt_mask.shape)} != prompts {tuple(self.prompts.shape)}",
+        )
+        for name in ("response_mask", "rollout_log_probs"):
+            t = getattr(self, name)
+            _check(
+                t.shape == self.responses.shape,
+                f"{name} {tuple(t.shape)} != responses {tuple(self.responses.shape)}",
+            )
+        _check(self.responses.shape[0] == b, f"responses have {self.responses.shape[0]} rows, prompts {b}")
+        for name in ("prompts", "prompt_mask", "responses", "response_mask"):
+            _check(getattr(self, name).dtype == torch.long, f"{name} must be torch.long")
+        _check(self.rollout_log_probs.dtype == torch.float32, "rollout_log_probs must be float32")
+        _check(len(self.uid) == b and len(self.ground_truth) == b, f"need {b} uids and answers")
+        _check(self.finished.shape == (b,), f"finished must be [B]={b}")
+        _check(_is_binary(self.prompt_mask) and _is_binary(self.response_mask), "masks must be 0/1")
+        _check(bool((self.prompt_mask.sum(1) > 0).all()), "every row needs at least one prompt token")
+        _check_padding_side(self.prompt_mask, "left", "prompt_mask")
+        _check_padding_side(self.response_mask, "right", "response_mask")
+        _check(bool(torch.isfinite(self.rollout_log_probs).all()), "rollout_log_probs must be finite")
+        _check(bool((self.rollout_log_probs <= 0).all()), "rollout_log_probs must be <= 0")
+        _check(
+            bool((self.rollout_log_probs[self.response_mask == 0] == 0).all()),
+            "rollout_log_probs must be 0 outside response_mask",
+        )
+        _check(self.policy_version >= 0, "policy_version must be >= 0")
+        seen: set[str] = set()
+        for i, u in enumerate(self.uid):  # groups must be contiguous runs of rows
+            if i > 0 and u != self.uid[i - 1]:
+                _check(u not in seen, f"rows of uid {u!r} are not adjacent; keep each group contiguous")
+            seen.add(u)
+
+    def __len__(self) -> int:
+        return self.prompts.shape[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # [B, Tp + Tr]
+        return torch.cat([self.prompts, self.responses], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # [B, Tp + Tr]
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:  # [B, Tp + Tr]
+        return (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+    def rows(self, start: int, stop: int) -> RolloutBatch:
+        """Rows [start, stop) as a batch (micro-batching in the learner)."""
+        return RolloutBatch(
+            prompts=self.prompts[start:stop],
+            prompt_mask=self.prompt_mask[start:stop],
+            responses=self.responses[start:stop],
+            response_mask=self.response_mask[start:stop],
+            rollout_log_probs=self.rollout_log_probs[start:stop],
+            uid=self.uid[start:stop],
+            ground_truth=self.ground_truth[start:stop],
+            policy_version=self.policy_version,
+            finished=self.finished[start:stop],
+        )
+
+
+@dataclass
+class TeacherScores:
+    """The teacher's view of a RolloutBatch.
+
+    `teacher_log_probs` is log p(y_t | s_t) of each sampled token at temperature 1 (for PG-k1 and the
+    reverse-KL metric). The support is for GKD, computed at the loss temperature: either the full
+    distribution (`teacher_topk_ids` is None, last dim V) or the teacher's top-K tokens with the exact
+    log-mass of the rest (`teacher_tail_logprob`).
+    """
+
+    teacher_log_probs: torch.Tensor  # [B, Tr] float32, 0 outside the response mask
+    teacher_topk_logprobs: torch.Tensor | None = None  # [B, Tr, K] or [B, Tr, V] float32
+    teacher_topk_ids: torch.Tensor | None = None  # [B, Tr, K] long, None = full vocabulary
+    teacher_tail_logprob: torch.Tensor | None = None  # [B, Tr] log of the mass outside the top-K
+    loss_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.teacher_log_probs.dim() == 2, "teacher_log_probs must be [B, Tr]")
+        _check(self.teacher_log_probs.dtype == torch.float32, "teacher_log_probs must be float32")
+        if self.teacher_topk_ids is not None:
+            _check(self.teacher_topk_logprobs is not None, "teacher_topk_ids given without logprobs")
+            _check(
+                self.teacher_topk_ids.shape == self.teacher_topk_logprobs.shape,
+                "teacher_topk_ids and teacher_topk_logprobs must have the same [B, Tr, K] shape",
+            )
+        if self.teacher_topk_logprobs is not None:
+            _check(
+                self.teacher_topk_logprobs.shape[:2] == self.teacher_log_probs.shape,
+                "teacher support must be [B, Tr, K] matching teacher_log_probs [B, Tr]",
+            )
+
+    def rows(self, start: int, stop: int) -> TeacherScores:
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[start:stop]
+
+        return TeacherScores(
+            self.teacher_log_probs[start:stop],
+            cut(self.teacher_topk_logprobs),
+            cut(self.teacher_topk_ids),
+            cut(self.teacher_tail_logprob),
+            self.loss_temperature,
+        )

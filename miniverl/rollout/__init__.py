@@ -1,0 +1,38 @@
+"""Rollout backends behind one small Protocol, chosen by name (`rollout.backend`) and imported lazily."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from miniverl.registry import Registry
+from miniverl.rollout.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    """One sampled response: its token ids (ending with the stop token when it stopped) and their raw
+    log-probs; `finished` is False when it ran out of max_new_tokens."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+
+
+class RolloutBackend(Protocol):
+    """A sampler that serves the student with a LoRA adapter the learner publishes."""
+
+    def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
+        """Replace the served adapter with `weights` (learner names, CPU tensors)."""
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The adapter as the engine now holds it, read back from its own parameters."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        """Sample params.n completions per prompt, prompt-major; `seeds` has one seed per completion."""
+
+
+BACKENDS = Registry("rollout backend", "rollout.backend")
+BACKENDS.register("hf_reference", "miniverl.rollout.hf_reference:HFReferenceBackend")

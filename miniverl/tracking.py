@@ -1,0 +1,71 @@
+"""Run tracking: metrics.jsonl (one line per step), wandb (offline by default) and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+PROGRESS_KEYS = ("reverse_kl", "accuracy", "loss", "time/step")  # shown on the progress bar
+
+
+class Tracker:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        wandb_mode: str,
+        project: str,
+        run_name: str | None,
+        total_steps: int,
+        progress_bar: bool,
+    ) -> None:
+        self.run_dir = run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self._file = self.metrics_path.open("a")
+        self._wandb = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(
+                project=project,
+                name=run_name,
+                mode=wandb_mode,
+                dir=str(run_dir),
+                config=config,
+                settings=wandb.Settings(console="off"),
+            )
+        self._bar = None
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="miniverl", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        record = {"step": step, **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._bar is not None:
+            self._bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in PROGRESS_KEYS if k in metrics})
+            if advance:
+                self._bar.update(1)
+
+    def write(self, line: str) -> None:
+        """Print without breaking the progress bar."""
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self._wandb is not None:
+            self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, int | float)})
+            self._wandb.finish()
+        self._file.close()

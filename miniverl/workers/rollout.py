@@ -1,0 +1,76 @@
+"""RolloutWorker: serves the published policy through one backend and stamps samples with its version."""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.models.loading import torch_dtype
+from miniverl.models.lora import LoraSettings
+from miniverl.protocol import (
+    PolicyIdentity,
+    PolicyMismatchError,
+    PolicySnapshot,
+    PromptBatch,
+    RolloutBatch,
+    weights_digest,
+)
+from miniverl.rollout import BACKENDS, Completion
+from miniverl.rollout.sampling import SamplingParams, row_seeds
+from miniverl.workers import ProcessSettings, memory_report, setup_process
+
+
+class RolloutWorker:
+    def __init__(self, backend: str, model_path: str, lora: LoraSettings, dtype: str, process: ProcessSettings) -> None:
+        self.device = setup_process(process)
+        self.backend = BACKENDS.get(backend)(
+            model_path=model_path, lora=lora, dtype=torch_dtype(dtype, self.device), device=self.device
+        )
+        self.served: PolicyIdentity | None = None
+
+    def load_policy(self, snapshot: PolicySnapshot) -> PolicyIdentity:
+        """Load the snapshot, then report the identity computed from the weights the engine now holds."""
+        self.backend.load_adapter(snapshot.weights)
+        self.served = PolicyIdentity(snapshot.identity.version, weights_digest(self.backend.adapter_weights()))
+        return self.served
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
+        """params.n samples per prompt from the served policy, rows grouped by prompt."""
+        if self.served is None:
+            raise PolicyMismatchError("the rollout worker serves no published policy yet; call load_policy first")
+        seeds = row_seeds(params.seed, len(prompts) * params.n)
+        completions = self.backend.generate(prompts.prompt_ids, params, seeds)
+        return to_rollout_batch(prompts, completions, params.n, self.served.version)
+
+    def memory(self) -> dict[str, float]:
+        return memory_report(self.device)
+
+
+def to_rollout_batch(prompts: PromptBatch, completions: list[Completion], n: int, version: int) -> RolloutBatch:
+    """Left-pad prompts, right-pad responses, mask every sampled token up to and including the stop token."""
+    b = len(prompts) * n
+    if len(completions) != b:
+        raise ValueError(f"backend returned {len(completions)} completions for {len(prompts)} prompts x n={n}")
+    tp = max(map(len, prompts.prompt_ids))
+    tr = max(1, max(len(c.token_ids) for c in completions))
+    batch = {
+        "prompts": torch.zeros((b, tp), dtype=torch.long),
+        "prompt_mask": torch.zeros((b, tp), dtype=torch.long),
+        "responses": torch.zeros((b, tr), dtype=torch.long),
+        "response_mask": torch.zeros((b, tr), dtype=torch.long),
+        "rollout_log_probs": torch.zeros((b, tr), dtype=torch.float32),
+    }
+    for row, c in enumerate(completions):
+        p = prompts.prompt_ids[row // n]
+        batch["prompts"][row, tp - len(p) :] = torch.tensor(p)
+        batch["prompt_mask"][row, tp - len(p) :] = 1
+        k = len(c.token_ids)
+        batch["responses"][row, :k] = torch.tensor(c.token_ids, dtype=torch.long)
+        batch["response_mask"][row, :k] = 1
+        batch["rollout_log_probs"][row, :k] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return RolloutBatch(
+        **batch,
+        uid=[u for u in prompts.uid for _ in range(n)],
+        ground_truth=[a for a in prompts.ground_truth for _ in range(n)],
+        policy_version=version,
+        finished=torch.tensor([c.finished for c in completions], dtype=torch.bool),
+    )

@@ -1,0 +1,59 @@
+"""ScorerWorker: the teacher. Returns its log-prob of every sampled token and, for GKD, its support."""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.models.loading import load_causal_lm, torch_dtype
+from miniverl.models.logprobs import response_logits, token_logprobs
+from miniverl.protocol import RolloutBatch, TeacherScores
+from miniverl.workers import ProcessSettings, memory_report, setup_process
+
+
+class ScorerWorker:
+    def __init__(self, model_path: str, dtype: str, micro_batch_size: int, process: ProcessSettings) -> None:
+        self.device = setup_process(process)
+        self.model = load_causal_lm(model_path, torch_dtype(dtype, self.device), self.device).eval()
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch, support_k: int | None, temperature: float = 1.0) -> TeacherScores:
+        """support_k None: sampled-token log-probs only; 0 (or >= V): full distribution; K: top-K + tail.
+
+        The support is at `temperature` (the loss temperature); sampled-token log-probs at 1.
+        """
+        parts = [
+            self._score_rows(batch.rows(s, s + self.micro_batch_size), support_k, temperature)
+            for s in range(0, len(batch), self.micro_batch_size)
+        ]
+
+        def cat(name: str) -> torch.Tensor | None:
+            ts = [getattr(p, name) for p in parts]
+            return None if ts[0] is None else torch.cat(ts, dim=0)
+
+        return TeacherScores(
+            teacher_log_probs=cat("teacher_log_probs"),
+            teacher_topk_logprobs=cat("teacher_topk_logprobs"),
+            teacher_topk_ids=cat("teacher_topk_ids"),
+            teacher_tail_logprob=cat("teacher_tail_logprob"),
+            loss_temperature=temperature,
+        )
+
+    def _score_rows(self, batch: RolloutBatch, support_k: int | None, temperature: float) -> TeacherScores:
+        logits = response_logits(self.model, batch).float()  # [b, Tr, V]
+        mask = batch.response_mask.to(logits.device)
+        sampled = token_logprobs(logits, batch.responses.to(logits.device)) * mask  # [b, Tr]
+        out = TeacherScores(teacher_log_probs=sampled.cpu(), loss_temperature=temperature)
+        if support_k is None:
+            return out
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # [b, Tr, V]
+        if support_k == 0 or support_k >= logp.shape[-1]:
+            out.teacher_topk_logprobs = logp.cpu()
+            return out
+        top_lp, top_ids = logp.topk(support_k, dim=-1)  # [b, Tr, K]
+        out.teacher_topk_logprobs, out.teacher_topk_ids = top_lp.cpu(), top_ids.cpu()
+        out.teacher_tail_logprob = torch.logsumexp(logp.scatter(-1, top_ids, float("-inf")), dim=-1).cpu()
+        return out
+
+    def memory(self) -> dict[str, float]:
+        return memory_report(self.device)
