@@ -87,11 +87,12 @@ def ensure_builtin_models(cache_dir: str | Path, recipe: BuiltinRecipe, log=prin
         if (paths[role] / "build.json").exists():
             continue
         log(f"[miniverl] building the built-in {role} for task {recipe.task!r} (cached in {paths[role]})")
-        _build_one(paths[role], recipe, arch, sft, log)
+        build_model(paths[role], recipe, arch, sft, log)
     return paths
 
 
-def _build_one(target: Path, recipe: BuiltinRecipe, arch: ArchSpec, sft: SftSpec, log) -> None:
+def build_model(target: Path, recipe: BuiltinRecipe, arch: ArchSpec, sft: SftSpec, log=print) -> None:
+    """Train one model of `arch` on the recipe's task with `sft` and save it (with the tokenizer) to `target`."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from miniverl.models.tokenizer import save_char_tokenizer

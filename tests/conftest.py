@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models built by the project's own code (no downloads), CPU only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miniverl.models.builtin import ArchSpec, BuiltinRecipe, SftSpec, build_model
+
+TINY_ARCH = ArchSpec(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64
+)
+TINY_RECIPE = BuiltinRecipe(task="reverse", min_len=2, max_len=4)
+
+
+def _quiet(*_args) -> None:
+    pass
+
+
+@pytest.fixture(scope="session")
+def student_dir(tmp_path_factory):
+    """A tiny student trained briefly on reversal: peaked enough that greedy decoding is stable."""
+    path = tmp_path_factory.mktemp("models") / "student"
+    build_model(path, TINY_RECIPE, TINY_ARCH, SftSpec(steps=120, batch_size=32, lr=1e-2, seed=3), _quiet)
+    return path
+
+
+@pytest.fixture(scope="session")
+def teacher_dir(tmp_path_factory):
+    """A tiny teacher, trained a little longer than the student, same tokenizer."""
+    path = tmp_path_factory.mktemp("models") / "teacher"
+    arch = ArchSpec(
+        hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96
+    )
+    build_model(path, TINY_RECIPE, arch, SftSpec(steps=200, batch_size=32, lr=1e-2, seed=4), _quiet)
+    return path
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory):
+    """An untrained tiny model (nearly uniform logits), same tokenizer."""
+    path = tmp_path_factory.mktemp("models") / "random"
+    build_model(path, TINY_RECIPE, TINY_ARCH, SftSpec(steps=0, batch_size=1, lr=1e-3, seed=5), _quiet)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
