@@ -133,6 +133,33 @@ def register_configs() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=MiniVerlConfig)
 
 
+def to_config(cfg) -> MiniVerlConfig:
+    """The composed Hydra config as dataclasses; unknown keys are errors even when added with `+`.
+
+    Hydra's `+key=value` force-adds a key past the schema's struct flag, so the key set of every
+    structured node is compared with its dataclass fields here.
+    """
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    def check(node: DictConfig, where: str) -> None:
+        schema = OmegaConf.get_type(node)
+        if dataclasses.is_dataclass(schema):
+            known = {f.name for f in dataclasses.fields(schema)}
+            unknown = sorted(set(node.keys()) - known)
+            if unknown:
+                owner = where.rstrip(".") or "the root"
+                raise ConfigError(f"unknown config key {where}{unknown[0]}; {owner} has: {', '.join(sorted(known))}")
+        for key in node:
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                check(child, f"{where}{key}.")
+
+    check(cfg, "")
+    return OmegaConf.to_object(cfg)
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)

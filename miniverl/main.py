@@ -12,7 +12,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from miniverl.config import register_configs
+from miniverl.config import register_configs, to_config
 
 register_configs()
 
@@ -25,9 +25,8 @@ def main(cfg: DictConfig) -> None:
     from miniverl.run import train
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    config = OmegaConf.to_object(cfg)
     try:
-        summary = train(config, run_dir, OmegaConf.to_container(cfg, resolve=True))
+        summary = train(to_config(cfg), run_dir, OmegaConf.to_container(cfg, resolve=True))
     except MiniVerlError as e:
         print(f"\nminiverl: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

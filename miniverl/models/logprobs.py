@@ -17,14 +17,15 @@ def response_logits(model, batch: RolloutBatch) -> torch.Tensor:
     Shapes: -> [B, Tr, V] in the model's dtype.
     """
     device = next(model.parameters()).device
+    tr = batch.responses.shape[1]
     out = model(
         input_ids=batch.input_ids.to(device),
         attention_mask=batch.attention_mask.to(device),
         position_ids=batch.position_ids.to(device),
         use_cache=False,
+        logits_to_keep=tr + 1,  # only the positions that predict response tokens (and the last one)
     )
-    tp, tr = batch.prompts.shape[1], batch.responses.shape[1]
-    return out.logits[:, tp - 1 : tp - 1 + tr]
+    return out.logits[:, :tr]
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

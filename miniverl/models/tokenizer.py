@@ -14,12 +14,21 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3
 
 
-def save_char_tokenizer(directory: str | Path, alphabet: str = TASK_ALPHABET) -> None:
-    """Write tokenizer.json + tokenizer_config.json: one token per character, BOS prepended on encode."""
+def save_char_tokenizer(directory: str | Path, alphabet: str = TASK_ALPHABET, vocab_size: int | None = None) -> None:
+    """Write tokenizer.json + tokenizer_config.json: one token per character, BOS prepended on encode.
+
+    `vocab_size` pads the vocabulary with unused `<extra_i>` tokens, so a model of a real shape (for
+    example 151936 logits, Qwen2.5) can be paired with this tokenizer for benchmarks.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *dict.fromkeys(alphabet)])}
+    tokens = [*SPECIAL_TOKENS, *dict.fromkeys(alphabet)]
+    if vocab_size is not None:
+        if vocab_size < len(tokens):
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the {len(tokens)} tokens of the alphabet")
+        tokens += [f"<extra_{i}>" for i in range(vocab_size - len(tokens))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # every character alone
     tok.decoder = decoders.Fuse()  # join characters without spaces

@@ -52,6 +52,7 @@ class HFReferenceBackend:
                 attention_mask=mask.to(self.device),
                 position_ids=(mask.cumsum(1) - 1).clamp(min=0).to(self.device),
                 use_cache=False,
+                logits_to_keep=1,  # only the next-token logits: [b, T, V] would not fit at real vocab sizes
             ).logits[:, -1]  # [b, V]
             tokens, logprobs = sample_next(logits, params, [gens[i] for i in active])
             for i, tok, lp in zip(active, tokens.tolist(), logprobs.tolist()):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from miniverl.models.loading import load_causal_lm, torch_dtype
-from miniverl.models.logprobs import response_logits, token_logprobs
+from miniverl.models.logprobs import LOGPROB_CHUNK_ROWS, response_logits, token_logprobs
 from miniverl.protocol import RolloutBatch, TeacherScores
 from miniverl.workers import ProcessSettings, memory_report, setup_process
 
@@ -40,19 +40,27 @@ class ScorerWorker:
         )
 
     def _score_rows(self, batch: RolloutBatch, support_k: int | None, temperature: float) -> TeacherScores:
-        logits = response_logits(self.model, batch).float()  # [b, Tr, V]
+        logits = response_logits(self.model, batch)  # [b, Tr, V] in the model's dtype
         mask = batch.response_mask.to(logits.device)
-        sampled = token_logprobs(logits, batch.responses.to(logits.device)) * mask  # [b, Tr]
+        sampled = token_logprobs(logits, batch.responses.to(logits.device)) * mask  # [b, Tr] fp32
         out = TeacherScores(teacher_log_probs=sampled.cpu(), loss_temperature=temperature)
         if support_k is None:
             return out
-        logp = torch.log_softmax(logits / temperature, dim=-1)  # [b, Tr, V]
-        if support_k == 0 or support_k >= logp.shape[-1]:
-            out.teacher_topk_logprobs = logp.cpu()
-            return out
-        top_lp, top_ids = logp.topk(support_k, dim=-1)  # [b, Tr, K]
-        out.teacher_topk_logprobs, out.teacher_topk_ids = top_lp.cpu(), top_ids.cpu()
-        out.teacher_tail_logprob = torch.logsumexp(logp.scatter(-1, top_ids, float("-inf")), dim=-1).cpu()
+        full = support_k == 0 or support_k >= logits.shape[-1]
+        parts: list[tuple[torch.Tensor, ...]] = []
+        for start in range(0, logits.shape[0], LOGPROB_CHUNK_ROWS):  # fp32 log-softmax a few rows at a time
+            logp = torch.log_softmax(logits[start : start + LOGPROB_CHUNK_ROWS].float() / temperature, dim=-1)
+            if full:
+                parts.append((logp.cpu(),))
+                continue
+            top_lp, top_ids = logp.topk(support_k, dim=-1)  # [c, Tr, K]
+            tail = torch.logsumexp(logp.scatter(-1, top_ids, float("-inf")), dim=-1)  # [c, Tr]
+            parts.append((top_lp.cpu(), top_ids.cpu(), tail.cpu()))
+        cols = [torch.cat(c, dim=0) for c in zip(*parts)]
+        if full:
+            out.teacher_topk_logprobs = cols[0]
+        else:
+            out.teacher_topk_logprobs, out.teacher_topk_ids, out.teacher_tail_logprob = cols
         return out
 
     def memory(self) -> dict[str, float]:

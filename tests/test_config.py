@@ -1,0 +1,133 @@
+"""Configuration: Hydra composition, structured-config errors, and every bad-input check before training."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from miniverl.actors import check_cluster_resources
+from miniverl.config import MiniVerlConfig, register_configs, to_config, validate
+from miniverl.models.tokenizer import save_char_tokenizer
+from miniverl.protocol import ConfigError
+from miniverl.run import prepare
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def load(*overrides: str) -> MiniVerlConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return to_config(cfg)
+
+
+def with_models(student: Path, teacher: Path, *overrides: str) -> MiniVerlConfig:
+    return load(
+        f"model.student.path={student}",
+        f"model.teacher.path={teacher}",
+        "data.min_len=2",
+        "data.max_len=4",
+        "trainer.total_steps=2",
+        *overrides,
+    )
+
+
+def test_experiments_compose_to_the_schema():
+    gkd = load("+experiment=gkd")
+    assert isinstance(gkd, MiniVerlConfig) and gkd.objective.name == "gkd"
+    pg = load("+experiment=pg_k1")
+    assert pg.objective.name == "pg_k1" and pg.rollout.temperature == 1.0
+    validate(gkd)
+    validate(pg)
+
+
+def test_unknown_experiment_lists_the_known_ones():
+    with pytest.raises(HydraException) as err:
+        load("+experiment=nope")
+    assert "experiment/nope" in str(err.value) and "gkd" in str(err.value) and "pg_k1" in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["trainer.bogus=1", "+trainer.bogus=1", "rollout.temprature=0.5"])
+def test_unknown_keys_fail_in_hydra(override):
+    with pytest.raises((HydraException, OmegaConfBaseException, ConfigError), match="bogus|temprature"):
+        load(override)
+
+
+def test_wrong_types_fail_in_hydra():
+    with pytest.raises((HydraException, OmegaConfBaseException)):
+        load("trainer.total_steps=many")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.total_steps=0"], "trainer.total_steps=0"),
+        (["trainer.total_steps=-3"], "at least 1 step"),
+        (["objective.beta=1.5"], "objective.beta"),
+        (["objective.name=ppo"], "unknown objective 'ppo'; known: gkd, pg_k1"),
+        (["rollout.backend=sglang"], "unknown rollout backend 'sglang'; known: .*hf_reference"),
+        (["data.task=sorting"], "unknown task 'sorting'"),
+        (["+experiment=pg_k1", "rollout.temperature=0.7"], "pg_k1 samples at temperature 1"),
+        (["rollout.n=0"], "rollout.n=0"),
+        (["data.min_len=5", "data.max_len=2"], "min_len <= max_len"),
+        (["objective.kl_kind=k4"], "objective.kl_kind"),
+        (["tracking.wandb_mode=maybe"], "wandb_mode"),
+    ],
+)
+def test_validate_names_the_problem_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load(*overrides))
+
+
+def test_prepare_accepts_good_models(student_dir, teacher_dir):
+    setup = prepare(with_models(student_dir, teacher_dir), log=lambda *_: None)
+    assert len(setup.train_batches) == 2 and setup.stop_token_ids == (2,)
+
+
+def test_missing_model_path(tmp_path, teacher_dir):
+    with pytest.raises(ConfigError, match=r"model.student.path=.*does not exist"):
+        prepare(with_models(tmp_path / "nowhere", teacher_dir))
+
+
+def test_model_directory_without_config(tmp_path, teacher_dir):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="without config.json"):
+        prepare(with_models(tmp_path / "empty", teacher_dir))
+
+
+def test_unknown_builtin_model(teacher_dir):
+    with pytest.raises(ConfigError, match="builtin:student and builtin:teacher"):
+        prepare(with_models("builtin:huge", teacher_dir))
+
+
+def test_teacher_with_another_vocabulary(tmp_path, student_dir, teacher_dir):
+    other = tmp_path / "teacher"
+    shutil.copytree(teacher_dir, other)
+    save_char_tokenizer(other, alphabet="0123456789abcdefghijklmnopqrstuvwxyzXYZ+=>")
+    with pytest.raises(ConfigError, match="vocabulary differs.*only in teacher"):
+        prepare(with_models(student_dir, other))
+
+
+def test_prompt_longer_than_the_limit(student_dir, teacher_dir):
+    with pytest.raises(ConfigError, match=r"more than data.max_prompt_length=3; raise data.max_prompt_length"):
+        prepare(with_models(student_dir, teacher_dir, "data.max_prompt_length=3"))
+
+
+def test_cluster_without_the_requested_gpus():
+    want = {
+        "rollout": {"CPU": 0.5, "GPU": 0.4},
+        "scorer": {"CPU": 0.5, "GPU": 0.3},
+        "learner": {"CPU": 0.5, "GPU": 0.3},
+    }
+    check_cluster_resources(want, {"CPU": 2.0, "GPU": 1.0})
+    with pytest.raises(
+        ConfigError, match=r"1 GPU \(rollout 0.4 \+ scorer 0.3 \+ learner 0.3\) but the Ray cluster has 0"
+    ):
+        check_cluster_resources(want, {"CPU": 2.0})
+    with pytest.raises(ConfigError, match="1.5 CPU"):
+        check_cluster_resources(want, {"CPU": 1.0, "GPU": 1.0})
