@@ -1,0 +1,228 @@
+"""hf_cached against the oracle: same weights (a non-zero LoRA adapter included) and seeds, same samples.
+
+The oracle recomputes every sequence from scratch each step; hf_cached prefills once and decodes from
+its own cache, so the comparison covers the cache layout, padding, rotary positions, group sharing and
+the removal of finished rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miniverl.models.lora import LoraSettings
+from miniverl.protocol import ConfigError, PolicyIdentity, PolicySnapshot, PromptBatch
+from miniverl.rollout import BACKENDS
+from miniverl.rollout.hf_cached import HFCachedBackend
+from miniverl.rollout.hf_reference import HFReferenceBackend
+from miniverl.rollout.sampling import SamplingParams, row_seeds
+from miniverl.workers import ProcessSettings
+from miniverl.workers.rollout import RolloutWorker
+
+LORA = LoraSettings(
+    rank=4,
+    alpha=8.0,
+    dropout=0.0,
+    target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    init_seed=0,
+)
+EOS = 2
+LOGPROB_TOL = 1e-4  # fp32 on the CPU (issue 4)
+MIN_IDENTICAL = 0.99  # fraction of identical sequences under seeded sampling (issue 4)
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+WORDS = ["ab>", "hello>", "x>", "reverse>", "qq>", "abcdefg>"]  # different prompt lengths
+
+
+def random_adapter(weights: dict[str, torch.Tensor], seed: int, std: float = 0.05) -> dict[str, torch.Tensor]:
+    """A non-zero adapter with the served names and shapes (lora_B starts at 0, which would test nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g, dtype=v.dtype) * std for k, v in sorted(weights.items())}
+
+
+def pair(model_dir, adapter_seed: int | None = 1):
+    ref = HFReferenceBackend(str(model_dir), LORA, torch.float32, "cpu")
+    fast = HFCachedBackend(str(model_dir), LORA, torch.float32, "cpu")
+    if adapter_seed is not None:
+        adapter = random_adapter(ref.adapter_weights(), adapter_seed)
+        ref.load_adapter(adapter)
+        fast.load_adapter(adapter)
+    return ref, fast
+
+
+def prompts_of(model_dir, k: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return [tok(WORDS[i % len(WORDS)])["input_ids"] for i in range(k)]
+
+
+def compare(ref_out, fast_out) -> tuple[float, float]:
+    """Fraction of identical sequences, and the largest log-prob gap over the identical ones."""
+    same = [a for a, b in zip(ref_out, fast_out) if a.token_ids == b.token_ids and a.finished == b.finished]
+    gap = max(
+        (
+            abs(x - y)
+            for a, b in zip(ref_out, fast_out)
+            if a.token_ids == b.token_ids
+            for x, y in zip(a.logprobs, b.logprobs)
+        ),
+        default=0.0,
+    )
+    return len(same) / len(ref_out), gap
+
+
+def run_both(ref, fast, prompts, params):
+    seeds = row_seeds(params.seed, len(prompts) * params.n)
+    return ref.generate(prompts, params, seeds), fast.generate(prompts, params, seeds)
+
+
+def test_registered_and_selectable():
+    assert BACKENDS.get("hf_cached") is HFCachedBackend
+
+
+def test_greedy_tokens_identical_on_trained_model(student_dir):
+    ref, fast = pair(student_dir)
+    prompts = prompts_of(student_dir, 6)
+    params = SamplingParams(n=2, max_new_tokens=12, temperature=0.0, stop_token_ids=(EOS,))
+    ref_out, fast_out = run_both(ref, fast, prompts, params)
+    assert [c.token_ids for c in fast_out] == [c.token_ids for c in ref_out]
+    assert [c.finished for c in fast_out] == [c.finished for c in ref_out]
+    assert any(c.finished for c in ref_out)  # the stop token was reached, so rows left the cache early
+    assert compare(ref_out, fast_out)[1] <= LOGPROB_TOL
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 8, 0.9)],
+    ids=["plain", "top_k", "top_p", "top_k+top_p"],
+)
+def test_seeded_sampling_matches_the_oracle(random_model_dir, temperature, top_k, top_p):
+    """Untrained model, nearly uniform logits: the hardest case for identical sequences."""
+    ref, fast = pair(random_model_dir)
+    prompts = prompts_of(random_model_dir, 5)
+    params = SamplingParams(n=4, max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+    ref_out, fast_out = run_both(ref, fast, prompts, params)
+    identical, gap = compare(ref_out, fast_out)
+    assert identical >= MIN_IDENTICAL
+    assert gap <= LOGPROB_TOL
+    groups = [tuple(tuple(c.token_ids) for c in fast_out[i : i + 4]) for i in range(0, 20, 4)]
+    assert all(len(set(g)) > 1 for g in groups)  # each sample of a group has its own seed
+
+
+def test_stop_tokens_end_rows_at_different_steps(random_model_dir):
+    ref, fast = pair(random_model_dir)
+    prompts = prompts_of(random_model_dir, 4)
+    stop = tuple(range(4, 16))  # a third of the vocabulary: rows stop early, each at its own step
+    params = SamplingParams(n=3, max_new_tokens=16, stop_token_ids=stop, seed=3)
+    ref_out, fast_out = run_both(ref, fast, prompts, params)
+    assert compare(ref_out, fast_out) == (1.0, pytest.approx(0.0, abs=LOGPROB_TOL))
+    lengths = {len(c.token_ids) for c in fast_out}
+    assert len(lengths) > 2
+    for c in fast_out:
+        assert c.finished == (c.token_ids[-1] in stop)
+        assert not any(t in stop for t in c.token_ids[:-1])  # nothing is sampled after a stop token
+
+
+def test_max_new_tokens_truncates_every_row(random_model_dir):
+    ref, fast = pair(random_model_dir)
+    params = SamplingParams(n=2, max_new_tokens=7, seed=5)
+    ref_out, fast_out = run_both(ref, fast, prompts_of(random_model_dir, 3), params)
+    assert all(len(c.token_ids) == 7 == len(c.logprobs) and not c.finished for c in fast_out)
+    assert compare(ref_out, fast_out)[0] == 1.0
+
+
+def test_cache_reuse_across_calls_of_other_shapes(random_model_dir):
+    """A second call with fewer, shorter prompts reuses the larger cache; stale columns must not leak."""
+    ref, fast = pair(random_model_dir)
+    for k, n, t in [(5, 3, 9), (2, 2, 4), (6, 1, 12)]:
+        params = SamplingParams(n=n, max_new_tokens=t, seed=k)
+        ref_out, fast_out = run_both(ref, fast, prompts_of(random_model_dir, k)[::-1], params)
+        assert compare(ref_out, fast_out) == (1.0, pytest.approx(0.0, abs=LOGPROB_TOL))
+
+
+def test_load_adapter_changes_what_is_served(random_model_dir):
+    _, fast = pair(random_model_dir, adapter_seed=None)
+    prompts, params = prompts_of(random_model_dir, 2), SamplingParams(n=2, max_new_tokens=6, seed=1)
+    seeds = row_seeds(1, 4)
+    base = fast.generate(prompts, params, seeds)
+    adapter = random_adapter(fast.adapter_weights(), seed=9, std=0.5)
+    fast.load_adapter(adapter)
+    assert all(torch.equal(fast.adapter_weights()[k], v) for k, v in adapter.items())
+    changed = fast.generate(prompts, params, seeds)
+    assert [c.logprobs for c in changed] != [c.logprobs for c in base]
+    with pytest.raises(ValueError, match="adapter names do not match"):
+        fast.load_adapter({"nope": torch.zeros(1)})
+
+
+def test_bad_input_raises_clear_errors(random_model_dir):
+    fast = HFCachedBackend(str(random_model_dir), LORA, torch.float32, "cpu")
+    params = SamplingParams(n=2, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"one seed per completion \(4\), got 3"):
+        fast.generate([[1, 5], [1, 6]], params, [0, 1, 2])
+    with pytest.raises(ValueError, match="at least one prompt"):
+        fast.generate([], params, [])
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        fast.generate([[1, 5], []], params, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"prompt 0 has token ids outside \[0, "):
+        fast.generate([[1, 10**6]], params, [0, 1])
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16)).save_pretrained(tmp_path)
+    lora = LoraSettings(rank=2, alpha=4.0, dropout=0.0, target_modules=("c_attn",), init_seed=0)
+    with pytest.raises(ConfigError, match="rollout=hf_reference"):
+        HFCachedBackend(str(tmp_path), lora, torch.float32, "cpu")
+
+
+def test_serves_inside_the_rollout_worker(random_model_dir):
+    cpu = ProcessSettings("cpu", torch_threads=1)
+    workers = {
+        name: RolloutWorker(name, str(random_model_dir), LORA, "float32", cpu) for name in ("hf_reference", "hf_cached")
+    }
+    adapter = random_adapter(workers["hf_reference"].backend.adapter_weights(), seed=2)
+    batch = PromptBatch(prompts_of(random_model_dir, 3), ["a", "b", "c"], ["", "", ""])
+    params = SamplingParams(n=2, max_new_tokens=5, seed=4)
+    out = {}
+    for name, worker in workers.items():
+        served = worker.load_policy(PolicySnapshot(PolicyIdentity(3, "unused"), adapter))
+        assert served.version == 3
+        out[name] = worker.generate(batch, params)
+    assert workers["hf_cached"].served.digest == workers["hf_reference"].served.digest
+    assert out["hf_cached"].policy_version == 3
+    assert torch.equal(out["hf_cached"].responses, out["hf_reference"].responses)
+    assert torch.allclose(out["hf_cached"].rollout_log_probs, out["hf_reference"].rollout_log_probs, atol=LOGPROB_TOL)
+
+
+# CUDA: the captured decode graphs serve the oracle's samples, and an adapter loaded after capture is
+# what the graphs read. Skipped without a GPU (CI); run on the device machine.
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_cuda_graphs_match_the_oracle_and_follow_adapter_reloads(random_model_dir):
+    ref = HFReferenceBackend(str(random_model_dir), LORA, torch.float32, "cuda")
+    fast = HFCachedBackend(str(random_model_dir), LORA, torch.float32, "cuda")
+    prompts = prompts_of(random_model_dir, 6)
+    params = SamplingParams(n=4, max_new_tokens=24, stop_token_ids=(EOS, 5, 6), seed=11)
+    seeds = row_seeds(params.seed, 24)
+    for adapter_seed in (1, 2):  # the second adapter is loaded after the graphs were captured
+        adapter = random_adapter(ref.adapter_weights(), adapter_seed)
+        ref.load_adapter(adapter)
+        fast.load_adapter(adapter)
+        identical, gap = compare(ref.generate(prompts, params, seeds), fast.generate(prompts, params, seeds))
+        assert fast.decode_mode == "cuda_graph"
+        assert identical >= MIN_IDENTICAL
+        assert gap <= LOGPROB_TOL
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_cuda_greedy_identical_on_trained_model(student_dir):
+    ref = HFReferenceBackend(str(student_dir), LORA, torch.float32, "cuda")
+    fast = HFCachedBackend(str(student_dir), LORA, torch.float32, "cuda")
+    params = SamplingParams(n=3, max_new_tokens=12, temperature=0.0, stop_token_ids=(EOS,))
+    prompts = prompts_of(student_dir, 5)
+    seeds = row_seeds(0, 15)
+    ref_out, fast_out = ref.generate(prompts, params, seeds), fast.generate(prompts, params, seeds)
+    assert [c.token_ids for c in fast_out] == [c.token_ids for c in ref_out]
+    assert fast.decode_mode == "cuda_graph"
