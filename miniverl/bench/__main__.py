@@ -1,0 +1,33 @@
+"""`python -m miniverl.bench +bench=rollout-runtime-v2`: run one preregistered benchmark (conf/bench/).
+
+Side effects (config registration, model building, the GPU) start here, never at import of miniverl.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from miniverl.bench.config import MAIN_NAME, register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="../../conf", config_name=MAIN_NAME, version_base=None)
+def main(cfg: DictConfig) -> None:
+    from miniverl.bench.runner import run_bench
+
+    if OmegaConf.is_missing(cfg, "bench"):
+        print(
+            "miniverl.bench: pick a benchmark, e.g. +bench=rollout-runtime-v2 (files in conf/bench/)", file=sys.stderr
+        )
+        sys.exit(2)
+    command = " ".join(["python -m miniverl.bench", *sys.argv[1:]])
+    json_path, md_path = run_bench(OmegaConf.to_object(cfg.bench), command, print)
+    print(f"[bench] wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()

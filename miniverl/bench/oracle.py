@@ -1,0 +1,42 @@
+"""Judge a cell's samples by the oracle: teacher-force them through the oracle's model and compare the
+log-prob each backend reported for each sampled token with the oracle's.
+
+Teacher forcing, not sequence equality, is the test on a GPU: on random-init weights the logits are
+nearly uniform, so bf16 rounding flips sampled tokens and sequences diverge without anything being
+wrong (DESIGN.md); the log-prob of the tokens actually sampled still has to agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.models.logprobs import response_logits, token_logprobs
+from miniverl.protocol import PromptBatch
+from miniverl.rollout import Completion
+from miniverl.workers.rollout import to_rollout_batch
+
+# Rows scored per forward: 8 rows x ~600 positions of 152k-vocabulary logits stay near a GiB in bf16.
+ORACLE_CHUNK_ROWS = 8
+
+
+@torch.no_grad()
+def logprob_gaps(oracle, prompts: list[list[int]], n: int, completions: list[Completion]) -> torch.Tensor:
+    """|reported - oracle| log-prob of every generated token, rows concatenated.
+
+    Shapes: -> [tokens] float32 on the CPU.
+    """
+    uids = [str(i) for i in range(len(prompts))]
+    batch = to_rollout_batch(PromptBatch(prompts, uids, [""] * len(prompts)), completions, n, version=0)
+    device = next(oracle.model.parameters()).device
+    gaps = []
+    for start in range(0, len(batch), ORACLE_CHUNK_ROWS):
+        part = batch.rows(start, min(start + ORACLE_CHUNK_ROWS, len(batch)))
+        logprobs = token_logprobs(response_logits(oracle.model, part), part.responses.to(device)).cpu()  # [b, Tr]
+        mask = part.response_mask.bool()
+        gaps.append((logprobs - part.rollout_log_probs)[mask].abs())
+    return torch.cat(gaps)
+
+
+def identical_fraction(a: list[Completion], b: list[Completion]) -> float:
+    """Fraction of rows with the same token ids (informational on GPUs; see the module note)."""
+    return sum(x.token_ids == y.token_ids for x, y in zip(a, b)) / max(1, len(a))
