@@ -3,17 +3,18 @@
 Same inputs, outputs and sampling code as hf_reference (the oracle), so the same weights and seeds give
 the same tokens. What changes is the work per token:
 - each prompt is prefilled once; its keys/values are copied into the cache rows of its n samples;
-- keys/values live in buffers preallocated per layer ([rows, kv heads, columns, head dim]); a prompt
-  is right-aligned at column P (the longest prompt), so every row writes the same column each step;
-- on CUDA, one decode step (all layers and the LM head) is captured as a CUDA graph per batch width
-  and replayed. A 0.5B model with LoRA launches a few thousand small kernels per token: launching
-  them from Python, not the arithmetic, bounds an eager step at rollout batch sizes;
-- finished rows are compacted out of the cache so they stop costing work; on CUDA the decode width
-  drops to the next power of two, so at most log2(rows) graphs are ever captured.
-
-The model is walked layer by layer through its own Hugging Face modules (norms, MLP, rotary embedding,
-the peft LoRA projections): only attention and the cache are ours, so everything else computes
-exactly what the reference computes. Supported: Llama-style decoders (qwen2, llama).
+- keys/values live in buffers preallocated per layer ([rows, kv heads, columns, head dim]); prompts are
+  right-aligned at column P (the longest prompt), so every row writes the same column each step;
+- the adapter is merged into a serving copy of the linear weights (q/k/v and gate/up fused), so a
+  layer is ~35 kernels instead of ~80. It costs one copy of the decoder's linear weights (0.7 GB at the
+  0.5B shape), refreshed in place by load_adapter;
+- on CUDA, one decode step (all layers and the LM head) is captured as a CUDA graph per batch width and
+  replayed: at rollout batch sizes, launching a thousand small kernels from Python, not the arithmetic,
+  bounds an eager step;
+- finished rows are compacted out of the cache so they stop costing work; with graphs the decode width
+  drops to the next power of two, so at most log2(rows) graphs are captured.
+The model's own embedding, rotary embedding, activation and LM head are used as they are. Supported:
+Llama-style decoders (qwen2, llama) with plain LoRA adapters.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
 from miniverl.protocol import ConfigError
@@ -30,18 +32,44 @@ from miniverl.rollout.hf_reference import left_pad
 from miniverl.rollout.sampling import SamplingParams, make_generators, sample_next
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-CACHE_COLUMN_QUANTUM = 64  # cache length rounds up to this, so prompts a few tokens longer reuse buffers and graphs
+CACHE_COLUMN_QUANTUM = 64  # cache length rounds up to this, so slightly longer prompts reuse buffers and graphs
+
+
+def _merged(module) -> torch.Tensor:
+    """The weight a (possibly peft-wrapped) linear layer applies: W + sum of active LoRA deltas, merged in fp32.
+
+    Shapes: -> [out, in] in the base weight's dtype.
+    """
+    if not hasattr(module, "base_layer"):
+        return module.weight.detach()
+    weight = module.base_layer.weight.detach().float()
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if name in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(name):
+            raise ConfigError("hf_cached serves plain LoRA adapters only (no DoRA, no LoRA bias); use hf_reference")
+        weight = weight + module.get_delta_weight(name).float()
+    return weight.to(module.base_layer.weight.dtype)
+
+
+def _bias(module) -> torch.Tensor | None:
+    layer = getattr(module, "base_layer", module)
+    return None if layer.bias is None else layer.bias.detach()
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama/Qwen2 define it: normalize in fp32, cast back, then scale. Shapes: [..., E] -> [..., E]."""
+    return weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (the Llama/Qwen2 "rotate half" form). Shapes: x [B, H, T, D], cos/sin [B, 1, T, D]."""
+    """Rotary embedding ("rotate half" form). Shapes: x [B, T, heads, D], cos/sin [B, T, 1, D]."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-class _Walker:
-    """Runs the decoder stack of a (peft-wrapped) Hugging Face model against caller-provided keys/values."""
+class _Decoder:
+    """The decoder stack over serving weights, attending over caller-provided keys/values."""
 
     def __init__(self, peft_model) -> None:
         base = peft_model.get_base_model()
@@ -53,37 +81,65 @@ class _Walker:
             )
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
             raise ConfigError("hf_cached has no sliding-window attention; use rollout=hf_reference for this model")
-        self.embed = base.model.embed_tokens
+        if hasattr(base.model.embed_tokens, "base_layer"):
+            raise ConfigError("hf_cached does not serve LoRA on the embeddings; use rollout=hf_reference")
         self.layers = list(base.model.layers)
-        self.norm = base.model.norm
-        self.rotary = base.model.rotary_emb
+        self.embed = base.model.embed_tokens.weight
         self.lm_head = base.lm_head
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
+        self.rotary = base.model.rotary_emb
+        self.act = self.layers[0].mlp.act_fn
+        self.final_norm = base.model.norm.weight
+        self.eps = base.model.norm.variance_epsilon
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = self.layers[0].self_attn.head_dim
         self.scaling = self.layers[0].self_attn.scaling
         self.vocab_size = cfg.vocab_size
+        self.weights = [self._serving_weights(layer) for layer in self.layers]
+
+    def _serving_weights(self, layer) -> dict[str, torch.Tensor | None]:
+        a, m = layer.self_attn, layer.mlp
+        qkv_bias = [_bias(p) for p in (a.q_proj, a.k_proj, a.v_proj)]
+        up_bias = [_bias(p) for p in (m.gate_proj, m.up_proj)]
+        return {
+            "qkv": torch.cat([_merged(p) for p in (a.q_proj, a.k_proj, a.v_proj)]),  # [(H + 2Hkv) D, E]
+            "qkv_bias": None if qkv_bias[0] is None else torch.cat(qkv_bias),
+            "o": _merged(a.o_proj).clone(),
+            "o_bias": _bias(a.o_proj),
+            "gate_up": torch.cat([_merged(m.gate_proj), _merged(m.up_proj)]),  # [2I, E]
+            "gate_up_bias": None if up_bias[0] is None else torch.cat(up_bias),
+            "down": _merged(m.down_proj).clone(),
+            "down_bias": _bias(m.down_proj),
+            "norm1": layer.input_layernorm.weight,
+            "norm2": layer.post_attention_layernorm.weight,
+        }
+
+    def refresh(self) -> None:
+        """Re-merge the adapter into the serving weights in place (CUDA graphs keep reading the same memory)."""
+        for w, layer in zip(self.weights, self.layers):
+            for key, fresh in self._serving_weights(layer).items():
+                if w[key] is not None and w[key] is not fresh:
+                    w[key].copy_(fresh)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, kv_for) -> torch.Tensor:
-        """Final-norm hidden states. `kv_for(layer, k, v)` stores this step's keys/values and returns the
-        keys/values to attend over; `bias` is 0 where a query may attend a key and -inf elsewhere.
+        """Final-norm hidden states. `kv_for(layer, k, v)` stores this step's keys/values and returns those to
+        attend over; `bias` is 0 where a query may see a key and -inf elsewhere.
 
         Shapes: ids, positions [B, T]; bias [B, 1, T, L] float32 -> [B, T, E].
         """
         b, t = ids.shape
-        h = self.embed(ids)  # [B, T, E]
+        nq, nkv, d = self.heads, self.kv_heads, self.head_dim
+        h = F.embedding(ids, self.embed)  # [B, T, E]
         cos, sin = self.rotary(h, positions)  # [B, T, D] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-            k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-            v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            keys, values = kv_for(i, _rotate(k, cos, sin), v)  # [B, Hkv, L, D] each
-            h = h + attn.o_proj(self._attend(_rotate(q, cos, sin), keys, values, bias))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        for i, w in enumerate(self.weights):
+            qkv = F.linear(_rms_norm(h, w["norm1"], self.eps), w["qkv"], w["qkv_bias"]).view(b, t, nq + 2 * nkv, d)
+            qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)  # [B, T, H + Hkv, D]
+            keys, values = kv_for(i, qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv :].transpose(1, 2))
+            attn = self._attend(qk[:, :, :nq].transpose(1, 2), keys, values, bias)  # [B, T, H * D]
+            h = h + F.linear(attn, w["o"], w["o_bias"])
+            gate, up = F.linear(_rms_norm(h, w["norm2"], self.eps), w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)
+            h = h + F.linear(self.act(gate) * up, w["down"], w["down_bias"])
+        return _rms_norm(h, self.final_norm, self.eps)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention without repeating keys: query head h reads kv head h // (H / Hkv).
@@ -125,19 +181,16 @@ class HFCachedBackend:
     def __init__(self, model_path: str, lora: LoraSettings, dtype: torch.dtype, device: str) -> None:
         self.device = device
         self.model = build_lora_model(model_path, lora, dtype, device).eval()
-        self.walker = _Walker(self.model)
-        # Graphs only where CUDA is: the CPU path is the plain eager loop. Measured choice: see
-        # docs/benchmarks/rollout-runtime-v2.md (torch.compile's minutes of compilation per batch width
-        # do not pay back on rollouts of seconds).
+        self.decoder = _Decoder(self.model)
+        # Graphs only where CUDA is; the CPU path is the plain eager loop (measured choice:
+        # docs/benchmarks/rollout-hf-cached-variants.md).
         self.cuda_graphs = device.startswith("cuda")
         self._cache: _Cache | None = None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._graph_weights: tuple[int, ...] = ()
 
     def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
         load_adapter_state(self.model, weights)
-        if self._weight_addresses() != self._graph_weights:  # a graph would read stale memory
-            self._graphs.clear()
+        self.decoder.refresh()
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         return adapter_state(self.model)
@@ -189,29 +242,29 @@ class HFCachedBackend:
             raise ValueError("generate needs at least one prompt")
         if len(seeds) != len(prompts) * params.n:
             raise ValueError(f"need one seed per completion ({len(prompts) * params.n}), got {len(seeds)}")
+        vocab = self.decoder.vocab_size
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            if min(p) < 0 or max(p) >= self.walker.vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.walker.vocab_size})")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
 
     def _reserve(self, rows: int, columns: int) -> _Cache:
         """The cache, grown (never shrunk) to fit; growing drops the graphs that hold the old buffers."""
         c = self._cache
         if c is not None and c.rows >= rows and c.columns >= columns:
-            for buf in (*c.keys, *c.values):  # stale columns would be read (masked) as 0 * value: keep them finite
+            for buf in (*c.keys, *c.values):  # masked stale columns are still read as 0 * value: keep them finite
                 buf.zero_()
             return c
         rows = max(rows, c.rows if c else 0)
         columns = -(-max(columns, c.columns if c else 0) // CACHE_COLUMN_QUANTUM) * CACHE_COLUMN_QUANTUM
         self._cache, self._graphs = None, {}
-        w, dev = self.walker, self.device
-        dtype = w.embed.weight.dtype
-        shape = (rows, w.kv_heads, columns, w.head_dim)
+        d, dev = self.decoder, self.device
+        shape = (rows, d.kv_heads, columns, d.head_dim)
         long = dict(dtype=torch.long, device=dev)
         self._cache = _Cache(
-            keys=[torch.zeros(shape, dtype=dtype, device=dev) for _ in w.layers],
-            values=[torch.zeros(shape, dtype=dtype, device=dev) for _ in w.layers],
+            keys=[torch.zeros(shape, dtype=d.embed.dtype, device=dev) for _ in d.layers],
+            values=[torch.zeros(shape, dtype=d.embed.dtype, device=dev) for _ in d.layers],
             tokens=torch.zeros(rows, **long),
             positions=torch.zeros(rows, **long),
             first_column=torch.zeros(rows, **long),
@@ -239,8 +292,8 @@ class HFCachedBackend:
             cache.values[layer][: g * n, :, :p] = v.repeat_interleave(n, dim=0)
             return k, v
 
-        h = self.walker.hidden(ids, positions, bias, store)  # [G, P, E]
-        return self.walker.lm_head(h[:, -1]).repeat_interleave(n, dim=0)  # [G*N, V]
+        h = self.decoder.hidden(ids, positions, bias, store)  # [G, P, E]
+        return self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0)  # [G*N, V]
 
     def _decode_step(self, width: int) -> torch.Tensor:
         """Feed cache.tokens[:width] at cache.column; the body a CUDA graph captures. Shapes: -> [width, V]."""
@@ -255,8 +308,8 @@ class HFCachedBackend:
             return keys, values
 
         ids = c.tokens[:width, None]  # [W, 1]
-        h = self.walker.hidden(ids, c.positions[:width, None], bias[:, None, None, :], write)  # [W, 1, E]
-        return self.walker.lm_head(h[:, -1])
+        h = self.decoder.hidden(ids, c.positions[:width, None], bias[:, None, None, :], write)  # [W, 1, E]
+        return self.decoder.lm_head(h[:, -1])
 
     def _decode(self, width: int) -> torch.Tensor:
         if not self.cuda_graphs:
@@ -282,14 +335,10 @@ class HFCachedBackend:
                 self._decode_step(width)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a benchmark thread polling memory must not break the capture.
+        # thread_local: another thread's CUDA calls (a profiler, a memory poll) must not break the capture.
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = self._decode_step(width)
-        self._graph_weights = self._weight_addresses()
         return graph, logits
-
-    def _weight_addresses(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.model.parameters())
 
     def _width(self, live: int, rows: int) -> int:
         """Rows a decode step computes: exactly the live rows eagerly; the next power of two with graphs."""
