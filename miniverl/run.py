@@ -115,17 +115,12 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
         return False
     kwargs: dict[str, Any] = {"address": cfg.resources.ray_address, "log_to_driver": True}
     if cfg.resources.ray_address is None:
-        kwargs["include_dashboard"] = cfg.resources.dashboard if _has_dashboard() else False
+        # None lets Ray start the dashboard only when its packages (ray[default]) are installed.
+        kwargs["include_dashboard"] = None if cfg.resources.dashboard else False
     ctx = ray.init(**kwargs)
     url = getattr(ctx, "dashboard_url", None)
     log(f"[miniverl] Ray dashboard: http://{url}" if url else "[miniverl] Ray dashboard: not running")
     return True
-
-
-def _has_dashboard() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("aiohttp") is not None  # ray[default] brings the dashboard's server
 
 
 def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> dict[str, Any]:
