@@ -7,12 +7,36 @@ from typing import Any
 from miniverl.protocol import ConfigError
 
 
-def remote_actor(cls: type, name: str, num_cpus: float, num_gpus: float, *args: Any, **kwargs: Any):
-    """Start `cls(*args, **kwargs)` as a Ray actor holding the given resources."""
+def remote_actor(
+    cls: type, num_cpus: float, num_gpus: float, placement: tuple[Any, int] | None, *args: Any, **kwargs: Any
+):
+    """Start `cls(*args, **kwargs)` as a Ray actor holding the given resources, in bundle
+    `placement = (placement_group, bundle_index)` when given."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
-    return actor_cls.options(name=None, max_concurrency=1).remote(*args, **kwargs)
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_concurrency": 1}
+    if placement is not None:
+        pg, index = placement
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=index
+        )
+    return ray.remote(cls).options(**options).remote(*args, **kwargs)
+
+
+def gpu_placement_group(gpus: int, cpus_per_gpu: float, timeout_s: float = 120.0):
+    """One bundle {GPU: 1, CPU: cpus_per_gpu} per GPU, all on one host (STRICT_PACK), ready or an error."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group([{"GPU": 1, "CPU": cpus_per_gpu}] * gpus, strategy="STRICT_PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        raise ConfigError(
+            f"Ray could not place {gpus} bundles of 1 GPU + {cpus_per_gpu:g} CPU on one host within {timeout_s:g}s"
+            f" (cluster: {ray.cluster_resources()}); lower resources.gpus or the actors' num_cpus"
+        )
+    return pg
 
 
 def call(actor: Any, method: str, *args: Any) -> Any:
@@ -23,6 +47,18 @@ def call(actor: Any, method: str, *args: Any) -> Any:
 
         return ray.get(fn.remote(*args))
     return fn(*args)
+
+
+def call_all(actors: list[Any], method: str, args: list[tuple]) -> list[Any]:
+    """Call `method` on every actor with its own arguments, concurrently for Ray actors, and wait."""
+    if len(actors) != len(args):
+        raise ValueError(f"{len(actors)} actors but {len(args)} argument tuples")
+    fns = [getattr(a, method) for a in actors]
+    if fns and hasattr(fns[0], "remote"):
+        import ray
+
+        return ray.get([fn.remote(*a) for fn, a in zip(fns, args)])
+    return [fn(*a) for fn, a in zip(fns, args)]
 
 
 def check_cluster_resources(requested: dict[str, dict[str, float]], available: dict[str, float]) -> None:

@@ -95,6 +95,10 @@ class ActorResources:
 @dataclass
 class ResourcesConfig:
     device: str = "auto"  # auto (cuda when visible to the driver) | cpu | cuda
+    # GPUs of one host to spread over, one Ray placement bundle each; the one-GPU layout (a rollout, a
+    # scorer and a learner rank sharing the GPU by the fractions below) repeats on every GPU.
+    # None: 1 when CUDA is visible, else 0 (no GPU resources asked).
+    gpus: int | None = None
     ray_address: str | None = None  # None starts a local Ray cluster
     dashboard: bool = True  # start the Ray dashboard when the installed Ray has it
     torch_threads: int = 0  # per actor; 0 = all cores (the actors compute one at a time)
@@ -212,6 +216,16 @@ def validate(cfg: MiniVerlConfig) -> None:
     _require(
         cfg.tracking.wandb_mode in ("offline", "online", "disabled"),
         f"tracking.wandb_mode={cfg.tracking.wandb_mode!r}: use offline, online or disabled",
+    )
+    g = cfg.resources.gpus
+    _require(g is None or g >= 0, f"resources.gpus={g}: use null (auto), 0 (CPU only) or a GPU count")
+    _require(
+        g is None or d.prompts_per_step >= max(1, g),
+        f"data.prompts_per_step={d.prompts_per_step} < resources.gpus={g}: every learner rank needs a prompt group",
+    )
+    _require(
+        not (g == 0 and cfg.resources.device == "cuda"),
+        "resources.gpus=0 with resources.device=cuda asks for no GPU; set resources.gpus=1 (or null)",
     )
     for name, res in (
         ("rollout", cfg.resources.rollout),

@@ -1,4 +1,9 @@
-"""The strict-sync step (DESIGN.md): publish, load and verify, generate, score, reward, update."""
+"""The strict-sync step (DESIGN.md): publish, load and verify, generate, score, reward, update.
+
+Each role may have several replicas (one per GPU when scaled out): rollout and scorer replicas take
+contiguous shards of whole prompt groups, learner ranks take shards of the batch and sum their
+gradients. With one replica of each, every shard is the whole batch.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,28 @@ from typing import Any
 
 import torch
 
-from miniverl.actors import call
+from miniverl.actors import call_all
 from miniverl.objectives.aggregation import masked_mean
-from miniverl.protocol import PolicyIdentity, PolicyMismatchError, PromptBatch, RolloutBatch, TeacherScores
+from miniverl.protocol import (
+    PolicyIdentity,
+    PolicyMismatchError,
+    PromptBatch,
+    RolloutBatch,
+    TeacherScores,
+    concat_rollouts,
+    concat_scores,
+    group_bounds,
+)
 from miniverl.rollout.sampling import SamplingParams
+
+# How per-rank learner metrics combine: most are sums over the step's tokens (each rank divides by the
+# whole step's token count); these are equal on every rank, or a maximum.
+SAME_ON_EVERY_RANK = ("grad_norm", "response_tokens")
+MAX_OVER_RANKS = ("sampler_gap_max",)
+
+
+def _as_list(x: Any) -> list[Any]:
+    return list(x) if isinstance(x, list | tuple) else [x]
 
 
 class StrictSyncController:
@@ -26,30 +49,61 @@ class StrictSyncController:
         teacher_support_k: int | None,
         loss_temperature: float,
     ) -> None:
-        self.rollout, self.scorer, self.learner = rollout, scorer, learner
+        self.rollouts, self.scorers, self.learners = _as_list(rollout), _as_list(scorer), _as_list(learner)
         self.reward_fn = reward_fn
         self.teacher_support_k = teacher_support_k
         self.loss_temperature = loss_temperature
 
     def refresh(self) -> PolicyIdentity:
-        """Publish the learner's policy and prove the rollout side now serves exactly it."""
-        snapshot = call(self.learner, "publish_policy")
-        served = call(self.rollout, "load_policy", snapshot)
-        if served != snapshot.identity:
-            raise PolicyMismatchError(
-                f"rollout serves {served.short()} but the learner published {snapshot.identity.short()};"
-                " the engine did not load the new weights (stale worker or broken weight sync), so the run stops"
-            )
+        """Publish the learner's policy and prove every rollout replica now serves exactly it."""
+        snapshot, *others = call_all(self.learners, "publish_policy", [()] + [(False,)] * (len(self.learners) - 1))
+        for rank, other in enumerate(others, start=1):
+            if other.identity != snapshot.identity:
+                raise PolicyMismatchError(
+                    f"learner rank {rank} holds {other.identity.short()} but rank 0 holds {snapshot.identity.short()};"
+                    " data-parallel ranks diverged, so the run stops"
+                )
+        served = call_all(self.rollouts, "load_policy", [(snapshot,)] * len(self.rollouts))
+        for i, identity in enumerate(served):
+            if identity != snapshot.identity:
+                raise PolicyMismatchError(
+                    f"rollout replica {i} serves {identity.short()} but the learner published"
+                    f" {snapshot.identity.short()}; the engine did not load the new weights (stale worker or"
+                    " broken weight sync), so the run stops"
+                )
         return snapshot.identity
 
     def sample(self, prompts: PromptBatch, params: SamplingParams, identity: PolicyIdentity) -> RolloutBatch:
-        rollouts = call(self.rollout, "generate", prompts, params)
+        shards = [(a, b) for a, b in group_bounds(prompts.uid, len(self.rollouts)) if b > a]
+        parts = call_all(
+            self.rollouts[: len(shards)],
+            "generate",
+            [(prompts.select(list(range(a, b))), params, a * params.n) for a, b in shards],
+        )
+        rollouts = concat_rollouts(parts)
         if rollouts.policy_version != identity.version:
             raise PolicyMismatchError(f"rollouts are stamped v{rollouts.policy_version}, expected v{identity.version}")
         return rollouts
 
     def score(self, rollouts: RolloutBatch, support_k: int | None) -> TeacherScores:
-        return call(self.scorer, "score", rollouts, support_k, self.loss_temperature)
+        shards = [(a, b) for a, b in group_bounds(rollouts.uid, len(self.scorers)) if b > a]
+        parts = call_all(
+            self.scorers[: len(shards)],
+            "score",
+            [(rollouts.rows(a, b), support_k, self.loss_temperature) for a, b in shards],
+        )
+        return concat_scores(parts)
+
+    def update(self, rollouts: RolloutBatch, scores: TeacherScores, rewards: torch.Tensor) -> dict[str, float]:
+        """Every learner rank takes one shard of whole groups (possibly empty) and the step's token count."""
+        tokens = int(rollouts.response_mask.sum())
+        shards = group_bounds(rollouts.uid, len(self.learners))
+        per_rank = call_all(
+            self.learners,
+            "update",
+            [(rollouts.rows(a, b), scores.rows(a, b), rewards[a:b], tokens) for a, b in shards],
+        )
+        return combine_rank_metrics(per_rank)
 
     def step(self, prompts: PromptBatch, params: SamplingParams) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -60,7 +114,7 @@ class StrictSyncController:
         scores = self.score(rollouts, self.teacher_support_k)
         rewards = self.reward_fn(rollouts)
         t3 = time.perf_counter()
-        metrics = call(self.learner, "update", rollouts, scores, rewards)
+        metrics = self.update(rollouts, scores, rewards)
         t4 = time.perf_counter()
         return {
             **metrics,
@@ -72,6 +126,16 @@ class StrictSyncController:
             "time/update": t4 - t3,
             "time/step": t4 - t0,
         }
+
+
+def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    out = dict(per_rank[0])
+    for key in out:
+        if key in MAX_OVER_RANKS:
+            out[key] = max(m[key] for m in per_rank)
+        elif key not in SAME_ON_EVERY_RANK:
+            out[key] = sum(m[key] for m in per_rank)
+    return out
 
 
 def rollout_metrics(rollouts: RolloutBatch, scores: TeacherScores, rewards: torch.Tensor) -> dict[str, float]:

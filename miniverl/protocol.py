@@ -243,3 +243,62 @@ class TeacherScores:
             cut(self.teacher_tail_logprob),
             self.loss_temperature,
         )
+
+
+def group_bounds(uid: list[str], parts: int) -> list[tuple[int, int]]:
+    """Split rows into at most `parts` contiguous row ranges that never cut a uid group.
+
+    Groups are dealt out as evenly as possible (the first ranges get one extra group); a range may be
+    empty when there are fewer groups than parts.
+    """
+    starts = [i for i, u in enumerate(uid) if i == 0 or u != uid[i - 1]] + [len(uid)]
+    groups = len(starts) - 1
+    out, g = [], 0
+    for p in range(parts):
+        take = groups // parts + (1 if p < groups % parts else 0)
+        out.append((starts[g], starts[g + take]))
+        g += take
+    return out
+
+
+def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Stack batches from several rollout replicas, re-padding prompts (left) and responses (right)."""
+    if not batches:
+        raise BatchError("nothing to concatenate")
+    versions = {b.policy_version for b in batches}
+    if len(versions) != 1:
+        raise PolicyMismatchError(f"rollout replicas returned samples of different policy versions {sorted(versions)}")
+    tp = max(b.prompts.shape[1] for b in batches)
+    tr = max(b.responses.shape[1] for b in batches)
+
+    def pad(t: torch.Tensor, width: int, left: bool) -> torch.Tensor:
+        extra = width - t.shape[1]
+        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
+
+    return RolloutBatch(
+        prompts=torch.cat([pad(b.prompts, tp, True) for b in batches]),
+        prompt_mask=torch.cat([pad(b.prompt_mask, tp, True) for b in batches]),
+        responses=torch.cat([pad(b.responses, tr, False) for b in batches]),
+        response_mask=torch.cat([pad(b.response_mask, tr, False) for b in batches]),
+        rollout_log_probs=torch.cat([pad(b.rollout_log_probs, tr, False) for b in batches]),
+        uid=[u for b in batches for u in b.uid],
+        ground_truth=[g for b in batches for g in b.ground_truth],
+        policy_version=versions.pop(),
+        finished=torch.cat([b.finished for b in batches]),
+    )
+
+
+def concat_scores(parts: list[TeacherScores]) -> TeacherScores:
+    """Stack scores of consecutive row ranges of one batch (same Tr and K in every part)."""
+
+    def cat(name: str) -> torch.Tensor | None:
+        ts = [getattr(p, name) for p in parts]
+        return None if ts[0] is None else torch.cat(ts, dim=0)
+
+    return TeacherScores(
+        teacher_log_probs=cat("teacher_log_probs"),
+        teacher_topk_logprobs=cat("teacher_topk_logprobs"),
+        teacher_topk_ids=cat("teacher_topk_ids"),
+        teacher_tail_logprob=cat("teacher_tail_logprob"),
+        loss_temperature=parts[0].loss_temperature,
+    )

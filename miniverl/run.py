@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miniverl.actors import call, check_cluster_resources, remote_actor
+from miniverl.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
 from miniverl.config import MiniVerlConfig, validate
 from miniverl.controller import StrictSyncController, rollout_metrics
 from miniverl.data.prompts import PromptSource
@@ -123,50 +123,46 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
     return True
 
 
-def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> dict[str, Any]:
-    """Start rollout first (an engine such as vLLM claims its memory budget at start), then scorer, learner."""
+def resolve_gpus(cfg: MiniVerlConfig, device: str) -> int:
+    """GPUs to place actors on: resources.gpus, or 1 when the run computes on CUDA, else 0."""
+    if cfg.resources.gpus is None:
+        return 1 if device == "cuda" else 0
+    return cfg.resources.gpus
+
+
+def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str, list[Any]], Any]:
+    """One rollout, scorer and learner rank per GPU (one replica of each without GPUs).
+
+    Rollout replicas start first (an engine such as vLLM claims its memory budget at start). With
+    GPUs, every replica sits in its GPU's placement bundle and takes its fraction of that GPU.
+    """
     import ray
 
     res = cfg.resources
-    gpu = setup.device == "cuda"
-    want = {a: {"CPU": getattr(res, a).num_cpus, "GPU": getattr(res, a).num_gpus if gpu else 0.0} for a in ACTORS}
+    gpus = resolve_gpus(cfg, setup.device)
+    replicas = max(1, gpus)
+    share = {a: getattr(res, a).num_gpus if gpus else 0.0 for a in ACTORS}
+    cpus = {a: getattr(res, a).num_cpus for a in ACTORS}
+    if gpus and sum(share.values()) > 1 + 1e-9:
+        raise ConfigError(
+            f"the actors on one GPU ask for {sum(share.values()):g} of it ({share}); the fractions"
+            " resources.<actor>.num_gpus must sum to at most 1"
+        )
+    want = {a: {"CPU": cpus[a] * replicas, "GPU": share[a] * replicas} for a in ACTORS}
     check_cluster_resources(want, ray.cluster_resources())
+    pg = gpu_placement_group(gpus, sum(cpus.values())) if gpus else None
 
-    def process(actor: str) -> ProcessSettings:
-        cap = res.emulate_gpu_gib * getattr(res, actor).num_gpus if (gpu and res.emulate_gpu_gib) else None
-        return ProcessSettings(setup.device, res.torch_threads, cap)
+    def start(cls, actor: str, i: int, *args, **kwargs):
+        cap = res.emulate_gpu_gib * share[actor] if (setup.device == "cuda" and res.emulate_gpu_gib) else None
+        process = ProcessSettings(setup.device, res.torch_threads, cap)
+        return remote_actor(cls, cpus[actor], share[actor], (pg, i) if pg else None, *args, process, **kwargs)
 
     lora = LoraSettings(**{f.name: getattr(cfg.model.lora, f.name) for f in dataclasses.fields(LoraSettings)})
     lora = dataclasses.replace(lora, target_modules=tuple(lora.target_modules))
     t, m = cfg.trainer, cfg.model
-    actors = {}
-    actors["rollout"] = remote_actor(
-        RolloutWorker,
-        "rollout",
-        want["rollout"]["CPU"],
-        want["rollout"]["GPU"],
-        cfg.rollout.backend,
-        setup.paths["student"],
-        lora,
-        m.student.dtype,
-        process("rollout"),
-    )
-    actors["scorer"] = remote_actor(
-        ScorerWorker,
-        "scorer",
-        want["scorer"]["CPU"],
-        want["scorer"]["GPU"],
-        setup.paths["teacher"],
-        m.teacher.dtype,
-        t.micro_batch_size,
-        process("scorer"),
-    )
-    actors["learner"] = remote_actor(
-        LearnerWorker,
-        "learner",
-        want["learner"]["CPU"],
-        want["learner"]["GPU"],
-        setup.paths["student"],
+    student, teacher = setup.paths["student"], setup.paths["teacher"]
+    learner_args = (
+        student,
         lora,
         m.student.dtype,
         objective,
@@ -174,14 +170,49 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> dict[str, Any]
         t.weight_decay,
         t.max_grad_norm,
         t.micro_batch_size,
-        process("learner"),
     )
-    for name, actor in actors.items():  # surface a constructor failure here, naming the actor
+    rollouts = [
+        start(RolloutWorker, "rollout", i, cfg.rollout.backend, student, lora, m.student.dtype) for i in range(replicas)
+    ]
+    _wait_ready("rollout", rollouts)  # before the others claim memory
+    actors = {
+        "rollout": rollouts,
+        "scorer": [
+            start(ScorerWorker, "scorer", i, teacher, m.teacher.dtype, t.micro_batch_size) for i in range(replicas)
+        ],
+        "learner": [
+            start(LearnerWorker, "learner", i, *learner_args, rank=i, world_size=replicas) for i in range(replicas)
+        ],
+    }
+    _wait_ready("scorer", actors["scorer"])
+    _wait_ready("learner", actors["learner"])
+    if replicas > 1:
+        host, port = call(actors["learner"][0], "distributed_address")
+        call_all(actors["learner"], "init_distributed", [(host, port)] * replicas)
+    return actors, pg
+
+
+def _wait_ready(name: str, group: list[Any]) -> None:
+    """Surface a constructor failure here, naming the actor."""
+    import ray
+
+    for i, actor in enumerate(group):
         try:
             ray.get(actor.__ray_ready__.remote())
         except Exception as e:
-            raise RuntimeError(f"the {name} actor failed to start: {e}") from e
-    return actors
+            raise RuntimeError(f"the {name} actor (replica {i}) failed to start: {e}") from e
+
+
+def teardown(actors: dict[str, list[Any]], pg) -> None:
+    """Stop the actors and free their placement group, so a later run in this Ray cluster can start."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for group in actors.values():
+        for actor in group:
+            ray.kill(actor)
+    if pg is not None:
+        remove_placement_group(pg)
 
 
 def evaluate(
@@ -211,9 +242,9 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
     setup = prepare(cfg, log)
     objective = build_objective(cfg.objective)
     started_ray = start_ray(cfg, log)
-    tracker = None
+    tracker, actors, pg = None, {}, None
     try:
-        actors = build_actors(cfg, setup, objective)
+        actors, pg = build_actors(cfg, setup, objective)
         log(f"[miniverl] actors ready on {setup.device} ({time.perf_counter() - started:.1f}s since start)")
         reward_fn = ExactMatchReward(setup.tokenizer)
         controller = StrictSyncController(
@@ -251,8 +282,12 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
             tracker.log(done, metrics)
         checkpoint = None
         if t.save_checkpoint:
-            checkpoint = call(actors["learner"], "save_checkpoint", str(run_dir / "checkpoint"))
-        memory = {name: call(a, "memory") for name, a in actors.items()}
+            checkpoint = call(actors["learner"][0], "save_checkpoint", str(run_dir / "checkpoint"))
+        memory = {
+            name if len(group) == 1 else f"{name}{i}": call(a, "memory")
+            for name, group in actors.items()
+            for i, a in enumerate(group)
+        }
         summary = {
             "steps": t.total_steps,
             "objective": cfg.objective.name,
@@ -275,6 +310,8 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
             tracker.finish({"status": "failed"})
         if started_ray:
             ray.shutdown()
+        else:
+            teardown(actors, pg)
 
 
 def _eval_line(step: int, m: dict[str, float]) -> str:

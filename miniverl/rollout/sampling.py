@@ -37,9 +37,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def row_seeds(seed: int, num_rows: int) -> list[int]:
-    """One request seed per row (prompt-major, sample-minor), derived from the call's seed."""
-    return [(seed * 1_000_003 + i) % (2**63 - 1) for i in range(num_rows)]
+def row_seeds(seed: int, num_rows: int, first_row: int = 0) -> list[int]:
+    """One request seed per row (prompt-major, sample-minor), derived from the call's seed and the row's
+    index in the whole step, so splitting a step over several replicas samples the same tokens."""
+    return [(seed * 1_000_003 + i) % (2**63 - 1) for i in range(first_row, first_row + num_rows)]
 
 
 def make_generators(seeds: list[int]) -> list[torch.Generator]:

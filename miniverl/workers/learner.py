@@ -33,8 +33,11 @@ class LearnerWorker:
         max_grad_norm: float,
         micro_batch_size: int,
         process: ProcessSettings,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         self.device = setup_process(process)
+        self.rank, self.world_size = rank, world_size
         self.model = build_lora_model(model_path, lora, torch_dtype(dtype, self.device), self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
@@ -44,13 +47,47 @@ class LearnerWorker:
         self.version = 0  # number of optimizer steps taken; the policy after k updates is version k
         self.published: PolicyIdentity | None = None
 
-    def publish_policy(self) -> PolicySnapshot:
+    def distributed_address(self) -> tuple[str, int]:
+        """Host and a free port for rank 0 to host the process-group rendezvous."""
+        import socket
+
+        from ray.util import get_node_ip_address
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return get_node_ip_address(), sock.getsockname()[1]
+
+    def init_distributed(self, host: str, port: int) -> None:
+        """Join the data-parallel group: gloo on the CPU, NCCL on GPUs (NVLink multicast stays off)."""
+        import os
+
+        import torch.distributed as dist
+
+        # NVLink multicast (NVLS) can take a shared host's GPUs out of service; never let NCCL use it.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size)
+
+    def publish_policy(self, include_weights: bool = True) -> PolicySnapshot:
+        """The policy's identity, and its weights unless only the identity is needed (ranks > 0)."""
         weights = adapter_state(self.model)
         self.published = PolicyIdentity(self.version, weights_digest(weights))
-        return PolicySnapshot(self.published, weights)
+        return PolicySnapshot(self.published, weights if include_weights else {})
 
-    def update(self, batch: RolloutBatch, scores: TeacherScores, rewards: torch.Tensor | None) -> dict[str, float]:
-        """One optimizer step on one strictly on-policy batch; refuses data of any other policy version."""
+    def update(
+        self,
+        batch: RolloutBatch,
+        scores: TeacherScores,
+        rewards: torch.Tensor | None,
+        num_step_tokens: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on one strictly on-policy batch; refuses data of any other policy version.
+
+        With several data-parallel ranks, each gets a shard of whole groups and `num_step_tokens`, the
+        response tokens of the whole step: gradients are summed across ranks, so the step equals the
+        single-rank step on the full batch. Metrics are this rank's sums over the step's tokens.
+        """
         if self.published is None or batch.policy_version != self.version or self.published.version != self.version:
             raise PolicyMismatchError(
                 f"learner is at policy v{self.version} (published:"
@@ -61,7 +98,7 @@ class LearnerWorker:
             raise ValueError("teacher scores do not match the rollout batch shape")
         ref = self._reference_logprobs(batch) if self.objective.needs_reference else None
         advantages = self.objective.prepare(batch, scores, rewards, ref)
-        num_tokens = int(batch.response_mask.sum())
+        num_tokens = int(batch.response_mask.sum()) if num_step_tokens is None else num_step_tokens
         sums = {"gap_abs": 0.0, "gap_max": 0.0, "loss": 0.0}
         extra: dict[str, float] = {}
         self.model.train()
@@ -82,6 +119,8 @@ class LearnerWorker:
             weight = mask.sum().item() / num_tokens  # token-weighted mean of per-micro-batch means
             for k, v in metrics.items():
                 extra[k] = extra.get(k, 0.0) + float(v) * weight
+        if self.world_size > 1:
+            self._sum_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -94,6 +133,15 @@ class LearnerWorker:
             "response_tokens": num_tokens,
             **extra,
         }
+
+    def _sum_gradients(self) -> None:
+        """All-reduce (sum) the adapter gradients; each rank's loss is already divided by the step's tokens."""
+        import torch.distributed as dist
+
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:

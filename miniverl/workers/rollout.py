@@ -33,11 +33,14 @@ class RolloutWorker:
         self.served = PolicyIdentity(snapshot.identity.version, weights_digest(self.backend.adapter_weights()))
         return self.served
 
-    def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
-        """params.n samples per prompt from the served policy, rows grouped by prompt."""
+    def generate(self, prompts: PromptBatch, params: SamplingParams, first_row: int = 0) -> RolloutBatch:
+        """params.n samples per prompt from the served policy, rows grouped by prompt.
+
+        `first_row` is the index of this call's first row in the whole step (replicas get shards).
+        """
         if self.served is None:
             raise PolicyMismatchError("the rollout worker serves no published policy yet; call load_policy first")
-        seeds = row_seeds(params.seed, len(prompts) * params.n)
+        seeds = row_seeds(params.seed, len(prompts) * params.n, first_row)
         completions = self.backend.generate(prompts.prompt_ids, params, seeds)
         return to_rollout_batch(prompts, completions, params.n, self.served.version)
 

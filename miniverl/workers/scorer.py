@@ -6,7 +6,7 @@ import torch
 
 from miniverl.models.loading import load_causal_lm, torch_dtype
 from miniverl.models.logprobs import LOGPROB_CHUNK_ROWS, response_logits, token_logprobs
-from miniverl.protocol import RolloutBatch, TeacherScores
+from miniverl.protocol import RolloutBatch, TeacherScores, concat_scores
 from miniverl.workers import ProcessSettings, memory_report, setup_process
 
 
@@ -27,17 +27,7 @@ class ScorerWorker:
             for s in range(0, len(batch), self.micro_batch_size)
         ]
 
-        def cat(name: str) -> torch.Tensor | None:
-            ts = [getattr(p, name) for p in parts]
-            return None if ts[0] is None else torch.cat(ts, dim=0)
-
-        return TeacherScores(
-            teacher_log_probs=cat("teacher_log_probs"),
-            teacher_topk_logprobs=cat("teacher_topk_logprobs"),
-            teacher_topk_ids=cat("teacher_topk_ids"),
-            teacher_tail_logprob=cat("teacher_tail_logprob"),
-            loss_temperature=temperature,
-        )
+        return concat_scores(parts)
 
     def _score_rows(self, batch: RolloutBatch, support_k: int | None, temperature: float) -> TeacherScores:
         logits = response_logits(self.model, batch)  # [b, Tr, V] in the model's dtype
