@@ -125,6 +125,7 @@ class StrictSyncController:
             "time/score": t3 - t2,
             "time/update": t4 - t3,
             "time/step": t4 - t0,
+            "rollout_tokens_per_s": float(rollouts.response_mask.sum()) / max(t2 - t1, 1e-9),
         }
 
 

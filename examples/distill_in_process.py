@@ -1,0 +1,55 @@
+"""Strict-sync distillation without Ray: the three workers as plain objects in one process.
+
+    python examples/distill_in_process.py [steps]
+
+Handy for debugging an objective or a backend with a debugger attached: the controller calls plain
+objects exactly as it calls Ray actors. Uses the built-in models (built on first use).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from miniverl.config import MiniVerlConfig
+from miniverl.controller import StrictSyncController
+from miniverl.models.lora import LoraSettings
+from miniverl.objectives import build_objective
+from miniverl.rewards import ExactMatchReward
+from miniverl.rollout.sampling import SamplingParams
+from miniverl.run import evaluate, prepare
+from miniverl.workers import ProcessSettings
+from miniverl.workers.learner import LearnerWorker
+from miniverl.workers.rollout import RolloutWorker
+from miniverl.workers.scorer import ScorerWorker
+
+
+def main(steps: int) -> None:
+    cfg = MiniVerlConfig()
+    cfg.trainer.total_steps = steps
+    setup = prepare(cfg)
+    objective = build_objective(cfg.objective)
+    lora = LoraSettings(**{f.name: getattr(cfg.model.lora, f.name) for f in dataclasses.fields(LoraSettings)})
+    cpu = ProcessSettings("cpu")
+    t = cfg.trainer
+    rollout = RolloutWorker(cfg.rollout.backend, setup.paths["student"], lora, "auto", cpu)
+    scorer = ScorerWorker(setup.paths["teacher"], "auto", t.micro_batch_size, cpu)
+    learner = LearnerWorker(
+        setup.paths["student"], lora, "auto", objective, t.lr, t.weight_decay, t.max_grad_norm, t.micro_batch_size, cpu
+    )
+    reward = ExactMatchReward(setup.tokenizer)
+    controller = StrictSyncController(
+        rollout, scorer, learner, reward, objective.teacher_support_k, objective.loss_temperature
+    )
+    r = cfg.rollout
+    params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
+    print("before:", evaluate(controller, setup.eval_batch, cfg, setup.stop_token_ids, reward))
+    for step in range(steps):
+        m = controller.step(setup.train_batches[step], dataclasses.replace(params, seed=step))
+        if step % 20 == 0:
+            print(f"step {step}: reverse KL {m['reverse_kl']:.3f}, accuracy {m['accuracy']:.3f}, loss {m['loss']:.4f}")
+    print("after:", evaluate(controller, setup.eval_batch, cfg, setup.stop_token_ids, reward))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100)
