@@ -1,8 +1,16 @@
-"""Loss aggregation over the response tokens of a whole optimizer step."""
+"""Loss aggregation over the response tokens of a whole optimizer step, and the shared shape check."""
 
 from __future__ import annotations
 
 import torch
+
+
+def require_same_shape(**tensors: torch.Tensor) -> None:
+    """Raise a ValueError naming every shape when the tensors differ: broadcasting would hide the bug."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"shapes must match: {listed}")
 
 
 def step_token_mean(token_values: torch.Tensor, mask: torch.Tensor, num_step_tokens: int | float) -> torch.Tensor:
@@ -13,9 +21,10 @@ def step_token_mean(token_values: torch.Tensor, mask: torch.Tensor, num_step_tok
 
     Shapes: token_values, mask [B, T] -> scalar.
     """
+    require_same_shape(token_values=token_values, mask=mask)
     if num_step_tokens <= 0:
         raise ValueError("num_step_tokens must be positive: the step has no response tokens")
-    return (token_values * mask).sum() / num_step_tokens
+    return (token_values * mask.to(token_values.dtype)).sum() / num_step_tokens
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

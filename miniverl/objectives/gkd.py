@@ -20,6 +20,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from miniverl.objectives.aggregation import masked_mean, require_same_shape, step_token_mean
+from miniverl.objectives.ratios import DEFAULT_IS_CAP, ratio_metrics
+
 # A teacher tail that rounds to 0 (fp32 sum of a peaked top-K) would make reverse KL infinite wherever
 # the student keeps any tail mass; the smallest normal float32 keeps it finite and still punishing.
 TAIL_FLOOR = torch.finfo(torch.float32).tiny
@@ -39,6 +42,7 @@ def jsd_from_logprobs(teacher_logp: torch.Tensor, student_logp: torch.Tensor, be
 
     Shapes: teacher_logp, student_logp [B, T, C] -> [B, T].
     """
+    require_same_shape(teacher_logp=teacher_logp, student_logp=student_logp)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     if beta == 0.0:
@@ -49,17 +53,29 @@ def jsd_from_logprobs(teacher_logp: torch.Tensor, student_logp: torch.Tensor, be
     return beta * _sum_plogp_ratio(teacher_logp, mix) + (1.0 - beta) * _sum_plogp_ratio(student_logp, mix)
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp32 at least (bf16/fp16 logits lose too much in log-softmax); float64 stays float64 (tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
 def generalized_jsd(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float = 1.0
 ) -> torch.Tensor:
     """Per-token generalized JSD over the full vocabulary, both distributions at `temperature`.
 
+    Exact forward KL(p || q) at beta = 0 and reverse KL(q || p) at beta = 1.
+
     Shapes: student_logits, teacher_logits [B, T, V] -> [B, T] (nats).
     """
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"logit shapes differ: {tuple(student_logits.shape)} vs {tuple(teacher_logits.shape)}")
-    s = F.log_softmax(student_logits.float() / temperature, dim=-1)  # [B, T, V]
-    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # [B, T, V]
+    require_same_shape(student_logits=student_logits, teacher_logits=teacher_logits)
+    _check_temperature(temperature)
+    s = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)  # [B, T, V]
+    t = F.log_softmax(_upcast(teacher_logits) / temperature, dim=-1)  # [B, T, V]
     return jsd_from_logprobs(t, s, beta)
 
 
@@ -74,36 +90,58 @@ def topk_generalized_jsd(
     """Per-token generalized JSD over the teacher's top-K support plus one tail bucket.
 
     `teacher_topk_logprobs` must already be at the loss temperature: log_softmax(teacher_logits / T)
-    at `teacher_topk_ids`. The student logits are divided by `temperature` here.
-    `teacher_tail_logprob` is log(1 - sum of the teacher's top-K probabilities); when omitted it is
-    derived from the top-K log-probs, floored at TAIL_FLOOR. With K >= V there is no tail bucket.
+    at `teacher_topk_ids` (K distinct ids per position). The student logits are divided by
+    `temperature` here. `teacher_tail_logprob` is log(1 - sum of the teacher's top-K probabilities);
+    when omitted it is derived from the top-K log-probs, floored at TAIL_FLOOR. With K = V there is no
+    tail bucket and the result is `generalized_jsd`; for K < V it is a lower bound of it.
 
     Shapes: student_logits [B, T, V], teacher_topk_* [B, T, K], teacher_tail_logprob [B, T] -> [B, T].
     """
-    if teacher_topk_logprobs.shape != teacher_topk_ids.shape:
-        raise ValueError("teacher_topk_logprobs and teacher_topk_ids must have the same [B, T, K] shape")
-    s_all = student_logits.float() / temperature  # [B, T, V]
+    require_same_shape(teacher_topk_logprobs=teacher_topk_logprobs, teacher_topk_ids=teacher_topk_ids)
+    if student_logits.dim() != 3 or student_logits.shape[:2] != teacher_topk_ids.shape[:2]:
+        raise ValueError(
+            f"student_logits {tuple(student_logits.shape)} must be [B, T, V] with the [B, T] of the teacher"
+            f" support {tuple(teacher_topk_ids.shape)}"
+        )
+    if teacher_topk_ids.shape[-1] > student_logits.shape[-1]:
+        raise ValueError(
+            f"top-K support of {teacher_topk_ids.shape[-1]} ids exceeds the vocabulary of {student_logits.shape[-1]}"
+        )
+    if teacher_tail_logprob is not None and teacher_tail_logprob.shape != teacher_topk_ids.shape[:2]:
+        raise ValueError(f"teacher_tail_logprob {tuple(teacher_tail_logprob.shape)} must be [B, T]")
+    _check_temperature(temperature)
+    teacher_topk_ids = teacher_topk_ids.to(student_logits.device)
+    s_all = _upcast(student_logits) / temperature  # [B, T, V]
     log_z = torch.logsumexp(s_all, dim=-1, keepdim=True)  # [B, T, 1]
     s_k = s_all.gather(-1, teacher_topk_ids) - log_z  # [B, T, K]
-    t_k = teacher_topk_logprobs.float()  # [B, T, K]
-    if teacher_topk_ids.shape[-1] >= s_all.shape[-1]:
-        return jsd_from_logprobs(t_k, s_k, beta)
-    s_tail = torch.logsumexp(s_all.scatter(-1, teacher_topk_ids, float("-inf")), dim=-1) - log_z[..., 0]
+    t_k = teacher_topk_logprobs.to(s_all.device, s_all.dtype)  # [B, T, K]
+    if teacher_topk_ids.shape[-1] == s_all.shape[-1]:
+        return jsd_from_logprobs(t_k, s_k, beta)  # the support is the whole vocabulary, permuted
+    s_tail = torch.logsumexp(s_all.scatter(-1, teacher_topk_ids, float("-inf")), dim=-1) - log_z[..., 0]  # [B, T]
     if teacher_tail_logprob is None:
         t_mass = (1.0 - t_k.exp().sum(dim=-1)).clamp(min=TAIL_FLOOR)  # [B, T]
         teacher_tail_logprob = t_mass.log()
-    t_tail = teacher_tail_logprob.float().clamp(min=math.log(TAIL_FLOOR))
+    t_tail = teacher_tail_logprob.to(s_all.device, s_all.dtype).clamp(min=math.log(TAIL_FLOOR))  # [B, T]
     s_cat = torch.cat([s_k, s_tail.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
     t_cat = torch.cat([t_k, t_tail.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
     return jsd_from_logprobs(t_cat, s_cat, beta)
 
 
 class GkdObjective:
-    """Direct GKD in the learner: generalized JSD per response token against the teacher's support."""
+    """Direct GKD in the learner: generalized JSD per response token against the teacher's support.
+
+    The teacher's support arrives at the loss temperature (the scorer applies it), the student's
+    logits are divided by the same temperature here; the sampling temperature is the rollout's.
+    """
 
     needs_reference = False
 
     def __init__(self, beta: float, loss_temperature: float, teacher_topk: int) -> None:
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
+        _check_temperature(loss_temperature)
+        if teacher_topk < 0:
+            raise ValueError(f"teacher_topk must be 0 (full vocabulary) or K >= 1, got {teacher_topk}")
         self.beta = beta
         self.loss_temperature = loss_temperature
         self.teacher_support_k = teacher_topk  # 0 = full vocabulary
@@ -117,13 +155,18 @@ class GkdObjective:
 
     def loss(self, logits, logprobs, batch, scores, advantages, num_step_tokens):
         """Shapes: logits [b, Tr, V], logprobs [b, Tr] -> (scalar loss, metrics)."""
-        from miniverl.objectives.aggregation import masked_mean, step_token_mean
-
         if scores.teacher_topk_logprobs is None:
             raise ValueError("GKD needs the teacher's support; the scorer returned none")
+        if scores.loss_temperature != self.loss_temperature:
+            raise ValueError(
+                f"teacher support is at temperature {scores.loss_temperature}, the loss at {self.loss_temperature}"
+            )
+        device = logits.device
         if scores.teacher_topk_ids is None:  # full vocabulary, already at the loss temperature
+            teacher = scores.teacher_topk_logprobs.to(device).float()  # [b, Tr, V]
+            require_same_shape(student_logits=logits, teacher_logprobs=teacher)
             student = F.log_softmax(logits.float() / self.loss_temperature, dim=-1)  # [b, Tr, V]
-            per_token = jsd_from_logprobs(scores.teacher_topk_logprobs, student, self.beta)
+            per_token = jsd_from_logprobs(teacher, student, self.beta)
         else:
             per_token = topk_generalized_jsd(
                 logits,
@@ -133,5 +176,10 @@ class GkdObjective:
                 self.loss_temperature,
                 scores.teacher_tail_logprob,
             )
-        mask = batch.response_mask.to(per_token.device, per_token.dtype)
-        return step_token_mean(per_token, mask, num_step_tokens), {"jsd": masked_mean(per_token.detach(), mask)}
+        mask = batch.response_mask.to(device, per_token.dtype)
+        metrics = {
+            "jsd": masked_mean(per_token.detach(), mask),
+            # Same definition and default cap as PG-k1, so both objectives log a comparable number.
+            **ratio_metrics(logprobs, batch.rollout_log_probs.to(device), mask, DEFAULT_IS_CAP),
+        }
+        return step_token_mean(per_token, mask, num_step_tokens), metrics

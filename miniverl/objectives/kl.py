@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from miniverl.objectives.aggregation import require_same_shape
+
 # verl core_algos.kl_penalty("low_var_kl"): the log-ratio is clamped before exp and the estimate after,
 # so one extreme token cannot blow up the penalty (Schulman's k3, "Approximating KL Divergence").
 K3_LOG_RATIO_CLAMP = 20.0
@@ -18,12 +20,14 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> t
 
     kind: k1 (alias kl) `lp - ref`; k2 (mse) `0.5 (lp - ref)^2`; k3 (low_var_kl)
     `e^x - x - 1` with `x = clamp(ref - lp, -20, 20)`, result clamped to [-10, 10]; abs `|lp - ref|`.
-    Inputs are natural-log probabilities of the sampled tokens.
+    Inputs are natural-log probabilities of the sampled tokens. k1 and k3 are unbiased estimates of
+    KL(policy || ref) under policy samples (k3 only before its clamps); k2 is biased but low-variance.
 
     Shapes: logprob, ref_logprob [B, T] -> [B, T].
     """
     if kind not in _ALIASES:
         raise ValueError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_KINDS)}")
+    require_same_shape(logprob=logprob, ref_logprob=ref_logprob)
     kind = _ALIASES[kind]
     diff = logprob - ref_logprob
     if kind == "k1":

@@ -2,9 +2,10 @@
 
 This is the on-policy distillation loss of Tinker / MOPD. With discount 0 the advantage is `A_t = r_t`,
 and the expected gradient of `-sum_t rho_t A_t` (rho_t = q_theta / q_old, A_t detached) equals the
-gradient of the per-token reverse KL(q || p) on the sampled states. The advantage must be this
-*action-dependent* quantity: a state-only quantity (such as a top-k KL at s_t) has zero expected
-policy gradient.
+gradient of the per-token reverse KL(q || p) on the sampled states:
+`E_{y~q}[(log q(y) - log p(y)) grad log q(y)] = grad sum_y q(y) (log q(y) - log p(y))` because
+`E_{y~q}[grad log q(y)] = 0`. For the same reason the advantage must be this *action-dependent*
+quantity: a state-only quantity (such as a top-k KL at s_t) has zero expected policy gradient.
 """
 
 from __future__ import annotations
@@ -12,20 +13,21 @@ from __future__ import annotations
 import torch
 
 from miniverl.objectives.advantages import discounted_returns
-from miniverl.objectives.aggregation import masked_mean, step_token_mean
-
-# verl's truncated importance sampling (TIS) uses a cap of about 2 on the learner/sampler ratio.
-DEFAULT_IS_CAP = 2.0
+from miniverl.objectives.aggregation import masked_mean, require_same_shape, step_token_mean
+from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio, ratio_metrics
 
 
 def k1_advantages(
     teacher_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, discount: float = 0.0
 ) -> torch.Tensor:
-    """Detached advantages from the k1 reward `teacher - old`, discounted over future tokens.
+    """Detached advantages from the k1 reward `r_t = teacher - old`, discounted over future tokens.
 
-    Shapes: [B, T] -> [B, T].
+    `A_t = sum_{k >= t} discount^(k - t) r_k` over the masked tokens of each row (discount 0: A_t = r_t).
+
+    Shapes: teacher_logprobs, old_logprobs, mask [B, T] -> [B, T].
     """
-    rewards = (teacher_logprobs - old_logprobs).detach() * mask
+    require_same_shape(teacher_logprobs=teacher_logprobs, old_logprobs=old_logprobs, mask=mask)
+    rewards = (teacher_logprobs.detach() - old_logprobs.detach()) * mask.to(teacher_logprobs.dtype)
     return discounted_returns(rewards, mask, discount)
 
 
@@ -40,25 +42,24 @@ def truncated_pg_loss(
     """`-sum_t w_t A_t / N` whose gradient is `-sum_t w_t A_t grad log q_theta(y_t) / N`.
 
     `w_t = min(rho_t, is_cap)` with `rho_t = exp(logprobs - old_logprobs)`, used as a detached weight:
-    where rho_t <= is_cap the gradient equals that of `rho_t A_t` exactly (grad rho = rho grad log q);
-    above the cap the weight is truncated to is_cap instead of being dropped (truncated importance
-    sampling). `old_logprobs` are the sampler's log-probs, so rho also corrects sampler/learner gaps.
-    N is the step's response-token count (default: mask.sum()).
+    where rho_t <= is_cap the value and gradient equal those of `rho_t A_t` exactly
+    (grad rho = rho grad log q); above the cap the weight is truncated to is_cap instead of being
+    dropped (truncated importance sampling, as verl). `old_logprobs` are the sampler's log-probs, so rho
+    also corrects sampler/learner gaps. N is the step's response-token count (default: mask.sum()).
+    Neither `old_logprobs` nor `advantages` receives a gradient.
 
     Shapes: logprobs, old_logprobs, advantages, mask [B, T] -> (scalar loss, metrics).
     """
+    require_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    if is_cap < 1.0:
+        raise ValueError(f"is_cap must be >= 1 (verl uses about 2), got {is_cap}")
     mask = mask.to(logprobs.dtype)
     n = mask.sum().item() if num_step_tokens is None else num_step_tokens
-    ratio = torch.exp(logprobs.detach() - old_logprobs)  # [B, T]
-    weight = ratio.clamp(max=is_cap)
+    weight = importance_ratio(logprobs, old_logprobs).clamp(max=is_cap)  # [B, T], detached
     # exp(lp - lp.detach()) is 1 in value and carries grad log q: value -w A, gradient -w A grad log q.
     surrogate = weight * torch.exp(logprobs - logprobs.detach()) * advantages.detach()
     loss = step_token_mean(-surrogate, mask, n)
-    metrics = {
-        "clipped_ratio_frac": masked_mean((ratio > is_cap).float(), mask),
-        "ratio_mean": masked_mean(ratio, mask),
-    }
-    return loss, metrics
+    return loss, ratio_metrics(logprobs, old_logprobs, mask, is_cap)
 
 
 def pg_k1_loss(
@@ -71,7 +72,11 @@ def pg_k1_loss(
     num_step_tokens: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PG-k1 loss: advantage `r_t = teacher - old` (detached, discounted when discount > 0), truncated
-    importance ratio `exp(logprobs - old_logprobs)` capped at `is_cap`, normalized by mask tokens.
+    importance ratio `exp(logprobs - old_logprobs)` capped at `is_cap`, normalized by mask tokens
+    (or by `num_step_tokens`, the response tokens of the whole optimizer step).
+
+    On-policy (logprobs == old_logprobs in value) at discount 0 the loss value is the k1 estimate of
+    the per-token reverse KL, `mean_t (log q - log p)`.
 
     Shapes: logprobs, old_logprobs, teacher_logprobs, mask [B, T] -> (scalar loss, metrics).
     """
@@ -93,6 +98,16 @@ class PgK1Objective:
     loss_temperature = 1.0
 
     def __init__(self, discount: float, is_cap: float, kl_coef: float, kl_kind: str, reward_coef: float) -> None:
+        from miniverl.objectives.kl import KL_KINDS
+
+        if not 0.0 <= discount <= 1.0:
+            raise ValueError(f"discount must be in [0, 1], got {discount}")
+        if is_cap < 1.0:
+            raise ValueError(f"is_cap must be >= 1, got {is_cap}")
+        if kl_kind not in KL_KINDS:
+            raise ValueError(f"unknown KL estimator {kl_kind!r}; known: {', '.join(KL_KINDS)}")
+        if kl_coef < 0 or reward_coef < 0:
+            raise ValueError(f"kl_coef and reward_coef must be >= 0, got {kl_coef} and {reward_coef}")
         self.discount, self.is_cap = discount, is_cap
         self.kl_coef, self.kl_kind, self.reward_coef = kl_coef, kl_kind, reward_coef
         self.needs_reference = kl_coef > 0
@@ -103,13 +118,15 @@ class PgK1Objective:
 
     def prepare(self, batch, scores, rewards, ref_log_prob) -> torch.Tensor:
         """Whole-batch advantages (groups and discounting need every row). Shapes: -> [B, Tr]."""
-        from miniverl.objectives.advantages import discounted_returns, grpo_advantages
+        from miniverl.objectives.advantages import grpo_advantages
         from miniverl.objectives.kl import kl_penalty
 
         mask = batch.response_mask.float()
         old = batch.rollout_log_probs
         token_reward = (scores.teacher_log_probs - old) * mask
         if self.kl_coef > 0:
+            if ref_log_prob is None:
+                raise ValueError("objective.kl_coef > 0 needs reference log-probs; the learner passed none")
             token_reward = token_reward - self.kl_coef * kl_penalty(old, ref_log_prob, self.kl_kind) * mask
         adv = discounted_returns(token_reward, mask, self.discount)
         if self.reward_coef > 0:
