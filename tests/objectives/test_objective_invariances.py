@@ -1,0 +1,158 @@
+"""The training objectives inside LearnerWorker.update: the loss and the gradient do not change with the
+micro-batch split, the amount of prompt left-padding / response right-padding, or the order of groups."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from miniverl.models.lora import LoraSettings
+from miniverl.objectives.gkd import GkdObjective
+from miniverl.objectives.pg_k1 import PgK1Objective
+from miniverl.protocol import PromptBatch, RolloutBatch, TeacherScores
+from miniverl.rollout.sampling import SamplingParams
+from miniverl.workers import ProcessSettings
+from miniverl.workers.learner import LearnerWorker
+from miniverl.workers.rollout import RolloutWorker
+from miniverl.workers.scorer import ScorerWorker
+
+LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj", "up_proj"), init_seed=0)
+CPU = ProcessSettings("cpu", torch_threads=1)
+N = 2  # samples per prompt
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])  # fixed task rewards: GRPO sees every case
+
+
+def objectives():
+    return {
+        "gkd_full": GkdObjective(beta=0.5, loss_temperature=1.0, teacher_topk=0),
+        "gkd_top8": GkdObjective(beta=0.5, loss_temperature=1.5, teacher_topk=8),
+        # Every PG-k1 term on: discounted k1 return, k3 reference penalty, GRPO task reward.
+        "pg_k1": PgK1Objective(discount=0.5, is_cap=2.0, kl_coef=0.1, kl_kind="k3", reward_coef=1.0),
+    }
+
+
+@pytest.fixture(scope="module")
+def data(student_dir, random_model_dir):
+    """One on-policy batch (4 prompts x 2 samples) from the fresh adapter, and a scorer. The teacher is the
+    untrained model: any teacher that differs from the student serves, and it is the cheapest to build."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    texts = [("ab>", "ba"), ("dcb>", "bcd"), ("xy>", "yx"), ("pqr>", "rqp")]
+    prompts = PromptBatch([tok(p)["input_ids"] for p, _ in texts], [f"u{i}" for i in range(4)], [a for _, a in texts])
+    rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    learner = make_learner(student_dir, objectives()["pg_k1"], 8)
+    rollout.load_policy(learner.publish_policy())
+    params = SamplingParams(n=N, max_new_tokens=5, temperature=1.0, stop_token_ids=(tok.eos_token_id,), seed=7)
+    batch = rollout.generate(prompts, params)
+    assert batch.response_mask.sum(1).unique().numel() > 1, "want rows of different lengths (real right padding)"
+    return batch, ScorerWorker(str(random_model_dir), "float32", 4, CPU)
+
+
+def make_learner(student_dir, objective, micro_batch_size: int) -> LearnerWorker:
+    torch.manual_seed(0)
+    return LearnerWorker(str(student_dir), LORA, "float32", objective, 1e-2, 0.0, 1e9, micro_batch_size, CPU)
+
+
+def two_updates(learner: LearnerWorker, batch: RolloutBatch, scores: TeacherScores, rewards=REWARDS):
+    """Two optimizer steps on the batch (the second is off-policy, so importance ratios differ from 1);
+    returns the metrics and the gradients of each step and the parameters after both."""
+    grads: list[list[torch.Tensor]] = []
+    step = learner.optimizer.step
+
+    def capture(*args, **kwargs):
+        grads.append([p.grad.detach().clone() for p in learner.params])
+        return step(*args, **kwargs)
+
+    learner.optimizer.step = capture
+    metrics = []
+    for version in range(2):
+        learner.publish_policy()
+        metrics.append(learner.update(dataclasses.replace(batch, policy_version=version), scores, rewards))
+    return metrics, grads, [p.detach().clone() for p in learner.params]
+
+
+def assert_same(a, b, rtol: float, atol: float) -> None:
+    (m_a, g_a, p_a), (m_b, g_b, p_b) = a, b
+    for step_a, step_b in zip(m_a, m_b):
+        for key in ("loss", "clipped_ratio_frac", "ratio_mean", "sampler_gap_mean", "response_tokens"):
+            assert step_a[key] == pytest.approx(step_b[key], rel=rtol, abs=atol), key
+    assert m_a[1]["ratio_mean"] != pytest.approx(1.0, abs=1e-4)  # the second step really is off-policy
+    for ga, gb in zip(g_a, g_b):
+        assert max(g.abs().max().item() for g in ga) > 0
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+    for x, y in zip(p_a, p_b):  # Adam divides by sqrt(v): tiny gradient differences grow a little
+        torch.testing.assert_close(x, y, rtol=10 * rtol, atol=10 * atol)
+
+
+def score(scorer: ScorerWorker, objective, batch: RolloutBatch) -> TeacherScores:
+    return scorer.score(batch, objective.teacher_support_k, objective.loss_temperature)
+
+
+@pytest.mark.parametrize("name", ["gkd_full", "gkd_top8", "pg_k1"])
+def test_micro_batch_split_changes_nothing(name, data, student_dir):
+    batch, scorer = data
+    objective = objectives()[name]
+    scores = score(scorer, objective, batch)
+    whole = two_updates(make_learner(student_dir, objective, 8), batch, scores)
+    split = two_updates(make_learner(student_dir, objective, 2), batch, scores)  # 4 micro-batches
+    assert_same(whole, split, rtol=1e-5, atol=1e-6)
+
+
+def pad(batch: RolloutBatch, left: int, right: int) -> RolloutBatch:
+    """Extra prompt left-padding and response right-padding (all masked out)."""
+
+    def cols(t: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.zeros((t.shape[0], n), dtype=t.dtype)
+
+    return dataclasses.replace(
+        batch,
+        prompts=torch.cat([cols(batch.prompts, left), batch.prompts], 1),
+        prompt_mask=torch.cat([cols(batch.prompt_mask, left), batch.prompt_mask], 1),
+        responses=torch.cat([batch.responses, cols(batch.responses, right)], 1),
+        response_mask=torch.cat([batch.response_mask, cols(batch.response_mask, right)], 1),
+        rollout_log_probs=torch.cat([batch.rollout_log_probs, cols(batch.rollout_log_probs, right)], 1),
+    )
+
+
+@pytest.mark.parametrize("name", ["gkd_full", "gkd_top8", "pg_k1"])
+def test_padding_amounts_change_nothing(name, data, student_dir):
+    batch, scorer = data
+    objective = objectives()[name]
+    padded = pad(batch, left=3, right=2)
+    base = two_updates(make_learner(student_dir, objective, 4), batch, score(scorer, objective, batch))
+    more = two_updates(make_learner(student_dir, objective, 4), padded, score(scorer, objective, padded))
+    # fp32 attention over longer (masked) rows sums in a different order: agreement to ~1e-6, not bitwise.
+    assert_same(base, more, rtol=1e-4, atol=1e-6)
+
+
+def test_group_order_permutes_advantages_and_keeps_the_loss(data, student_dir):
+    batch, scorer = data
+    objective = objectives()["pg_k1"]
+    order = [3, 1, 0, 2]  # new group order; rows of a group stay adjacent
+    rows = torch.tensor([g * N + i for g in order for i in range(N)])
+    permuted = dataclasses.replace(
+        batch,
+        prompts=batch.prompts[rows],
+        prompt_mask=batch.prompt_mask[rows],
+        responses=batch.responses[rows],
+        response_mask=batch.response_mask[rows],
+        rollout_log_probs=batch.rollout_log_probs[rows],
+        uid=[batch.uid[i] for i in rows],
+        ground_truth=[batch.ground_truth[i] for i in rows],
+        finished=batch.finished[rows],
+    )
+    scores, p_scores = score(scorer, objective, batch), score(scorer, objective, permuted)
+    learner = make_learner(student_dir, objective, 8)
+    ref = learner._reference_logprobs(batch)
+    adv = objective.prepare(batch, scores, REWARDS, ref)
+    p_adv = objective.prepare(permuted, p_scores, REWARDS[rows], learner._reference_logprobs(permuted))
+    torch.testing.assert_close(p_adv, adv[rows], rtol=1e-5, atol=1e-6)
+    assert (adv.abs() > 0).any()
+
+    base = two_updates(make_learner(student_dir, objective, 8), batch, scores)
+    moved = two_updates(make_learner(student_dir, objective, 8), permuted, p_scores, REWARDS[rows])
+    assert_same(base, moved, rtol=1e-5, atol=1e-6)
