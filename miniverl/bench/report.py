@@ -143,8 +143,9 @@ def markdown(doc: dict) -> str:
     ]
     for c in doc["cells"]:
         status = c["status"] if not c["reasons"] else f"{c['status']}: {'; '.join(c['reasons'])}"
-        if c["status"] == "pending":
-            status = "pending (the run stopped before this cell)"
+        if c["status"] == "pending":  # only in a report of a run that was stopped
+            measured = "measured, not judged" if c["tokens_per_s"] else "not reached"
+            status = f"pending: {measured} (the run stopped before the oracle check)"
         mem = c["memory"]
         s = c["speedup"]
         speed = "—" if s is None else (f"> {s:.1f}x" if c["speedup_note"] else f"{s:.2f}x")

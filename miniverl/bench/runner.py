@@ -98,9 +98,12 @@ def run_bench(cfg: BenchConfig, command: str, log=print) -> tuple[Path, Path]:
         ctx = Context(cfg, device, dtype, build_random_model(cfg.model, dtype, device, Path(tmp) / "model"))
         build_s = time.perf_counter() - t0
         log(f"[bench] {cfg.name}: built the random-init model in {build_s:.1f}s on {device} ({cfg.dtype})")
+
+        def checkpoint() -> None:  # a partial report after every cell, in case the run is killed
+            write_report(cfg, command, results, build_s, time.perf_counter() - started)
+
         for label, plan in cfg.backends.items():
-            run_backend(ctx, plan, [r for r in results if r.label == label], log)
-            write_report(cfg, command, results, build_s, time.perf_counter() - started)  # partial, in case of a kill
+            run_backend(ctx, plan, [r for r in results if r.label == label], log, checkpoint)
         judge(ctx, results, log)
     return write_report(cfg, command, results, build_s, time.perf_counter() - started)
 
@@ -113,7 +116,7 @@ def resolve_device(name: str) -> str:
     return "cuda" if name == "cuda" or (name == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def run_backend(ctx: Context, plan: BackendPlan, results: list[CellResult], log) -> None:
+def run_backend(ctx: Context, plan: BackendPlan, results: list[CellResult], log, checkpoint=lambda: None) -> None:
     if plan.backend not in BACKENDS:
         for r in results:
             r.stop(
@@ -141,7 +144,8 @@ def run_backend(ctx: Context, plan: BackendPlan, results: list[CellResult], log)
     for r in results:
         r.load_s = load_s
         run_cell(ctx, plan, backend, r)
-        log(f"[bench] {_describe(r)}")
+        log(f"[bench] {_describe(r)}", flush=True)
+        checkpoint()
     del backend
     _release(ctx.device)
 

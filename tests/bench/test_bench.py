@@ -35,8 +35,9 @@ def compose(name: str, *overrides: str):
         return OmegaConf.to_object(hydra_compose(config_name=MAIN_NAME, overrides=[f"+bench={name}", *overrides]).bench)
 
 
-def test_preregistered_v2_fixes_24_cells_on_the_real_shape():
-    cfg = compose("rollout-runtime-v2")
+@pytest.mark.parametrize("name", ["rollout-runtime-v2", "rollout-runtime-v3"])
+def test_preregistered_runtime_benches_fix_24_cells_on_the_real_shape(name):
+    cfg = compose(name)
     cells = expand_cells(cfg)
     assert len(cells) == 24
     assert {c.label for c in cells} == {"hf_reference", "hf_cached", "vllm"}
