@@ -6,8 +6,8 @@ the same tokens. What changes is the work per token:
 - keys/values live in buffers preallocated per layer ([rows, kv heads, columns, head dim]); prompts are
   right-aligned at column P (the longest prompt), so every row writes the same column each step;
 - the adapter is merged into a serving copy of the linear weights (q/k/v and gate/up fused), so a
-  layer is ~35 kernels instead of ~80. It costs one copy of the decoder's linear weights (0.7 GB at the
-  0.5B shape), refreshed in place by load_adapter;
+  layer launches ~35 kernels instead of ~80 (counted, not profiled). It costs one copy of the decoder's
+  linear weights (0.7 GB at the 0.5B shape), refreshed in place by load_adapter;
 - on CUDA, one decode step (all layers and the LM head) is captured as a CUDA graph per batch width and
   replayed: at rollout batch sizes, launching a thousand small kernels from Python, not the arithmetic,
   bounds an eager step;
@@ -182,8 +182,9 @@ class HFCachedBackend:
         self.device = device
         self.model = build_lora_model(model_path, lora, dtype, device).eval()
         self.decoder = _Decoder(self.model)
-        # Graphs only where CUDA is; the CPU path is the plain eager loop (measured choice:
-        # docs/benchmarks/rollout-hf-cached-variants.md).
+        # Graphs only where CUDA is; the CPU path is the plain eager loop. Graphs rather than torch.compile:
+        # compiling a 24-layer step takes minutes per batch width, more than a rollout takes. Graph vs eager
+        # on CUDA is what conf/bench/rollout-hf-cached-variants.yaml measures (not yet run).
         self.cuda_graphs = device.startswith("cuda")
         self._cache: _Cache | None = None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
