@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_main(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true", "RAY_DEDUP_LOGS": "0"}
     return subprocess.run(
-        [sys.executable, "-m", "miniverl.main", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "miniverl.main", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
 
@@ -25,9 +29,17 @@ def run_main(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def test_gkd_runs_through_ray_actors(tmp_path, student_dir, teacher_dir):
     run_dir = tmp_path / "run"
     proc = run_main(
-        "+experiment=gkd", "trainer=smoke", f"model.student.path={student_dir}", f"model.teacher.path={teacher_dir}",
-        "data.min_len=2", "data.max_len=4", "data.prompts_per_step=4", "data.eval_prompts=8",
-        "rollout.max_new_tokens=6", "tracking.progress_bar=false", f"hydra.run.dir={run_dir}",
+        "+experiment=gkd",
+        "trainer=smoke",
+        f"model.student.path={student_dir}",
+        f"model.teacher.path={teacher_dir}",
+        "data.min_len=2",
+        "data.max_len=4",
+        "data.prompts_per_step=4",
+        "data.eval_prompts=8",
+        "rollout.max_new_tokens=6",
+        "tracking.progress_bar=false",
+        f"hydra.run.dir={run_dir}",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Ray dashboard:" in proc.stdout
