@@ -11,7 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_objectives_by_hand_runs():
     proc = subprocess.run(
-        [sys.executable, "examples/objectives_by_hand.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "examples/objectives_by_hand.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stderr
