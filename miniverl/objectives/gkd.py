@@ -9,8 +9,10 @@ Top-k support: only the teacher's K most likely tokens travel between actors. Th
 vocabulary is kept as one *tail bucket*: the divergence is computed over K + 1 categories, the K
 tokens plus the tail mass of each distribution (teacher: 1 - sum of its top-K probabilities, or the
 exact value when the scorer ships it; student: its exact mass outside the K ids). This is the
-divergence between the two distributions coarsened to K + 1 outcomes, so it never exceeds the full
-divergence and equals it once K covers the vocabulary.
+divergence between the two distributions coarsened to K + 1 outcomes. Merging outcomes maps p, q and
+their mixture m alike, so by the data processing inequality each KL term can only shrink: the result
+never exceeds the full divergence, grows with K for nested supports, and equals it once the tail holds
+at most one token (K >= V - 1).
 """
 
 from __future__ import annotations
