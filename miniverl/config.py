@@ -212,6 +212,11 @@ def validate(cfg: MiniVerlConfig) -> None:
             "objective pg_k1 samples at temperature 1 with no top-k/top-p; set rollout.temperature=1"
             " rollout.top_k=0 rollout.top_p=1",
         )
+    _require(
+        o.reward_coef == 0 or r.n > 1,
+        f"objective.reward_coef={o.reward_coef} with rollout.n=1: every GRPO group would hold one sample and its raw"
+        " score would be the advantage; set rollout.n >= 2 (or objective.reward_coef=0)",
+    )
     _require(cfg.resources.device in ("auto", "cpu", "cuda"), "resources.device must be auto, cpu or cuda")
     _require(
         cfg.tracking.wandb_mode in ("offline", "online", "disabled"),

@@ -143,7 +143,9 @@ def rollout_metrics(rollouts: RolloutBatch, scores: TeacherScores, rewards: torc
     """Metrics shared by every objective, so their curves are comparable.
 
     reverse_kl is the k1 estimate `mean_t [log q(y_t) - log p(y_t)]` over sampled tokens (the sampler's
-    log-probs against the teacher's), an unbiased per-token estimate of KL(q || p) at temperature 1.
+    log-probs against the teacher's), an unbiased per-token estimate of KL(q || p) only when the tokens
+    were sampled from q itself: temperature 1, no top-k/top-p. With other sampling settings (allowed for
+    gkd) the training-step value is biased; the evaluation always samples at temperature 1.
     """
     mask = rollouts.response_mask.float()
     return {

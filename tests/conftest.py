@@ -44,6 +44,16 @@ def random_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from a second thread, and on a shared 2-core machine an oversubscribed
+    thread pool made fixture builds 40x slower (measured: 96 s instead of 2.5 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -77,6 +77,10 @@ def test_wrong_types_fail_in_hydra():
         (["data.min_len=5", "data.max_len=2"], "min_len <= max_len"),
         (["objective.kl_kind=k4"], "objective.kl_kind"),
         (["tracking.wandb_mode=maybe"], "wandb_mode"),
+        (["+experiment=pg_k1", "rollout.n=1"], "rollout.n=1: every GRPO group"),
+        (["resources.gpus=-1"], "resources.gpus=-1"),
+        (["resources.gpus=4", "data.prompts_per_step=2"], "every learner rank needs a prompt group"),
+        (["resources.gpus=0", "resources.device=cuda"], "asks for no GPU"),
     ],
 )
 def test_validate_names_the_problem_and_the_fix(overrides, message):

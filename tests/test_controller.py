@@ -17,7 +17,7 @@ from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
 
 LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"), init_seed=0)
-CPU = ProcessSettings("cpu")
+CPU = ProcessSettings("cpu", torch_threads=1)  # see conftest: one thread for tiny models
 PARAMS = SamplingParams(n=2, max_new_tokens=6, stop_token_ids=(2,))
 
 

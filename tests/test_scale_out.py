@@ -20,7 +20,7 @@ from miniverl.workers.scorer import ScorerWorker
 from tests.test_protocol import make_batch
 
 LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"), init_seed=0)
-CPU = ProcessSettings("cpu")
+CPU = ProcessSettings("cpu", torch_threads=1)  # see conftest: one thread for tiny models
 
 
 def test_group_bounds_never_cut_a_group():
