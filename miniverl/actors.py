@@ -24,17 +24,18 @@ def remote_actor(
     return ray.remote(cls).options(**options).remote(*args, **kwargs)
 
 
-def gpu_placement_group(gpus: int, cpus_per_gpu: float, timeout_s: float = 120.0):
-    """One bundle {GPU: 1, CPU: cpus_per_gpu} per GPU, all on one host (STRICT_PACK), ready or an error."""
+def gpu_placement_group(cpus_per_bundle: list[float], timeout_s: float = 120.0):
+    """One bundle {GPU: 1, CPU: c} per entry, all on one host (STRICT_PACK), ready or an error."""
     import ray
     from ray.util.placement_group import placement_group
 
-    pg = placement_group([{"GPU": 1, "CPU": cpus_per_gpu}] * gpus, strategy="STRICT_PACK")
+    bundles = [{"GPU": 1, "CPU": c} for c in cpus_per_bundle]
+    pg = placement_group(bundles, strategy="STRICT_PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         raise ConfigError(
-            f"Ray could not place {gpus} bundles of 1 GPU + {cpus_per_gpu:g} CPU on one host within {timeout_s:g}s"
-            f" (cluster: {ray.cluster_resources()}); lower resources.gpus or the actors' num_cpus"
+            f"Ray could not place {len(bundles)} bundles {bundles} on one host within {timeout_s:g}s"
+            f" (cluster: {ray.cluster_resources()}); lower resources.gpus / scorer_gpus or the actors' num_cpus"
         )
     return pg
 

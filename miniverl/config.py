@@ -99,6 +99,9 @@ class ResourcesConfig:
     # scorer and a learner rank sharing the GPU by the fractions below) repeats on every GPU.
     # None: 1 when CUDA is visible, else 0 (no GPU resources asked).
     gpus: int | None = None
+    # 0: a scorer replica shares every GPU above. M > 0: M more GPUs of the same host hold one scorer
+    # replica each (the teacher gets a whole GPU), and the shared GPUs hold only rollout and learner.
+    scorer_gpus: int = 0
     ray_address: str | None = None  # None starts a local Ray cluster
     dashboard: bool = True  # start the Ray dashboard when the installed Ray has it
     torch_threads: int = 0  # per actor; 0 = all cores (the actors compute one at a time)
@@ -227,6 +230,13 @@ def validate(cfg: MiniVerlConfig) -> None:
     _require(
         g is None or d.prompts_per_step >= max(1, g),
         f"data.prompts_per_step={d.prompts_per_step} < resources.gpus={g}: every learner rank needs a prompt group",
+    )
+    sg = cfg.resources.scorer_gpus
+    _require(sg >= 0, f"resources.scorer_gpus={sg}: use 0 (scorer shares each GPU) or a GPU count")
+    _require(
+        sg == 0 or g != 0,
+        f"resources.scorer_gpus={sg} places the teacher on dedicated GPUs, but resources.gpus=0 asks for none;"
+        " set resources.gpus >= 1",
     )
     _require(
         not (g == 0 and cfg.resources.device == "cuda"),

@@ -16,6 +16,7 @@ from miniverl.models.builtin import BUILTIN_PREFIX, BUILTIN_ROLES, BuiltinRecipe
 from miniverl.models.loading import check_model_path, check_same_vocabulary, load_tokenizer
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives import build_objective
+from miniverl.placement import plan_placement
 from miniverl.protocol import ConfigError, PromptBatch
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
@@ -24,8 +25,6 @@ from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
-
-ACTORS = ("rollout", "scorer", "learner")
 
 
 def resolve_device(requested: str) -> str:
@@ -131,7 +130,8 @@ def resolve_gpus(cfg: MiniVerlConfig, device: str) -> int:
 
 
 def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str, list[Any]], Any]:
-    """One rollout, scorer and learner rank per GPU (one replica of each without GPUs).
+    """One rollout replica and learner rank per GPU (one of each without GPUs), and a scorer replica
+    on each of those GPUs or on each of resources.scorer_gpus dedicated GPUs.
 
     Rollout replicas start first (an engine such as vLLM claims its memory budget at start). With
     GPUs, every replica sits in its GPU's placement bundle and takes its fraction of that GPU.
@@ -140,22 +140,16 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
 
     res = cfg.resources
     gpus = resolve_gpus(cfg, setup.device)
-    replicas = max(1, gpus)
-    share = {a: getattr(res, a).num_gpus if gpus else 0.0 for a in ACTORS}
-    cpus = {a: getattr(res, a).num_cpus for a in ACTORS}
-    if gpus and sum(share.values()) > 1 + 1e-9:
-        raise ConfigError(
-            f"the actors on one GPU ask for {sum(share.values()):g} of it ({share}); the fractions"
-            " resources.<actor>.num_gpus must sum to at most 1"
-        )
-    want = {a: {"CPU": cpus[a] * replicas, "GPU": share[a] * replicas} for a in ACTORS}
-    check_cluster_resources(want, ray.cluster_resources())
-    pg = gpu_placement_group(gpus, sum(cpus.values())) if gpus else None
+    plan = plan_placement(res, gpus)
+    check_cluster_resources(plan.totals(), ray.cluster_resources())
+    pg = gpu_placement_group(plan.bundle_cpus) if plan.bundle_cpus else None
 
     def start(cls, actor: str, i: int, *args, **kwargs):
-        cap = res.emulate_gpu_gib * share[actor] if (setup.device == "cuda" and res.emulate_gpu_gib) else None
+        share = plan.num_gpus[actor]
+        cap = res.emulate_gpu_gib * share if (setup.device == "cuda" and res.emulate_gpu_gib) else None
         process = ProcessSettings(setup.device, res.torch_threads, cap)
-        return remote_actor(cls, cpus[actor], share[actor], (pg, i) if pg else None, *args, process, **kwargs)
+        place = (pg, plan.bundle[actor][i]) if pg else None
+        return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
 
     lora = LoraSettings(**{f.name: getattr(cfg.model.lora, f.name) for f in dataclasses.fields(LoraSettings)})
     lora = dataclasses.replace(lora, target_modules=tuple(lora.target_modules))
@@ -172,23 +166,26 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
         t.micro_batch_size,
     )
     rollouts = [
-        start(RolloutWorker, "rollout", i, cfg.rollout.backend, student, lora, m.student.dtype) for i in range(replicas)
+        start(RolloutWorker, "rollout", i, cfg.rollout.backend, student, lora, m.student.dtype)
+        for i in range(plan.count["rollout"])
     ]
     _wait_ready("rollout", rollouts)  # before the others claim memory
     actors = {
         "rollout": rollouts,
         "scorer": [
-            start(ScorerWorker, "scorer", i, teacher, m.teacher.dtype, t.micro_batch_size) for i in range(replicas)
+            start(ScorerWorker, "scorer", i, teacher, m.teacher.dtype, t.micro_batch_size)
+            for i in range(plan.count["scorer"])
         ],
         "learner": [
-            start(LearnerWorker, "learner", i, *learner_args, rank=i, world_size=replicas) for i in range(replicas)
+            start(LearnerWorker, "learner", i, *learner_args, rank=i, world_size=plan.count["learner"])
+            for i in range(plan.count["learner"])
         ],
     }
     _wait_ready("scorer", actors["scorer"])
     _wait_ready("learner", actors["learner"])
-    if replicas > 1:
+    if plan.count["learner"] > 1:
         host, port = call(actors["learner"][0], "distributed_address")
-        call_all(actors["learner"], "init_distributed", [(host, port)] * replicas)
+        call_all(actors["learner"], "init_distributed", [(host, port)] * plan.count["learner"])
     return actors, pg
 
 

@@ -10,7 +10,8 @@ import torch
 from miniverl.controller import StrictSyncController, combine_rank_metrics
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives.gkd import GkdObjective
-from miniverl.protocol import PromptBatch, concat_rollouts, group_bounds
+from miniverl.placement import plan_placement
+from miniverl.protocol import ConfigError, PromptBatch, concat_rollouts, group_bounds
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.workers import ProcessSettings
@@ -101,7 +102,7 @@ def test_two_logical_gpus_train_like_one(tmp_path, student_dir, teacher_dir):
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
         results = {}
-        for gpus in (1, 2):
+        for gpus, scorer_gpus in ((1, 0), (2, 0), (1, 1)):
             cfg = with_models(
                 student_dir,
                 teacher_dir,
@@ -117,17 +118,20 @@ def test_two_logical_gpus_train_like_one(tmp_path, student_dir, teacher_dir):
                 "resources.scorer.num_cpus=0.25",
                 "resources.learner.num_cpus=0.25",
                 "model.lora.rank=4",
+                f"resources.scorer_gpus={scorer_gpus}",
             )
-            run_dir = tmp_path / f"gpus{gpus}"
+            run_dir = tmp_path / f"gpus{gpus}-{scorer_gpus}"
             run_dir.mkdir()
             summary = train(cfg, run_dir, {}, log=lambda *_: None)
             assert summary["steps"] == 2
-            results[gpus] = load_file(str(run_dir / "checkpoint" / "adapter" / "adapter_model.safetensors"))
-        assert results[1].keys() == results[2].keys()
-        moved = sum((results[2][k] - results[1][k]).abs().max().item() for k in results[1])
-        for k in results[1]:
-            torch.testing.assert_close(results[2][k], results[1][k], atol=2e-5, rtol=1e-4)
-        assert moved < 1e-3
+            results[gpus, scorer_gpus] = load_file(
+                str(run_dir / "checkpoint" / "adapter" / "adapter_model.safetensors")
+            )
+        one, two, dedicated = results[1, 0], results[2, 0], results[1, 1]
+        assert one.keys() == two.keys() == dedicated.keys()
+        for k in one:
+            torch.testing.assert_close(two[k], one[k], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(dedicated[k], one[k], atol=1e-6, rtol=1e-5)  # same math, another process
         for _ in range(50):  # placement groups are released asynchronously
             if ray.available_resources().get("GPU", 0) == 2:
                 break
@@ -135,3 +139,37 @@ def test_two_logical_gpus_train_like_one(tmp_path, student_dir, teacher_dir):
         assert ray.available_resources().get("GPU", 0) == 2
     finally:
         ray.shutdown()
+
+
+def _resources(*overrides: str):
+    from tests.test_config import load
+
+    return load(*overrides).resources
+
+
+def test_placement_without_gpus_is_one_replica_each():
+    plan = plan_placement(_resources(), 0)
+    assert plan.count == {"rollout": 1, "scorer": 1, "learner": 1}
+    assert plan.bundle_cpus == [] and set(plan.num_gpus.values()) == {0.0}
+
+
+def test_placement_repeats_the_one_gpu_layout():
+    plan = plan_placement(_resources(), 2)
+    assert plan.count == {"rollout": 2, "scorer": 2, "learner": 2}
+    assert plan.num_gpus == {"rollout": 0.4, "scorer": 0.3, "learner": 0.3}
+    assert plan.bundle == {"rollout": [0, 1], "scorer": [0, 1], "learner": [0, 1]}
+    assert plan.bundle_cpus == [1.5, 1.5]
+    assert plan.totals()["rollout"] == {"CPU": 1.0, "GPU": 0.8}
+
+
+def test_placement_with_dedicated_scorer_gpus():
+    plan = plan_placement(_resources("resources.scorer_gpus=1", "resources.learner.num_gpus=0.6"), 2)
+    assert plan.count == {"rollout": 2, "scorer": 1, "learner": 2}
+    assert plan.num_gpus["scorer"] == 1.0
+    assert plan.bundle == {"rollout": [0, 1], "scorer": [2], "learner": [0, 1]}
+    assert plan.bundle_cpus == [1.0, 1.0, 0.5]
+
+
+def test_placement_refuses_an_overfull_gpu():
+    with pytest.raises(ConfigError, match="must sum to at most 1"):
+        plan_placement(_resources("resources.learner.num_gpus=0.5"), 1)
