@@ -29,7 +29,7 @@ def main(steps: int) -> None:
     cfg.trainer.total_steps = steps
     setup = prepare(cfg)
     objective = build_objective(cfg.objective)
-    lora = LoraSettings(**{f.name: getattr(cfg.model.lora, f.name) for f in dataclasses.fields(LoraSettings)})
+    lora = LoraSettings.from_config(cfg.model.lora)
     cpu = ProcessSettings("cpu")
     t = cfg.trainer
     rollout = RolloutWorker(cfg.rollout.backend, setup.paths["student"], lora, "auto", cpu)

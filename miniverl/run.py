@@ -151,8 +151,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
         place = (pg, plan.bundle[actor][i]) if pg else None
         return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
 
-    lora = LoraSettings(**{f.name: getattr(cfg.model.lora, f.name) for f in dataclasses.fields(LoraSettings)})
-    lora = dataclasses.replace(lora, target_modules=tuple(lora.target_modules))
+    lora = LoraSettings.from_config(cfg.model.lora)
     t, m = cfg.trainer, cfg.model
     student, teacher = setup.paths["student"], setup.paths["teacher"]
     learner_args = (

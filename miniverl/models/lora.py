@@ -17,6 +17,11 @@ class LoraSettings:
     target_modules: tuple[str, ...]
     init_seed: int
 
+    @classmethod
+    def from_config(cls, cfg) -> LoraSettings:
+        """Built from the `model.lora` config section (the builder; the rest takes plain values)."""
+        return cls(cfg.rank, cfg.alpha, cfg.dropout, tuple(cfg.target_modules), cfg.init_seed)
+
 
 def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: str):
     """Base model from `path` wrapped with a fresh adapter; lora_B starts at 0, so it serves the base."""
