@@ -49,6 +49,23 @@ class ModelConfig:
 
 
 @dataclass
+class VllmRolloutConfig:
+    """rollout=vllm only (miniverl/rollout/vllm.py); docs/benchmarks/rollout-rl-sizes.md measured the choices."""
+
+    refresh: str = "adapter"  # adapter: a new LoRA request per version | merged: adapter merged into the base in place
+    enforce_eager: bool = False  # True turns CUDA graphs off (engine start ~30 s instead of ~90 s)
+    engine_process: str = "inprocess"  # inprocess: engine core in the actor | subprocess: vLLM's own child process
+    seeding: str = "row"  # row: one seed per sampled row (the project's rule) | prompt: one seed per prompt, n samples
+    max_num_seqs: int = 0  # rows decoded at once; 0 = the largest rollout batch of the run
+    cudagraph_capture_size: int = 0  # largest decode batch with a CUDA graph; 0 = max_num_seqs
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = False
+    sleep_between_steps: bool = False  # sleep(level=1) after generating: weights to host memory, KV cache freed
+    kv_cache_gib: float | None = None  # explicit KV cache size; null = derived from the actor's GPU share
+    adapter_root: str = "/dev/shm"  # adapter versions are written here (shared memory), one at a time
+
+
+@dataclass
 class RolloutConfig:
     backend: str = "hf_reference"  # a name in miniverl.rollout.BACKENDS
     n: int = 2  # N: samples per prompt
@@ -57,6 +74,7 @@ class RolloutConfig:
     top_p: float = 1.0  # 1 = off
     max_new_tokens: int = 16
     seed: int = 0
+    vllm: VllmRolloutConfig = field(default_factory=VllmRolloutConfig)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from miniverl.actors import call, call_all, check_cluster_resources, gpu_placeme
 from miniverl.config import MiniVerlConfig, validate
 from miniverl.controller import StrictSyncController, rollout_metrics
 from miniverl.data.prompts import PromptSource
+from miniverl.gpu_memory import device_used_gib
 from miniverl.models.builtin import BUILTIN_PREFIX, BUILTIN_ROLES, BuiltinRecipe, ensure_builtin_models
 from miniverl.models.loading import check_model_path, check_same_vocabulary, load_tokenizer
 from miniverl.models.lora import LoraSettings
@@ -20,6 +21,7 @@ from miniverl.placement import plan_placement
 from miniverl.protocol import ConfigError, PromptBatch
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
+from miniverl.rollout.vllm_settings import require_vllm, settings_from_config
 from miniverl.tracking import Tracker
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
@@ -78,6 +80,8 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
 
     validate(cfg)
     device = resolve_device(cfg.resources.device)
+    if cfg.rollout.backend == "vllm":
+        require_vllm(device)
     paths = resolve_model_paths(cfg, log)
     student_tok = load_tokenizer(paths["student"], "model.student.path")
     teacher_tok = load_tokenizer(paths["teacher"], "model.teacher.path")
@@ -164,8 +168,13 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
         t.max_grad_norm,
         t.micro_batch_size,
     )
+    options = {}
+    if cfg.rollout.backend == "vllm":
+        share = plan.num_gpus["rollout"]
+        cap = res.emulate_gpu_gib * share if res.emulate_gpu_gib else None
+        options = {"settings": settings_from_config(cfg, share, cap)}
     rollouts = [
-        start(RolloutWorker, "rollout", i, cfg.rollout.backend, student, lora, m.student.dtype)
+        start(RolloutWorker, "rollout", i, cfg.rollout.backend, student, lora, m.student.dtype, backend_options=options)
         for i in range(plan.count["rollout"])
     ]
     _wait_ready("rollout", rollouts)  # before the others claim memory
@@ -270,6 +279,9 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
         for step in range(t.total_steps):
             step_params = dataclasses.replace(params, seed=r.seed * 100_003 + step)
             metrics = controller.step(setup.train_batches[step], step_params)
+            used = device_used_gib() if setup.device == "cuda" else None
+            if used is not None:  # after every refresh: a flat curve shows no memory leak per policy version
+                metrics["gpu/device_used_gib"] = used
             done = step + 1
             if done == t.total_steps or (t.eval_every and done % t.eval_every == 0):
                 last = evaluate(controller, setup.eval_batch, cfg, setup.stop_token_ids, reward_fn)

@@ -67,7 +67,7 @@ def speedup(r, results: list, cfg) -> tuple[float | None, str]:
         if b.label == cfg.baseline and (b.length, b.prompts, b.samples) == (r.length, r.prompts, r.samples)
     )
     mine = statistics.median(r.tokens_per_s)
-    if base.status == "valid":
+    if base.status in ("valid", "unjudged") and base.tokens_per_s:  # unjudged: a speed-only baseline
         return mine / statistics.median(base.tokens_per_s), ""
     if any(reason.startswith("time cap") for reason in base.reasons):
         cap = cfg.backends[cfg.baseline].time_cap_s

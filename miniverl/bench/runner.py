@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from miniverl.bench import invalidation, oracle
+from miniverl.bench.baselines import BASELINES
 from miniverl.bench.config import BackendPlan, BenchConfig
 from miniverl.bench.report import write_report
 from miniverl.bench.workload import (
@@ -75,9 +76,15 @@ class Context:
     model_dir: Path
     adapter: dict[str, torch.Tensor] | None = None
 
-    def build(self, name: str):
-        backend = BACKENDS.get(name)(
-            model_path=str(self.model_dir), lora=lora_settings(self.cfg.adapter), dtype=self.dtype, device=self.device
+    def build(self, name: str, options: dict | None = None):
+        """A product backend or a bench baseline, serving the bench's adapter. `options` go to the constructor."""
+        cls = BASELINES[name] if name in BASELINES else BACKENDS.get(name)
+        backend = cls(
+            model_path=str(self.model_dir),
+            lora=lora_settings(self.cfg.adapter),
+            dtype=self.dtype,
+            device=self.device,
+            **(options or {}),
         )
         if self.adapter is None:
             self.adapter = make_adapter(backend.adapter_weights(), self.cfg.adapter)
@@ -117,17 +124,28 @@ def resolve_device(name: str) -> str:
 
 
 def run_backend(ctx: Context, plan: BackendPlan, results: list[CellResult], log, checkpoint=lambda: None) -> None:
-    if plan.backend not in BACKENDS:
+    if plan.backend not in BACKENDS and plan.backend not in BASELINES:
         for r in results:
             r.stop(
                 "not_run", f"backend {plan.backend!r} does not exist yet (registered: {', '.join(BACKENDS.names())})"
             )
         log(f"[bench] {plan.backend}: not run ({results[0].reasons[0]})")
         return
+    if plan.backend in ("vllm", "raw_vllm"):
+        from miniverl.rollout.vllm_settings import require_vllm
+
+        try:
+            require_vllm(ctx.device)
+        except ConfigError as e:
+            for r in results:
+                r.stop("not_run", str(e))
+            log(f"[bench] {plan.backend}: not run ({e})")
+            return
     try:
         t0 = time.perf_counter()
-        backend = ctx.build(plan.backend)
-        for key, value in plan.attributes.items():
+        options, attributes = constructor_options(ctx.cfg, plan)
+        backend = ctx.build(plan.backend, options)
+        for key, value in attributes.items():
             if not hasattr(backend, key):
                 raise ConfigError(f"backend {plan.backend!r} has no attribute {key!r} to set")
             setattr(backend, key, value)
@@ -146,8 +164,51 @@ def run_backend(ctx: Context, plan: BackendPlan, results: list[CellResult], log,
         run_cell(ctx, plan, backend, r)
         log(f"[bench] {_describe(r)}", flush=True)
         checkpoint()
+    if hasattr(backend, "close"):  # an engine (vLLM) frees its memory and process state before the next one
+        backend.close()
     del backend
     _release(ctx.device)
+
+
+def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict]:
+    """Split a plan's attributes into constructor options and attributes set afterwards.
+
+    vllm and raw_vllm are sized at construction: their attributes are constructor arguments, and the bench's
+    cells fix the engine's row count and context length. Other backends get attributes set on the instance.
+    """
+    rows = max(g * n for g, n in cfg.shapes)
+    context = cfg.workload.prompt_max_len + max(cfg.lengths)
+    if plan.backend == "raw_vllm":
+        return {"max_num_seqs": rows, "max_model_len": context, **plan.attributes}, {}
+    if plan.backend == "vllm":
+        from miniverl.config import VllmRolloutConfig
+        from miniverl.rollout.vllm_settings import VllmSettings
+
+        # A bench preregistered before the backend existed (rollout-runtime-v3) names no attributes: it gets
+        # the product's defaults and half the GPU.
+        product = VllmRolloutConfig()
+        a = {
+            "refresh": product.refresh,
+            "seeding": product.seeding,
+            "enforce_eager": product.enforce_eager,
+            "engine_process": product.engine_process,
+            "async_scheduling": product.async_scheduling,
+            "gpu_share": 0.5,
+        } | dict(plan.attributes)
+        capture = a.pop("cudagraph_capture_size", rows)
+        settings = VllmSettings(
+            max_num_seqs=rows,
+            cudagraph_capture_size=capture,
+            max_model_len=context,
+            gpu_cap_gib=None,
+            kv_cache_gib=None,
+            adapter_root="/dev/shm",
+            sleep_between_steps=False,
+            enable_prefix_caching=True,
+            **a,
+        )
+        return {"settings": settings}, {}
+    return {}, dict(plan.attributes)
 
 
 def run_cell(ctx: Context, plan: BackendPlan, backend, r: CellResult) -> None:
@@ -209,6 +270,10 @@ def _time_cap(backend, deadline: float, cap_s: float):
 
 def judge(ctx: Context, results: list[CellResult], log) -> None:
     """Apply the preregistered rules to every cell that finished its runs."""
+    for r in results:
+        if r.completions is not None and not any(c.logprobs for c in r.completions):
+            r.stop("unjudged", "the backend returns no log-probs, so the oracle cannot judge it (speed only)")
+            r.completions = None
     measured = [r for r in results if r.completions is not None]
     if not measured:
         return

@@ -37,3 +37,4 @@ class RolloutBackend(Protocol):
 BACKENDS = Registry("rollout backend", "rollout.backend")
 BACKENDS.register("hf_reference", "miniverl.rollout.hf_reference:HFReferenceBackend")
 BACKENDS.register("hf_cached", "miniverl.rollout.hf_cached:HFCachedBackend")
+BACKENDS.register("vllm", "miniverl.rollout.vllm:VllmBackend")

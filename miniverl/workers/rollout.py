@@ -20,10 +20,23 @@ from miniverl.workers import ProcessSettings, memory_report, setup_process
 
 
 class RolloutWorker:
-    def __init__(self, backend: str, model_path: str, lora: LoraSettings, dtype: str, process: ProcessSettings) -> None:
+    def __init__(
+        self,
+        backend: str,
+        model_path: str,
+        lora: LoraSettings,
+        dtype: str,
+        process: ProcessSettings,
+        backend_options: dict | None = None,
+    ) -> None:
+        """`backend_options`: extra keyword arguments of that backend (vllm: `settings`), built by the run."""
         self.device = setup_process(process)
         self.backend = BACKENDS.get(backend)(
-            model_path=model_path, lora=lora, dtype=torch_dtype(dtype, self.device), device=self.device
+            model_path=model_path,
+            lora=lora,
+            dtype=torch_dtype(dtype, self.device),
+            device=self.device,
+            **(backend_options or {}),
         )
         self.served: PolicyIdentity | None = None
 

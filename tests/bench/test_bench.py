@@ -133,7 +133,7 @@ def test_missing_bench_choice_is_a_clear_error():
 
 def test_smoke_bench_end_to_end_reports_every_cell(tmp_path):
     """The CPU smoke config through the real command. The oracle's own time cap is set to 0 so one cell is
-    invalid for a known reason; vllm does not exist yet, so its cell is not run."""
+    invalid for a known reason; vllm needs a GPU, so on the CPU its cell is not run."""
     cmd = [
         sys.executable,
         "-m",
@@ -149,7 +149,7 @@ def test_smoke_bench_end_to_end_reports_every_cell(tmp_path):
     cells = {c["label"]: c for c in doc["cells"]}
     assert set(cells) == {"hf_reference", "hf_cached", "vllm"}
     assert cells["hf_reference"]["status"] == "invalid" and cells["hf_reference"]["reasons"][0].startswith("time cap")
-    assert cells["vllm"]["status"] == "not_run" and "does not exist" in cells["vllm"]["reasons"][0]
+    assert cells["vllm"]["status"] == "not_run" and "needs a CUDA GPU" in cells["vllm"]["reasons"][0]
     fast = cells["hf_cached"]
     assert fast["status"] == "valid", fast["reasons"]
     assert len(fast["tokens_per_s"]) == 2 and fast["median_tokens_per_s"] > 0
@@ -159,5 +159,5 @@ def test_smoke_bench_end_to_end_reports_every_cell(tmp_path):
     assert doc["versions"]["torch"] and doc["date_utc"] and doc["machine"]["cpu_count"]
     md = (tmp_path / "rollout-smoke.md").read_text()
     assert "| hf_reference | 12 | 2 x 2 | invalid: time cap" in md
-    assert "| vllm | 12 | 2 x 2 | not_run: backend 'vllm' does not exist yet" in md
+    assert "| vllm | 12 | 2 x 2 | not_run: rollout=vllm needs a CUDA GPU" in md
     assert "Command: `python -m miniverl.bench +bench=rollout-smoke" in md

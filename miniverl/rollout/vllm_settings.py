@@ -1,0 +1,252 @@
+"""What the vLLM backend needs to know, as plain values, and the arithmetic that must not need a GPU to test.
+
+Nothing here imports vLLM: `import miniverl` and the CPU tests never do. The backend itself is
+miniverl/rollout/vllm.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from miniverl.protocol import ConfigError
+
+# LoRA ranks vLLM 0.26 can be started with (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Memory the engine needs beside weights and KV cache when we size the KV cache ourselves: CUDA graphs,
+# the sampler's [rows, V] fp32 logits (256 rows x 152k vocab = 0.15 GiB), activations of the profile run
+# and the CUDA context's share. vLLM's own profile run measures this when it sizes the cache; under a 16 GB
+# emulation cap that profile sees the whole H200 free, so the KV size must come from us (issue 8).
+ENGINE_OVERHEAD_GIB = 1.5
+REFRESH_MODES = ("adapter", "merged")
+ENGINE_PROCESSES = ("inprocess", "subprocess")
+SEEDING = ("row", "prompt")
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """The `rollout.vllm` config section plus what the builder derives from the rest of the run."""
+
+    refresh: str  # adapter: a new LoRA request per version; merged: adapter merged into the base in place
+    enforce_eager: bool  # True turns CUDA graphs off
+    engine_process: str  # inprocess: engine core inside the actor; subprocess: vLLM's child process
+    seeding: str  # row: one request (and seed) per sampled row; prompt: one request with n samples per prompt
+    max_num_seqs: int  # rows the engine decodes at once
+    cudagraph_capture_size: int  # largest decode batch captured as a CUDA graph
+    max_model_len: int  # prompt + response tokens of the longest row
+    enable_prefix_caching: bool
+    async_scheduling: bool
+    sleep_between_steps: bool  # sleep(level=1) after generating, wake before the next use
+    gpu_share: float  # the fraction of the device Ray gave this actor
+    gpu_cap_gib: float | None  # the 16 GB emulation cap of this actor (None: no cap)
+    kv_cache_gib: float | None  # explicit KV budget; None derives it
+    adapter_root: str  # where adapter versions are written (shared memory, not the run directory)
+
+
+def require_vllm(device: str) -> None:
+    """Fail before any actor starts when vLLM cannot run here, saying what to install or change."""
+    if device != "cuda":
+        raise ConfigError(
+            "rollout=vllm needs a CUDA GPU but this run computes on the CPU; use rollout=hf_cached"
+            " (or hf_reference) on a machine without a GPU"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout=vllm but vLLM is not installed; pip install -e '.[vllm]' (vLLM 0.26.0, built for torch 2.11"
+            " + CUDA 13), or use rollout=hf_cached"
+        )
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM can be started with that holds a rank-`rank` adapter."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ConfigError(
+        f"model.lora.rank={rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}; lower model.lora.rank"
+        " or use rollout.vllm.refresh=merged (no LoRA kernels, any rank)"
+    )
+
+
+def check_settings(s: VllmSettings) -> None:
+    if s.refresh not in REFRESH_MODES:
+        raise ConfigError(f"rollout.vllm.refresh={s.refresh!r}: use one of {', '.join(REFRESH_MODES)}")
+    if s.engine_process not in ENGINE_PROCESSES:
+        raise ConfigError(f"rollout.vllm.engine_process={s.engine_process!r}: use one of {', '.join(ENGINE_PROCESSES)}")
+    if s.seeding not in SEEDING:
+        raise ConfigError(f"rollout.vllm.seeding={s.seeding!r}: use one of {', '.join(SEEDING)}")
+    if s.refresh == "merged" and s.engine_process != "inprocess":
+        # The merged weights are handed to the engine's model as GPU tensors; a child process would get
+        # them pickled through a socket every step.
+        raise ConfigError(
+            "rollout.vllm.refresh=merged loads weights into the engine's model in place, which needs"
+            " rollout.vllm.engine_process=inprocess"
+        )
+    if s.kv_cache_gib is not None and s.kv_cache_gib <= 0:
+        raise ConfigError(f"rollout.vllm.kv_cache_gib={s.kv_cache_gib}: use a positive size or null (derived)")
+
+
+def checkpoint_bytes(model_dir: str, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights in `dtype`, read from the safetensors headers (no weights loaded)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).expanduser().glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir!r} has no *.safetensors weights; rollout=vllm loads safetensors checkpoints")
+    numel = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shape = h.get_slice(key).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                numel += n
+    return numel * torch.finfo(dtype).bits // 8
+
+
+def memory_plan(s: VllmSettings, total_bytes: int, weight_bytes: int) -> tuple[float, int | None]:
+    """(gpu_memory_utilization, kv_cache_memory_bytes or None) for the engine.
+
+    vLLM's gpu_memory_utilization is a fraction of the *whole* device, and vLLM refuses to start when less
+    than that is free (vllm/v1/worker/utils.py request_memory). Without a cap the actor's Ray share is that
+    fraction and vLLM profiles the KV size itself. Under the 16 GB emulation cap the utilization becomes
+    cap / device (so the free-memory check asks for what the cap allows) and the KV size is explicit:
+    cap - weights - ENGINE_OVERHEAD_GIB, or rollout.vllm.kv_cache_gib.
+    """
+    explicit = None if s.kv_cache_gib is None else int(s.kv_cache_gib * 2**30)
+    if s.gpu_cap_gib is None:
+        return s.gpu_share, explicit
+    cap = int(s.gpu_cap_gib * 2**30)
+    kv = explicit if explicit is not None else cap - weight_bytes - int(ENGINE_OVERHEAD_GIB * 2**30)
+    if kv <= 0 or kv + weight_bytes > cap:
+        raise ConfigError(
+            f"the vLLM rollout actor's cap is {s.gpu_cap_gib:.2f} GiB (resources.rollout.num_gpus={s.gpu_share:g} x"
+            f" resources.emulate_gpu_gib), the student's weights take {weight_bytes / 2**30:.2f} GiB and the engine"
+            f" needs ~{ENGINE_OVERHEAD_GIB} GiB besides, leaving {kv / 2**30:.2f} GiB for the KV cache; raise"
+            " resources.rollout.num_gpus or set rollout.vllm.kv_cache_gib smaller"
+        )
+    return min(1.0, cap / total_bytes), kv
+
+
+def adapter_config(rank: int, alpha: float, target_modules: tuple[str, ...], base: str) -> dict:
+    """A peft adapter_config.json for the learner's adapter (plain LoRA: no DoRA, no rsLoRA, no bias)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(target_modules),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "lora_dropout": 0.0,
+        "base_model_name_or_path": base,
+    }
+
+
+class AdapterStore:
+    """Policy versions as peft adapter folders under one directory in shared memory.
+
+    `write` makes `<root>/v<version>` (weights, then config, then an atomic rename, so the engine never
+    reads half a folder) and deletes every older version: adapters never pile up in /dev/shm.
+    """
+
+    def __init__(self, root: str, config: dict) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.config = config
+
+    def write(self, version: int, weights: dict[str, torch.Tensor]) -> Path:
+        from safetensors.torch import save_file
+
+        final = self.root / f"v{version}"
+        tmp = self.root / f".v{version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(self.config))
+        tmp.rename(final)
+        for old in self.root.iterdir():
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def versions(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir())
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def merged_weights(
+    base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scale: float, device: str
+) -> dict[str, torch.Tensor]:
+    """W + scale * B @ A for every adapted linear layer, under the base checkpoint's names.
+
+    `base` maps `model.layers.0.self_attn.q_proj.weight` to W [out, in]; `adapter` holds peft's
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` [r, in] and `...lora_B.weight`
+    [out, r]. The sum is taken in fp32 and rounded once to W's dtype, as hf_cached merges.
+    Shapes: -> {name: [out, in]} on `device`.
+    """
+    out = {}
+    for name, a in adapter.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = adapter[name.replace(".lora_A.", ".lora_B.")]
+        w = base[f"{module}.weight"]
+        delta = b.to(device, torch.float32) @ a.to(device, torch.float32)  # [out, in]
+        out[f"{module}.weight"] = (w.to(device, torch.float32) + scale * delta).to(w.dtype)
+    return out
+
+
+def base_linear_weights(model_dir: str, adapter_names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights of every layer the adapter touches, in `dtype`, pinned on the CPU."""
+    from safetensors import safe_open
+
+    wanted = {
+        n.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+        for n in adapter_names
+        if n.endswith(".lora_A.weight")
+    }
+    out = {}
+    for f in sorted(Path(model_dir).expanduser().glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for key in wanted & set(h.keys()):
+                t = h.get_tensor(key).to(dtype)
+                out[key] = t.pin_memory() if torch.cuda.is_available() else t
+    missing = sorted(wanted - set(out))
+    if missing:
+        raise ConfigError(f"the checkpoint at {model_dir!r} lacks {missing[:3]}: the adapter does not fit this model")
+    return out
+
+
+def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> VllmSettings:
+    """The builder: `rollout.vllm` plus the sizes the rest of the run implies (the one place reading config)."""
+    v, r, d = cfg.rollout.vllm, cfg.rollout, cfg.data
+    rows = max(d.prompts_per_step * r.n, d.eval_prompts)  # the largest generate call of the run
+    max_num_seqs = v.max_num_seqs or rows
+    settings = VllmSettings(
+        refresh=v.refresh,
+        enforce_eager=v.enforce_eager,
+        engine_process=v.engine_process,
+        seeding=v.seeding,
+        max_num_seqs=max_num_seqs,
+        cudagraph_capture_size=v.cudagraph_capture_size or max_num_seqs,
+        max_model_len=d.max_prompt_length + r.max_new_tokens,
+        enable_prefix_caching=v.enable_prefix_caching,
+        async_scheduling=v.async_scheduling,
+        sleep_between_steps=v.sleep_between_steps,
+        gpu_share=gpu_share,
+        gpu_cap_gib=gpu_cap_gib,
+        kv_cache_gib=v.kv_cache_gib,
+        adapter_root=v.adapter_root,
+    )
+    check_settings(settings)
+    return settings

@@ -1,0 +1,155 @@
+"""The vLLM backend's CPU-side parts: settings, memory arithmetic, adapter folders, the merge, and the
+errors a user sees when vLLM cannot run. vLLM itself runs only in tests/rollout/test_vllm_gpu.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miniverl.config import MiniVerlConfig
+from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model
+from miniverl.protocol import ConfigError
+from miniverl.rollout.vllm_settings import (
+    ENGINE_OVERHEAD_GIB,
+    AdapterStore,
+    VllmSettings,
+    adapter_config,
+    base_linear_weights,
+    check_settings,
+    checkpoint_bytes,
+    memory_plan,
+    merged_weights,
+    require_vllm,
+    settings_from_config,
+    vllm_lora_rank,
+)
+
+GIB = 2**30
+LORA = LoraSettings(4, 8.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 0)
+
+
+def settings(**kw) -> VllmSettings:
+    cfg = MiniVerlConfig()
+    return settings_from_config(cfg, kw.pop("share", 0.4), kw.pop("cap", None)).__class__(
+        **(settings_from_config(cfg, 0.4, None).__dict__ | kw)
+    )
+
+
+def test_importing_the_backend_module_does_not_import_vllm():
+    import miniverl.rollout.vllm  # noqa: F401
+
+    assert "vllm" not in sys.modules
+
+
+def test_settings_from_config_size_the_engine_for_the_run():
+    cfg = MiniVerlConfig()
+    cfg.data.prompts_per_step, cfg.rollout.n, cfg.data.eval_prompts = 64, 4, 32
+    cfg.data.max_prompt_length, cfg.rollout.max_new_tokens = 100, 512
+    s = settings_from_config(cfg, 0.4, 6.4)
+    assert (s.max_num_seqs, s.cudagraph_capture_size, s.max_model_len) == (256, 256, 612)
+    assert (s.gpu_share, s.gpu_cap_gib, s.refresh, s.seeding) == (0.4, 6.4, "adapter", "row")
+    cfg.rollout.vllm.cudagraph_capture_size = 128
+    assert settings_from_config(cfg, 0.4, None).cudagraph_capture_size == 128
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "names"),
+    [
+        ("refresh", "copy", "rollout.vllm.refresh"),
+        ("engine_process", "thread", "rollout.vllm.engine_process"),
+        ("seeding", "batch", "rollout.vllm.seeding"),
+        ("kv_cache_gib", 0.0, "rollout.vllm.kv_cache_gib"),
+    ],
+)
+def test_bad_settings_name_the_key(field, value, names):
+    with pytest.raises(ConfigError, match=names):
+        check_settings(settings(**{field: value}))
+
+
+def test_merged_refresh_needs_the_engine_in_process():
+    with pytest.raises(ConfigError, match="engine_process=inprocess"):
+        check_settings(settings(refresh="merged", engine_process="subprocess"))
+
+
+def test_lora_rank_rounds_up_to_what_vllm_supports_and_refuses_above():
+    assert [vllm_lora_rank(r) for r in (1, 2, 16, 17, 300, 512)] == [1, 8, 16, 32, 320, 512]
+    with pytest.raises(ConfigError, match=r"model.lora.rank=513.*refresh=merged"):
+        vllm_lora_rank(513)
+
+
+def test_memory_plan_uncapped_uses_the_ray_share():
+    assert memory_plan(settings(gpu_share=0.4), 140 * GIB, 1 * GIB) == (0.4, None)
+    assert memory_plan(settings(gpu_share=0.4, kv_cache_gib=3.0), 140 * GIB, GIB) == (0.4, 3 * GIB)
+
+
+def test_memory_plan_under_a_cap_gives_an_explicit_kv_budget():
+    util, kv = memory_plan(settings(gpu_share=0.4, gpu_cap_gib=6.4), 140 * GIB, 1 * GIB)
+    assert util == pytest.approx(6.4 / 140)
+    assert kv == int(6.4 * GIB) - GIB - int(ENGINE_OVERHEAD_GIB * GIB)
+
+
+def test_memory_plan_refuses_a_cap_the_weights_do_not_fit_with_the_numbers():
+    with pytest.raises(ConfigError, match=r"cap is 1.60 GiB.*weights take 1.00 GiB.*resources.rollout.num_gpus"):
+        memory_plan(settings(gpu_share=0.1, gpu_cap_gib=1.6), 140 * GIB, GIB)
+    with pytest.raises(ConfigError, match="kv_cache_gib smaller"):
+        memory_plan(settings(gpu_cap_gib=6.0, kv_cache_gib=5.5), 140 * GIB, GIB)
+
+
+def test_require_vllm_explains_what_is_missing(monkeypatch):
+    with pytest.raises(ConfigError, match="needs a CUDA GPU.*rollout=hf_cached"):
+        require_vllm("cpu")
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"pip install -e '.\[vllm\]'"):
+        require_vllm("cuda")
+
+
+def test_a_vllm_run_on_the_cpu_stops_before_any_actor(student_dir, teacher_dir):
+    from miniverl.run import prepare
+    from tests.test_config import with_models
+
+    cfg = with_models(student_dir, teacher_dir, "rollout=vllm", "resources.device=cpu")
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        prepare(cfg, log=lambda *_: None)
+
+
+def test_adapter_store_keeps_one_version_and_cleans_up(tmp_path):
+    store = AdapterStore(str(tmp_path / "shm"), adapter_config(4, 8.0, ("q_proj",), "base"))
+    w = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 8)}
+    for v in (1, 2, 3):
+        path = store.write(v, w)
+    assert store.versions() == ["v3"] and path == tmp_path / "shm" / "v3"
+    assert {p.name for p in path.iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
+    store.close()
+    assert not (tmp_path / "shm").exists()
+
+
+def test_merged_weights_equal_peft_merge(random_model_dir):
+    """W + (alpha/r) B A under the checkpoint's names is exactly what peft's merge serves."""
+    model = build_lora_model(str(random_model_dir), LORA, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    adapter = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in adapter_state(model).items()}
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(model, adapter)
+    expected = {k: v for k, v in model.merge_and_unload().state_dict().items() if k.endswith("proj.weight")}
+    base = base_linear_weights(str(random_model_dir), list(adapter), torch.float32)
+    merged = merged_weights(base, adapter, LORA.alpha / LORA.rank, "cpu")
+    assert set(merged) == set(expected) and len(merged) == 7 * 2
+    for k, v in merged.items():
+        torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6)
+
+
+def test_checkpoint_bytes_reads_headers(random_model_dir):
+    """bf16 serving bytes of every tensor in the checkpoint, whatever dtype it was saved in (fp32 here)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(next(Path(random_model_dir).glob("*.safetensors"))))
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    assert checkpoint_bytes(str(random_model_dir), torch.bfloat16) == 2 * sum(t.numel() for t in tensors.values())
+    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+        checkpoint_bytes(str(Path(random_model_dir).parent), torch.bfloat16)
