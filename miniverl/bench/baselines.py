@@ -111,24 +111,27 @@ class HFGenerate:
     """Hugging Face `model.generate` on the peft model (unmerged LoRA, dynamic cache), n samples per prompt.
 
     It returns no log-probs: keeping every step's [rows, V] scores alive would not fit at these sizes, so the
-    oracle does not judge its cells. `model` is exposed so the bench's time cap can stop it mid-run.
+    oracle does not judge its cells. `model` is the transformers model inside the peft wrapper: the bench's
+    time cap hooks its forward, which peft's generate calls directly (a hook on the wrapper never fired: the
+    first RL-size run let model.generate run 75 s past a 40 s cap).
     """
 
     def __init__(self, model_path: str, lora: LoraSettings, dtype: torch.dtype, device: str) -> None:
         self.device = device
-        self.model = build_lora_model(model_path, lora, dtype, device).eval()
+        self.peft = build_lora_model(model_path, lora, dtype, device).eval()
+        self.model = self.peft.get_base_model()
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
-        return adapter_state(self.model)
+        return adapter_state(self.peft)
 
     def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
-        load_adapter_state(self.model, weights)
+        load_adapter_state(self.peft, weights)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         ids, mask = left_pad(prompts)
         torch.manual_seed(params.seed)
-        out = self.model.generate(
+        out = self.peft.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             do_sample=True,
