@@ -90,7 +90,9 @@ def test_validate_names_the_problem_and_the_fix(overrides, message):
 
 def test_prepare_accepts_good_models(student_dir, teacher_dir):
     setup = prepare(with_models(student_dir, teacher_dir), log=lambda *_: None)
-    assert len(setup.train_batches) == 2 and setup.stop_token_ids == (2,)
+    assert setup.stop_token_ids == (2,) and setup.vocab_size == 43
+    assert setup.prompts.batch(1, 4).prompt_ids == setup.prompts.batch(1, 4).prompt_ids
+    assert setup.eval_batch.data_source[0] == "reverse"
 
 
 def test_missing_model_path(tmp_path, teacher_dir):
