@@ -8,6 +8,7 @@ wrong type, fails in Hydra before anything starts. `validate` then checks what t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from miniverl.protocol import ConfigError
 
@@ -233,6 +234,11 @@ def validate(cfg: MiniVerlConfig) -> None:
         not d.val_files or d.train_files,
         "data.val_files is set but data.train_files is empty; give the training file too (data.train_files=[...])",
     )
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        missing = [f for f in files if not Path(f).expanduser().is_file()]
+        _require(
+            not missing, f"{key}: {missing[:1]} does not exist; pass existing .jsonl or .parquet files ({key}=[...])"
+        )
     _require(t.eval_samples >= 0, f"trainer.eval_samples={t.eval_samples}: must be >= 0")
     _require(
         0 <= cfg.model.builtin_min_teacher_accuracy <= 1,
