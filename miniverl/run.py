@@ -302,6 +302,7 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
             "wall_seconds": time.perf_counter() - started,
             "checkpoint": checkpoint,
             "metrics_file": str(tracker.metrics_path),
+            "overlong_prompts_filtered": setup.prompts.overlong_count,
             "memory": memory,
         }
         tracker.finish(summary)
