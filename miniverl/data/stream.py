@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from miniverl.data.files import Columns, check_columns, load_table, verl_row
+from miniverl.data.files import Columns, check_columns, is_verl_table, load_table, verl_row
 from miniverl.data.templates import encode_prompt
 from miniverl.protocol import ConfigError, PromptBatch
 
@@ -65,7 +65,7 @@ class FilePromptSource:
     def describe(self) -> str:
         kind = (
             "verl schema"
-            if "reward_model" in self.train.column_names
+            if is_verl_table(self.train)
             else f"columns {self.columns.prompt_key}/{self.columns.answer_key}"
         )
         template = "chat template" if self.use_template else "raw text"
