@@ -122,3 +122,23 @@ def test_evaluation_reports_per_source_accuracy_and_samples(chat_student_dir, ch
 def test_accuracy_by_source():
     got = accuracy_by_source(torch.tensor([1.0, 0.0, 1.0, 1.0]), ["a", "b", "a", "b"])
     assert got == {"eval/accuracy/a": 1.0, "eval/accuracy/b": 0.5}
+
+
+def test_configured_stop_ids_reach_the_sampler(chat_student_dir, chat_teacher_dir, parquet):
+    """rollout.stop_token_ids travels config -> Setup -> SamplingParams -> backend: declaring the token
+    greedy decoding emits first as a stop id ends that row after one token, marked finished."""
+    student = str(chat_student_dir)
+    setup = prepare(user_config(chat_student_dir, chat_teacher_dir, parquet))
+    learner = LearnerWorker(student, LORA, "float32", GkdObjective(0.5, 1.0, 0), 1e-3, 0.0, 1.0, 4, CPU)
+    rollout = RolloutWorker("hf_reference", student, LORA, "float32", CPU)
+    rollout.load_policy(learner.publish_policy())
+    prompts = setup.prompts.batch(0, 2)
+    free = rollout.generate(prompts, SamplingParams(1, 4, 0.0, stop_token_ids=setup.stop_token_ids))
+    first = int(free.responses[0, 0])
+    assert first not in setup.stop_token_ids and not free.finished[0] and int(free.response_mask[0].sum()) == 4
+    stopped_setup = prepare(
+        user_config(chat_student_dir, chat_teacher_dir, parquet, f"rollout.stop_token_ids=[{first}]")
+    )
+    assert stopped_setup.stop_token_ids == (*setup.stop_token_ids, first)
+    stopped = rollout.generate(prompts, SamplingParams(1, 4, 0.0, stop_token_ids=stopped_setup.stop_token_ids))
+    assert bool(stopped.finished[0]) and int(stopped.response_mask[0].sum()) == 1
