@@ -13,11 +13,11 @@ import sys
 
 from miniverl.config import MiniVerlConfig
 from miniverl.controller import StrictSyncController
+from miniverl.evaluation import evaluate
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives import build_objective
-from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.run import evaluate, prepare
+from miniverl.run import prepare
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
@@ -33,22 +33,29 @@ def main(steps: int) -> None:
     cpu = ProcessSettings("cpu")
     t = cfg.trainer
     rollout = RolloutWorker(cfg.rollout.backend, setup.paths["student"], lora, "auto", cpu)
-    scorer = ScorerWorker(setup.paths["teacher"], "auto", t.micro_batch_size, cpu)
+    scorer = ScorerWorker(setup.paths["teacher"], "auto", t.micro_batch_size, cpu, vocab_size=setup.vocab_size)
     learner = LearnerWorker(
         setup.paths["student"], lora, "auto", objective, t.lr, t.weight_decay, t.max_grad_norm, t.micro_batch_size, cpu
     )
-    reward = ExactMatchReward(setup.tokenizer)
+    reward = setup.reward_fn
     controller = StrictSyncController(
         rollout, scorer, learner, reward, objective.teacher_support_k, objective.loss_temperature
     )
     r = cfg.rollout
     params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
-    print("before:", evaluate(controller, setup.eval_batch, cfg, setup.stop_token_ids, reward))
+
+    def report() -> dict[str, float]:
+        args = (r.max_new_tokens, setup.stop_token_ids, r.seed, reward, setup.tokenizer, 0)
+        return evaluate(controller, setup.eval_batch, *args).metrics
+
+    print("before:", report())
     for step in range(steps):
-        m = controller.step(setup.train_batches[step], dataclasses.replace(params, seed=step))
+        m = controller.step(
+            setup.prompts.batch(step, cfg.data.prompts_per_step), dataclasses.replace(params, seed=step)
+        )
         if step % 20 == 0:
             print(f"step {step}: reverse KL {m['reverse_kl']:.3f}, accuracy {m['accuracy']:.3f}, loss {m['loss']:.4f}")
-    print("after:", evaluate(controller, setup.eval_batch, cfg, setup.stop_token_ids, reward))
+    print("after:", report())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ wrong type, fails in Hydra before anything starts. `validate` then checks what t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from miniverl.protocol import ConfigError
 
@@ -19,8 +20,17 @@ class DataConfig:
     max_len: int = 8
     prompts_per_step: int = 32  # G: prompt groups per step (each sampled rollout.n times)
     eval_prompts: int = 64  # fixed held-out prompts for the start/periodic/final evaluation
-    max_prompt_length: int = 32  # tokens; a longer prompt is an error, never silently cut
+    max_prompt_length: int = 32  # tokens, after the chat template; a longer prompt is never cut (data.overlong)
     seed: int = 0
+    # Prompt files (jsonl or verl-schema parquet). Empty: prompts come from the built-in data.task.
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)  # empty: hold out data.eval_prompts training rows
+    prompt_key: str = "prompt"  # plain jsonl: the column with the prompt (text, or a list of chat messages)
+    answer_key: str = "answer"  # plain jsonl: the column with the ground truth
+    default_data_source: str = "jsonl"  # plain jsonl rows without a data_source column (picks the reward)
+    chat_template: bool = True  # wrap prompts with the tokenizer's chat template; false = raw text prompts
+    overlong: str = "filter"  # a prompt over max_prompt_length: filter (skip and count) | error (stop)
+    shuffle: bool = True  # seeded reshuffle every epoch; false = file order
 
 
 @dataclass
@@ -46,6 +56,9 @@ class ModelConfig:
     teacher: ModelSpec = field(default_factory=lambda: ModelSpec(path="builtin:teacher"))
     lora: LoraConfig = field(default_factory=LoraConfig)
     cache_dir: str = "~/.cache/miniverl"  # where built-in models are cached
+    # A built-in teacher below this greedy accuracy on its task stops the run: distilling from a teacher
+    # that cannot do the task teaches nothing (data.task=addition built one with accuracy 0.000).
+    builtin_min_teacher_accuracy: float = 0.8
 
 
 @dataclass
@@ -74,6 +87,8 @@ class RolloutConfig:
     top_p: float = 1.0  # 1 = off
     max_new_tokens: int = 16
     seed: int = 0
+    # Extra stop ids on top of the tokenizer's EOS and every EOS id in the model's generation_config.
+    stop_token_ids: list[int] = field(default_factory=list)
     vllm: VllmRolloutConfig = field(default_factory=VllmRolloutConfig)
 
 
@@ -93,6 +108,16 @@ class ObjectiveConfig:
 
 
 @dataclass
+class RewardConfig:
+    # auto: chosen per row by data_source (miniverl.rewards.SOURCE_REWARDS: gsm8k sources -> gsm8k, math
+    # sources -> boxed, built-in tasks -> exact_match); or one name of miniverl.rewards.REWARDS for all rows.
+    name: str = "auto"
+    by_source: dict[str, str] = field(default_factory=dict)  # data_source -> reward name, before auto
+    custom_function: str | None = None  # path/to/file.py:name, called as fn(data_source, response, ground_truth,
+    # extra_info) on decoded text; overrides name and by_source
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 400
     lr: float = 2e-3
@@ -100,6 +125,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 16  # rows per forward/backward; the loss is normalized per optimizer step
     eval_every: int = 100  # steps between evaluations (0 = only before and after training)
+    eval_samples: int = 4  # prompt/response/reward rows per evaluation to samples.jsonl and a wandb table
     save_checkpoint: bool = True  # adapter + optimizer + step in <run dir>/checkpoint
     seed: int = 0
 
@@ -143,11 +169,13 @@ class MiniVerlConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
+OVERLONG_POLICIES = ("filter", "error")
 SCHEMA_NAME = "miniverl_schema"
 
 
@@ -195,6 +223,7 @@ def validate(cfg: MiniVerlConfig) -> None:
     from miniverl.data.tasks import TASKS
     from miniverl.objectives import OBJECTIVES
     from miniverl.objectives.kl import KL_KINDS
+    from miniverl.rewards import check_reward_config
     from miniverl.rollout import BACKENDS
 
     t, d, r, o = cfg.trainer, cfg.data, cfg.rollout, cfg.objective
@@ -215,6 +244,25 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"data.min_len/max_len={d.min_len}/{d.max_len}: need 0 < min_len <= max_len",
     )
     _require(d.max_prompt_length > 0, f"data.max_prompt_length={d.max_prompt_length}: must be >= 1")
+    _require(
+        d.overlong in OVERLONG_POLICIES,
+        f"data.overlong={d.overlong!r}: use filter (skip and count over-long prompts) or error (stop on the first)",
+    )
+    _require(
+        not d.val_files or d.train_files,
+        "data.val_files is set but data.train_files is empty; give the training file too (data.train_files=[...])",
+    )
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        missing = [f for f in files if not Path(f).expanduser().is_file()]
+        _require(
+            not missing, f"{key}: {missing[:1]} does not exist; pass existing .jsonl or .parquet files ({key}=[...])"
+        )
+    _require(t.eval_samples >= 0, f"trainer.eval_samples={t.eval_samples}: must be >= 0")
+    _require(
+        0 <= cfg.model.builtin_min_teacher_accuracy <= 1,
+        f"model.builtin_min_teacher_accuracy={cfg.model.builtin_min_teacher_accuracy}: must be in [0, 1]",
+    )
+    _require(all(i >= 0 for i in r.stop_token_ids), f"rollout.stop_token_ids={r.stop_token_ids}: ids must be >= 0")
     _require(r.n >= 1, f"rollout.n={r.n}: need at least one sample per prompt")
     _require(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens}: must be >= 1")
     _require(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples need temperature > 0")
@@ -267,5 +315,6 @@ def validate(cfg: MiniVerlConfig) -> None:
     ):
         _require(res.num_gpus >= 0 and res.num_cpus >= 0, f"resources.{name}: num_gpus and num_cpus must be >= 0")
     TASKS.require(d.task)
+    check_reward_config(cfg.reward)
     BACKENDS.require(r.backend)
     OBJECTIVES.require(o.name)

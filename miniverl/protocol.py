@@ -64,22 +64,40 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+# The data_source of rows that did not say where they came from (verl's key; it picks the reward).
+DEFAULT_DATA_SOURCE = "unknown"
+
+
+def _per_row(values: list | None, fill, count: int) -> list:
+    return [fill() if callable(fill) else fill for _ in range(count)] if values is None else values
+
+
 @dataclass
 class PromptBatch:
-    """G prompts as unpadded token ids, one `uid` each, and the answer its reward checks against."""
+    """G prompts as unpadded token ids, one `uid` each, the answer its reward checks against, and the
+    verl `data_source` (which reward scores it) and `extra_info` (passed to a user's reward) of each row."""
 
     prompt_ids: list[list[int]]
     uid: list[str]
     ground_truth: list[str]
+    data_source: list[str] | None = None  # [G]; None = DEFAULT_DATA_SOURCE for every row
+    extra_info: list[dict] | None = None  # [G]; None = {} for every row
 
     def __post_init__(self) -> None:
         g = len(self.prompt_ids)
         if g == 0:
             raise BatchError("PromptBatch is empty: pass at least one prompt")
+        self.data_source = _per_row(self.data_source, DEFAULT_DATA_SOURCE, g)
+        self.extra_info = _per_row(self.extra_info, dict, g)
         if len(self.uid) != g or len(self.ground_truth) != g:
             raise BatchError(
                 f"PromptBatch has {g} prompts but {len(self.uid)} uids and {len(self.ground_truth)} answers;"
                 " give one uid and one answer per prompt"
+            )
+        if len(self.data_source) != g or len(self.extra_info) != g:
+            raise BatchError(
+                f"PromptBatch has {g} prompts but {len(self.data_source)} data_source and"
+                f" {len(self.extra_info)} extra_info entries; give one of each per prompt"
             )
         if len(set(self.uid)) != g:
             raise BatchError("PromptBatch uids must be unique: each prompt is one group")
@@ -92,7 +110,11 @@ class PromptBatch:
 
     def select(self, idx: list[int]) -> PromptBatch:
         return PromptBatch(
-            [self.prompt_ids[i] for i in idx], [self.uid[i] for i in idx], [self.ground_truth[i] for i in idx]
+            [self.prompt_ids[i] for i in idx],
+            [self.uid[i] for i in idx],
+            [self.ground_truth[i] for i in idx],
+            [self.data_source[i] for i in idx],
+            [self.extra_info[i] for i in idx],
         )
 
 
@@ -132,11 +154,19 @@ class RolloutBatch:
     ground_truth: list[str]  # [B]
     policy_version: int
     finished: torch.Tensor = field(default=None)  # [B] bool, True when the row ended with a stop token
+    data_source: list[str] | None = None  # [B]; None = DEFAULT_DATA_SOURCE (picks each row's reward)
+    extra_info: list[dict] | None = None  # [B]; None = {}
 
     def __post_init__(self) -> None:
         b = self.prompts.shape[0]
         if self.finished is None:
             self.finished = torch.zeros(b, dtype=torch.bool)
+        self.data_source = _per_row(self.data_source, DEFAULT_DATA_SOURCE, b)
+        self.extra_info = _per_row(self.extra_info, dict, b)
+        _check(
+            len(self.data_source) == b and len(self.extra_info) == b,
+            f"need {b} data_source and extra_info entries, got {len(self.data_source)} and {len(self.extra_info)}",
+        )
         _check(self.prompts.dim() == 2 and self.responses.dim() == 2, "prompts and responses must be [B, T]")
         _check(
             self.prompt_mask.shape == self.prompts.shape,
@@ -198,6 +228,8 @@ class RolloutBatch:
             ground_truth=self.ground_truth[start:stop],
             policy_version=self.policy_version,
             finished=self.finished[start:stop],
+            data_source=self.data_source[start:stop],
+            extra_info=self.extra_info[start:stop],
         )
 
 
@@ -285,6 +317,8 @@ def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
         ground_truth=[g for b in batches for g in b.ground_truth],
         policy_version=versions.pop(),
         finished=torch.cat([b.finished for b in batches]),
+        data_source=[s for b in batches for s in b.data_source],
+        extra_info=[e for b in batches for e in b.extra_info],
     )
 
 

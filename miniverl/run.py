@@ -10,16 +10,26 @@ from typing import Any
 
 from miniverl.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
 from miniverl.config import MiniVerlConfig, validate
-from miniverl.controller import StrictSyncController, rollout_metrics
-from miniverl.data.prompts import PromptSource
+from miniverl.controller import StrictSyncController
+from miniverl.data.build import PromptStream, build_prompt_source
+from miniverl.evaluation import eval_line, evaluate
 from miniverl.gpu_memory import device_used_gib
-from miniverl.models.builtin import BUILTIN_PREFIX, BUILTIN_ROLES, BuiltinRecipe, ensure_builtin_models
-from miniverl.models.loading import check_model_path, check_same_vocabulary, load_tokenizer
+from miniverl.models.builtin import (
+    BUILTIN_PREFIX,
+    BUILTIN_ROLES,
+    BuiltinRecipe,
+    built_accuracy,
+    ensure_builtin_models,
+    require_competent_teacher,
+)
+from miniverl.models.hub import check_model_dir, resolve_model_ref
+from miniverl.models.loading import check_same_vocabulary, load_model_config, load_tokenizer, shared_vocab_size
 from miniverl.models.lora import LoraSettings
+from miniverl.models.stops import resolve_stop_ids
 from miniverl.objectives import build_objective
 from miniverl.placement import plan_placement
 from miniverl.protocol import ConfigError, PromptBatch
-from miniverl.rewards import ExactMatchReward
+from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm, settings_from_config
 from miniverl.tracking import Tracker
@@ -39,10 +49,17 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+USER_MODEL_FIX = "re-save the model (save_pretrained) or download it again"
+
+
 def resolve_model_paths(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
-    """Model directories or hub ids for student and teacher; built-in models are built on first use."""
+    """Model directories or hub ids for student and teacher; built-in models are built on first use.
+
+    Each role resolves on its own, so a local model for one role and a built-in one for the other works.
+    A built-in teacher below model.builtin_min_teacher_accuracy stops the run.
+    """
     specs = {"student": cfg.model.student.path, "teacher": cfg.model.teacher.path}
-    out = {}
+    out, builtin = {}, {}
     for role, path in specs.items():
         if path.startswith(BUILTIN_PREFIX):
             which = path[len(BUILTIN_PREFIX) :]
@@ -50,14 +67,20 @@ def resolve_model_paths(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
                 raise ConfigError(
                     f"model.{role}.path={path!r}: built-in models are builtin:student and builtin:teacher"
                 )
-            continue
-        check_model_path(path, f"model.{role}.path")
-        out[role] = path
-    if len(out) < len(specs):
+            builtin[role] = which
+        else:
+            out[role] = resolve_model_ref(path, f"model.{role}.path", USER_MODEL_FIX)
+    if builtin:
         recipe = BuiltinRecipe(cfg.data.task, cfg.data.min_len, cfg.data.max_len)
         built = ensure_builtin_models(cfg.model.cache_dir, recipe, log)
-        for role, path in specs.items():
-            out.setdefault(role, str(built[path[len(BUILTIN_PREFIX) :]]))
+        for role, which in builtin.items():
+            fix = f"delete {built[which].parent} so the built-in models are rebuilt (scripts/build_models.py)"
+            check_model_dir(built[which], f"model.{role}.path={BUILTIN_PREFIX}{which} (cached)", fix)
+            out[role] = str(built[which])
+        if "teacher" in builtin.values():
+            accuracy = built_accuracy(built["teacher"])
+            log(f"[miniverl] built-in teacher for task {recipe.task!r}: greedy accuracy {accuracy:.3f}")
+            require_competent_teacher(accuracy, cfg.model.builtin_min_teacher_accuracy, recipe, built["teacher"])
     return out
 
 
@@ -68,46 +91,33 @@ class Setup:
     device: str
     paths: dict[str, str]
     tokenizer: Any
-    prompts: PromptSource
-    train_batches: list[PromptBatch]
+    prompts: PromptStream  # prompts.batch(step, g): the step's prompts, a pure function of (seed, step)
     eval_batch: PromptBatch
     stop_token_ids: tuple[int, ...]
+    vocab_size: int  # logits compared by distillation (the student's; the scorer drops a teacher's extra)
+    reward_fn: SourceReward
 
 
 def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
-    """Validate the config, resolve models, check vocabularies and every prompt the run will use."""
-    from transformers import AutoConfig
-
+    """Validate the config, resolve models, check vocabularies, stop ids, prompts and their rewards."""
     validate(cfg)
     device = resolve_device(cfg.resources.device)
     if cfg.rollout.backend == "vllm":
         require_vllm(device)
     paths = resolve_model_paths(cfg, log)
-    student_tok = load_tokenizer(paths["student"], "model.student.path")
-    teacher_tok = load_tokenizer(paths["teacher"], "model.teacher.path")
+    student_tok = load_tokenizer(paths["student"], "model.student.path", USER_MODEL_FIX)
+    teacher_tok = load_tokenizer(paths["teacher"], "model.teacher.path", USER_MODEL_FIX)
     check_same_vocabulary(student_tok, teacher_tok, paths["student"], paths["teacher"])
-    v_student = AutoConfig.from_pretrained(paths["student"]).vocab_size
-    v_teacher = AutoConfig.from_pretrained(paths["teacher"]).vocab_size
-    if v_student != v_teacher:
-        raise ConfigError(
-            f"student and teacher output {v_student} and {v_teacher} logits; distillation needs one vocabulary size"
-            " (pick a teacher of the student's model family)"
-        )
-    if student_tok.eos_token_id is None:
-        raise ConfigError(f"the student tokenizer at {paths['student']!r} has no EOS token; responses could never stop")
+    v_student = load_model_config(paths["student"], "model.student.path", USER_MODEL_FIX).vocab_size
+    v_teacher = load_model_config(paths["teacher"], "model.teacher.path", USER_MODEL_FIX).vocab_size
+    vocab_size = shared_vocab_size(v_student, v_teacher, len(student_tok))
+    stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data
-    source = PromptSource(d.task, d.min_len, d.max_len, student_tok, d.max_prompt_length, d.seed)
-    # Every prompt of the run is drawn (and length-checked) now, so a bad one fails before training.
-    train = [source.batch(step, d.prompts_per_step) for step in range(cfg.trainer.total_steps)]
-    return Setup(
-        device,
-        paths,
-        student_tok,
-        source,
-        train,
-        source.eval_batch(d.eval_prompts),
-        (student_tok.eos_token_id,),
-    )
+    source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)
+    eval_batch = source.eval_batch(d.eval_prompts)
+    reward_fn = build_reward(cfg.reward, student_tok)
+    reward_fn.check_sources(eval_batch.data_source + source.batch(0, d.prompts_per_step).data_source)
+    return Setup(device, paths, student_tok, source, eval_batch, stops, vocab_size, reward_fn)
 
 
 def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
@@ -181,7 +191,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
     actors = {
         "rollout": rollouts,
         "scorer": [
-            start(ScorerWorker, "scorer", i, teacher, m.teacher.dtype, t.micro_batch_size)
+            start(ScorerWorker, "scorer", i, teacher, m.teacher.dtype, t.micro_batch_size, vocab_size=setup.vocab_size)
             for i in range(plan.count["scorer"])
         ],
         "learner": [
@@ -220,25 +230,6 @@ def teardown(actors: dict[str, list[Any]], pg) -> None:
         remove_placement_group(pg)
 
 
-def evaluate(
-    controller: StrictSyncController, batch: PromptBatch, cfg: MiniVerlConfig, stop_ids, reward_fn
-) -> dict[str, float]:
-    """Greedy accuracy and the temperature-1 reverse-KL estimate on the fixed eval prompts."""
-    identity = controller.refresh()
-    max_new = cfg.rollout.max_new_tokens
-    greedy = controller.sample(batch, SamplingParams(1, max_new, 0.0, stop_token_ids=stop_ids), identity)
-    sampled = controller.sample(
-        batch, SamplingParams(1, max_new, 1.0, stop_token_ids=stop_ids, seed=cfg.rollout.seed + 17), identity
-    )
-    scores = controller.score(sampled, None)
-    m = rollout_metrics(sampled, scores, reward_fn(sampled))
-    return {
-        "eval/accuracy": float(reward_fn(greedy).mean()),
-        "eval/sampled_accuracy": m["accuracy"],
-        "eval/reverse_kl": m["reverse_kl"],
-    }
-
-
 def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=print) -> dict[str, Any]:
     """The whole run; returns the summary (also written to run_dir/summary.json)."""
     import ray
@@ -251,7 +242,7 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
     try:
         actors, pg = build_actors(cfg, setup, objective)
         log(f"[miniverl] actors ready on {setup.device} ({time.perf_counter() - started:.1f}s since start)")
-        reward_fn = ExactMatchReward(setup.tokenizer)
+        reward_fn = setup.reward_fn
         controller = StrictSyncController(
             actors["rollout"],
             actors["scorer"],
@@ -272,21 +263,36 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
             cfg.tracking.progress_bar,
         )
         t = cfg.trainer
-        first = evaluate(controller, setup.eval_batch, cfg, setup.stop_token_ids, reward_fn)
+
+        def run_eval(step: int) -> dict[str, float]:
+            result = evaluate(
+                controller,
+                setup.eval_batch,
+                r.max_new_tokens,
+                setup.stop_token_ids,
+                r.seed,
+                reward_fn,
+                setup.tokenizer,
+                t.eval_samples,
+            )
+            tracker.log_samples(step, result.samples)
+            tracker.write(eval_line(step, result.metrics))
+            return result.metrics
+
+        first = run_eval(0)
         tracker.log(0, first, advance=False)
-        tracker.write(_eval_line(0, first))
         last = first
         for step in range(t.total_steps):
             step_params = dataclasses.replace(params, seed=r.seed * 100_003 + step)
-            metrics = controller.step(setup.train_batches[step], step_params)
+            metrics = controller.step(setup.prompts.batch(step, cfg.data.prompts_per_step), step_params)
+            metrics["data/overlong_filtered"] = setup.prompts.overlong_count
             used = device_used_gib() if setup.device == "cuda" else None
             if used is not None:  # after every refresh: a flat curve shows no memory leak per policy version
                 metrics["gpu/device_used_gib"] = used
             done = step + 1
             if done == t.total_steps or (t.eval_every and done % t.eval_every == 0):
-                last = evaluate(controller, setup.eval_batch, cfg, setup.stop_token_ids, reward_fn)
+                last = run_eval(done)
                 metrics.update(last)
-                tracker.write(_eval_line(done, last))
             tracker.log(done, metrics)
         checkpoint = None
         if t.save_checkpoint:
@@ -308,6 +314,7 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
             "wall_seconds": time.perf_counter() - started,
             "checkpoint": checkpoint,
             "metrics_file": str(tracker.metrics_path),
+            "overlong_prompts_filtered": setup.prompts.overlong_count,
             "memory": memory,
         }
         tracker.finish(summary)
@@ -320,10 +327,3 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
             ray.shutdown()
         else:
             teardown(actors, pg)
-
-
-def _eval_line(step: int, m: dict[str, float]) -> str:
-    return (
-        f"[miniverl] eval @ step {step}: greedy accuracy {m['eval/accuracy']:.3f},"
-        f" reverse KL {m['eval/reverse_kl']:.4f} nats/token"
-    )

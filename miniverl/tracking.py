@@ -23,6 +23,7 @@ class Tracker:
     ) -> None:
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
+        self.samples_path = run_dir / "samples.jsonl"
         self._file = self.metrics_path.open("a")
         self._wandb = None
         if wandb_mode != "disabled":
@@ -53,6 +54,20 @@ class Tracker:
             self._bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in PROGRESS_KEYS if k in metrics})
             if advance:
                 self._bar.update(1)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Evaluation sample rows: appended to samples.jsonl (one line each, with the step), and a wandb table."""
+        if not rows:
+            return
+        with self.samples_path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+        if self._wandb is not None:
+            import wandb
+
+            columns = ["step", *rows[0]]
+            table = wandb.Table(columns=columns, data=[[step, *r.values()] for r in rows])
+            self._wandb.log({"eval/samples": table}, step=step)
 
     def write(self, line: str) -> None:
         """Print without breaking the progress bar."""

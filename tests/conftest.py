@@ -58,3 +58,28 @@ def _one_torch_thread():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+# Padded output layers of one family: the student's covers the tokenizer (300) plus padding, the
+# teacher's more padding still (as Qwen2.5-0.5B's 151,936 logits and 7B's 152,064).
+CHAT_STUDENT_VOCAB, CHAT_TEACHER_VOCAB = 320, 352
+
+
+@pytest.fixture(scope="session")
+def chat_student_dir(tmp_path_factory):
+    """A tiny random Qwen2 'instruct' student: BPE tokenizer, chat template, EOS ids <|im_end|> and <|endoftext|>."""
+    from tests.chat_models import save_tiny_qwen
+
+    path = tmp_path_factory.mktemp("chat") / "student"
+    save_tiny_qwen(path, CHAT_STUDENT_VOCAB, seed=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_teacher_dir(tmp_path_factory):
+    """The same tokenizer, a larger output layer (more padded logits) and other weights."""
+    from tests.chat_models import save_tiny_qwen
+
+    path = tmp_path_factory.mktemp("chat") / "teacher"
+    save_tiny_qwen(path, CHAT_TEACHER_VOCAB, seed=2, hidden=48)
+    return path

@@ -46,6 +46,18 @@ def test_experiments_compose_to_the_schema():
     validate(pg)
 
 
+@pytest.mark.parametrize("name", ["gkd_qwen_gsm8k", "pg_k1_qwen_gsm8k"])
+def test_qwen_recipes_compose_and_validate_with_the_users_data(tmp_path, name):
+    train = tmp_path / "train.parquet"
+    train.write_bytes(b"")  # validate checks that the file exists; reading it is prepare's job
+    cfg = load(f"+experiment={name}", f"data.train_files=[{train}]")
+    validate(cfg)
+    assert cfg.model.student.path == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.model.teacher.path.endswith("1.5B-Instruct")
+    assert cfg.rollout.backend == "hf_cached" and cfg.trainer.micro_batch_size == 2
+    assert cfg.rollout.n * cfg.data.prompts_per_step == 16  # both recipes train on 16 rows a step
+    assert cfg.objective.name == name.split("_qwen")[0]
+
+
 def test_unknown_experiment_lists_the_known_ones():
     with pytest.raises(HydraException) as err:
         load("+experiment=nope")
@@ -81,6 +93,14 @@ def test_wrong_types_fail_in_hydra():
         (["resources.gpus=-1"], "resources.gpus=-1"),
         (["resources.gpus=4", "data.prompts_per_step=2"], "every learner rank needs a prompt group"),
         (["resources.gpus=0", "resources.device=cuda"], "asks for no GPU"),
+        (["data.overlong=truncate"], "data.overlong='truncate': use filter .* or error"),
+        (["data.val_files=[v.jsonl]"], "data.val_files is set but data.train_files is empty"),
+        (["data.train_files=[/nowhere/t.parquet]"], r"data.train_files: \['/nowhere/t.parquet'\] does not exist"),
+        (["+experiment=gkd_qwen_gsm8k"], "data.train_files: .*set-data.train_files.*does not exist"),
+        (["reward.name=fuzzy"], "unknown reward 'fuzzy'"),
+        (["reward.custom_function=nope.py"], "write it as path/to/file.py:function_name"),
+        (["rollout.stop_token_ids=[-1]"], "rollout.stop_token_ids"),
+        (["model.builtin_min_teacher_accuracy=2"], "must be in \\[0, 1\\]"),
     ],
 )
 def test_validate_names_the_problem_and_the_fix(overrides, message):
@@ -90,7 +110,9 @@ def test_validate_names_the_problem_and_the_fix(overrides, message):
 
 def test_prepare_accepts_good_models(student_dir, teacher_dir):
     setup = prepare(with_models(student_dir, teacher_dir), log=lambda *_: None)
-    assert len(setup.train_batches) == 2 and setup.stop_token_ids == (2,)
+    assert setup.stop_token_ids == (2,) and setup.vocab_size == 43
+    assert setup.prompts.batch(1, 4).prompt_ids == setup.prompts.batch(1, 4).prompt_ids
+    assert setup.eval_batch.data_source[0] == "reverse"
 
 
 def test_missing_model_path(tmp_path, teacher_dir):

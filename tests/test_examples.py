@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,3 +24,42 @@ def test_objectives_by_hand_runs():
     )
     assert proc.returncode == 0, proc.stderr
     assert "generalized JSD, beta=1.0" in proc.stdout and "GRPO:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_distill_jsonl_runs_on_a_users_file(tmp_path, chat_student_dir, chat_teacher_dir):
+    """The example end to end through Ray: plain jsonl with its own column names, chat template, evaluation."""
+    rows = [{"question": f"What is {i} + {i}?", "label": str(2 * i)} for i in range(24)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "examples/distill_jsonl.py",
+            str(prompts),
+            f"--student={chat_student_dir}",
+            f"--teacher={chat_teacher_dir}",
+            "--steps=2",
+            "--prompt-key=question",
+            "--answer-key=label",
+            f"--out={out}",
+            "data.prompts_per_step=2",
+            "rollout.max_new_tokens=4",
+            "model.lora.rank=4",
+            "tracking=disabled",
+            "tracking.progress_bar=false",
+            "trainer.save_checkpoint=false",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_DEDUP_LOGS": "0"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "greedy accuracy" in proc.stdout and "<|im_start|>assistant" in proc.stdout
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {0, 2} and samples[0]["data_source"] == "jsonl"
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/accuracy/jsonl" in metrics[0] and metrics[-1]["data/overlong_filtered"] == 0

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miniverl.protocol import BatchError, PromptBatch, RolloutBatch, TeacherScores, weights_digest
+from miniverl.protocol import (
+    DEFAULT_DATA_SOURCE,
+    BatchError,
+    PromptBatch,
+    RolloutBatch,
+    TeacherScores,
+    concat_rollouts,
+    weights_digest,
+)
 
 
 def make_batch(**overrides) -> RolloutBatch:
@@ -75,6 +83,21 @@ def test_rows_slices_every_field():
 def test_invalid_batches_raise(overrides, message):
     with pytest.raises(BatchError, match=message):
         make_batch(**overrides)
+
+
+def test_data_source_and_extra_info_travel_with_the_rows():
+    b = make_batch(data_source=["gsm8k", "gsm8k", "math", "math"], extra_info=[{"i": 0}, {"i": 0}, {"i": 1}, {"i": 1}])
+    part = b.rows(1, 3)
+    assert part.data_source == ["gsm8k", "math"] and part.extra_info == [{"i": 0}, {"i": 1}]
+    both = concat_rollouts([b.rows(0, 2), b.rows(2, 4)])
+    assert both.data_source == b.data_source and both.extra_info == b.extra_info
+    assert make_batch().data_source == [DEFAULT_DATA_SOURCE] * 4 and make_batch().extra_info == [{}] * 4
+    with pytest.raises(BatchError, match="need 4 data_source and extra_info entries, got 3"):
+        make_batch(data_source=["a", "a", "b"])
+    prompts = PromptBatch([[1], [2]], ["u", "v"], ["x", "y"], ["s1", "s2"], [{"k": 1}, {"k": 2}])
+    assert prompts.select([1]).data_source == ["s2"] and prompts.select([1]).extra_info == [{"k": 2}]
+    with pytest.raises(BatchError, match="1 data_source and 2 extra_info entries; give one of each per prompt"):
+        PromptBatch([[1], [2]], ["u", "v"], ["x", "y"], ["s1"])
 
 
 def test_prompt_batch_validation():

@@ -1,4 +1,7 @@
-"""The prompt stream: task examples tokenized by the student's tokenizer, checked against the limit."""
+"""The built-in tasks' prompt stream: task examples tokenized (raw text) by the student's tokenizer.
+
+Built-in models are trained on raw task strings, so no chat template is applied here.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ class PromptSource:
     """Deterministic prompt groups: `batch(step, g)` is the same for the same seed and step."""
 
     def __init__(self, task: str, min_len: int, max_len: int, tokenizer, max_prompt_length: int, seed: int) -> None:
+        self.name = task
         self.task = TASKS.get(task)
+        self.overlong_count = 0  # an over-long built-in prompt is always an error (the task is the fix)
         self.min_len, self.max_len = min_len, max_len
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
@@ -34,7 +39,10 @@ class PromptSource:
             ids.append(tokens)
             uids.append(f"{prefix}-{i}")
             answers.append(ex.answer)
-        return PromptBatch(ids, uids, answers)
+        return PromptBatch(ids, uids, answers, [self.name] * len(ids))
+
+    def describe(self) -> str:
+        return f"built-in task {self.name!r} ({self.min_len}-{self.max_len} characters, raw text)"
 
     def batch(self, step: int, groups: int) -> PromptBatch:
         return self._make(random.Random(self.seed * 7919 + step), groups, f"s{step}")

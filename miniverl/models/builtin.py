@@ -205,3 +205,21 @@ def greedy_accuracy(model, tok, recipe: BuiltinRecipe, n: int, seed: int) -> flo
     )
     answers = tok.batch_decode(out[:, t:], skip_special_tokens=True)
     return sum(a == ex.answer for a, ex in zip(answers, examples)) / n
+
+
+def built_accuracy(model_dir: Path) -> float:
+    """The greedy accuracy a built-in model reached when it was built (from its build.json)."""
+    return float(json.loads((Path(model_dir) / "build.json").read_text())["greedy_accuracy"])
+
+
+def require_competent_teacher(accuracy: float, threshold: float, recipe: BuiltinRecipe, model_dir: Path) -> None:
+    """Refuse a built-in teacher that cannot do its task: distilling from it would teach nothing."""
+    from miniverl.protocol import ConfigError
+
+    if accuracy < threshold:
+        raise ConfigError(
+            f"the built-in teacher for data.task={recipe.task} (lengths {recipe.min_len}-{recipe.max_len}) reached"
+            f" greedy accuracy {accuracy:.3f}, below model.builtin_min_teacher_accuracy={threshold}: the built-in"
+            f" recipe cannot learn this task at this size. Use data.task=reverse, shorten the problems"
+            f" (data.max_len), or pass a trained teacher (model.teacher.path=DIR); cached in {model_dir}"
+        )

@@ -24,33 +24,23 @@ def torch_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def check_model_path(path: str, field: str) -> None:
-    """Fail early, naming the field, when `path` is neither a model directory nor a plausible hub id."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").exists():
-            raise ConfigError(
-                f"{field}={path!r} is a directory without config.json; point it at a saved Hugging Face model"
-                " (the folder save_pretrained wrote)"
-            )
-        return
-    looks_local = path.startswith((".", "/", "~")) or p.suffix or path.count("/") > 1
-    if looks_local or p.exists():
-        raise ConfigError(
-            f"{field}={path!r} does not exist; pass a saved model directory, a hub id such as"
-            f" Qwen/Qwen2.5-0.5B, or builtin:student / builtin:teacher"
-        )
-
-
-def load_tokenizer(path: str, field: str = "model path"):
+def load_tokenizer(path: str, field: str = "model path", fix: str = "pass a saved model directory"):
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(Path(path).expanduser()) if Path(path).expanduser().exists() else path)
-    except OSError as e:
+    except Exception as e:  # keep the library's reason: a bad tokenizer.json and a missing file need different fixes
+        raise ConfigError(f"cannot load a tokenizer from {field}={path!r} ({e.__class__.__name__}: {e}); {fix}") from e
+
+
+def load_model_config(path: str, field: str, fix: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:
         raise ConfigError(
-            f"cannot load a tokenizer from {field}={path!r} ({e.__class__.__name__}); pass a local model"
-            " directory, or a hub id on a machine that can reach the hub"
+            f"cannot read the model config of {field}={path!r} ({e.__class__.__name__}: {e}); {fix}"
         ) from e
 
 
@@ -58,8 +48,35 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM
 
     local = Path(path).expanduser()
-    model = AutoModelForCausalLM.from_pretrained(str(local) if local.exists() else path, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(local) if local.exists() else path, dtype=dtype)
+    except Exception as e:
+        raise ConfigError(
+            f"cannot load the model at {path!r} ({e.__class__.__name__}: {e}); re-save it (save_pretrained) or,"
+            " for a built-in model, delete that directory so it is rebuilt"
+        ) from e
     return model.to(device)
+
+
+def shared_vocab_size(student_logits: int, teacher_logits: int, tokenizer_size: int) -> int:
+    """How many logits distillation compares: the student's, when the teacher has at least as many.
+
+    Models of one family pad their output layer past the tokenizer differently (Qwen2.5-0.5B/1.5B/3B:
+    151,936 logits, 7B: 152,064, tokenizer: 151,665). Ids past the tokenizer are never real tokens, so
+    the scorer drops the teacher's logits past the student's range and renormalizes over the rest. A
+    teacher with fewer logits than the student could not score the student's extra ids: refused.
+    """
+    if teacher_logits < student_logits:
+        raise ConfigError(
+            f"the teacher outputs {teacher_logits} logits and the student {student_logits}: the teacher cannot"
+            " score the student's extra ids; pick a teacher whose output layer is at least the student's"
+        )
+    if student_logits < tokenizer_size:
+        raise ConfigError(
+            f"the student outputs {student_logits} logits but its tokenizer has {tokenizer_size} tokens;"
+            " the tokenizer does not belong to this model"
+        )
+    return student_logits
 
 
 def check_same_vocabulary(student_tok, teacher_tok, student_path: str, teacher_path: str) -> None:

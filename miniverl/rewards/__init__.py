@@ -1,29 +1,77 @@
-"""Deterministic task rewards, chosen by name. A reward turns a RolloutBatch into one score per row."""
+"""Task rewards: text scorers chosen per row by its verl `data_source`, or a user's function.
+
+`REWARDS` names the text scorers; `SOURCE_REWARDS` is the `reward.name=auto` table (as verl's
+default_compute_score routes by data_source). `build_reward` turns the reward config into the batch
+function the controller calls: RolloutBatch -> one score per row.
+"""
 
 from __future__ import annotations
 
-import torch
+from miniverl.data.tasks import TASKS
+from miniverl.registry import Registry
+from miniverl.rewards.batch import ExactMatchReward, RewardError, SourceReward, load_custom_function
+from miniverl.rewards.scoring import boxed, exact_match, gsm8k
 
-from miniverl.protocol import RolloutBatch
+REWARDS = Registry("reward", "reward.name")
+REWARDS.register("exact_match", exact_match)
+REWARDS.register("gsm8k", gsm8k)
+REWARDS.register("boxed", boxed)
+
+AUTO = "auto"
+# data_source -> reward for reward.name=auto. The hub names are the ones verl's data preprocessors write.
+SOURCE_REWARDS = {
+    "openai/gsm8k": "gsm8k",
+    "gsm8k": "gsm8k",
+    "lighteval/MATH": "boxed",
+    "DigitalLearningGmbH/MATH-lighteval": "boxed",
+    "HuggingFaceH4/MATH-500": "boxed",
+    "math": "boxed",
+    "jsonl": "exact_match",  # data.default_data_source of plain jsonl rows
+    **{task: "exact_match" for task in TASKS.names()},
+}
+
+__all__ = [
+    "AUTO",
+    "REWARDS",
+    "SOURCE_REWARDS",
+    "ExactMatchReward",
+    "RewardError",
+    "SourceReward",
+    "build_reward",
+    "check_reward_config",
+]
 
 
-class ExactMatchReward:
-    """1.0 when the decoded response (stop token excluded) equals the ground truth exactly, else 0.0.
+def check_reward_config(cfg) -> None:
+    """Names exist and a custom function's file exists; loading it waits for build_reward."""
+    from miniverl.protocol import ConfigError
 
-    A response that ran out of tokens without a stop token scores 0: an answer must be finished.
-    """
+    if cfg.name != AUTO:
+        REWARDS.require(cfg.name)
+    for source, name in cfg.by_source.items():
+        if name not in REWARDS:
+            raise ConfigError(
+                f"reward.by_source.{source}={name!r} is not a reward; known: {', '.join(REWARDS.names())}"
+            )
+    if cfg.custom_function is not None:
+        load_custom_function(cfg.custom_function, check_only=True)
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
 
-    def __call__(self, batch: RolloutBatch) -> torch.Tensor:  # [B]
-        texts = self.decode(batch)
-        ok = [bool(f) and t == gt for t, gt, f in zip(texts, batch.ground_truth, batch.finished.tolist())]
-        return torch.tensor(ok, dtype=torch.float32)
+def build_reward(cfg, tokenizer) -> SourceReward:
+    """The batch reward from RewardConfig: custom function > by_source > name (auto: SOURCE_REWARDS)."""
+    if cfg.custom_function is not None:
+        fn = load_custom_function(cfg.custom_function)
+        return SourceReward(tokenizer, lambda source: (cfg.custom_function, fn), custom=True)
+    table = {**(SOURCE_REWARDS if cfg.name == AUTO else {}), **cfg.by_source}
 
-    def decode(self, batch: RolloutBatch) -> list[str]:
-        out = []
-        for row, mask in zip(batch.responses.tolist(), batch.response_mask.tolist()):
-            ids = [t for t, m in zip(row, mask) if m]
-            out.append(self.tokenizer.decode(ids, skip_special_tokens=True))
-        return out
+    def pick(source: str):
+        name = table.get(source, None if cfg.name == AUTO else cfg.name)
+        if name is None:
+            raise RewardError(
+                f"no reward for data_source {source!r} (reward.name=auto knows: {', '.join(sorted(table))});"
+                f" set reward.name=<{'|'.join(REWARDS.names())}>, add '+reward.by_source={{{source}: <reward>}}',"
+                " or reward.custom_function=path/to/file.py:name"
+            )
+        return name, REWARDS.get(name)
+
+    return SourceReward(tokenizer, pick)

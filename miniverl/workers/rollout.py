@@ -89,4 +89,6 @@ def to_rollout_batch(prompts: PromptBatch, completions: list[Completion], n: int
         ground_truth=[a for a in prompts.ground_truth for _ in range(n)],
         policy_version=version,
         finished=torch.tensor([c.finished for c in completions], dtype=torch.bool),
+        data_source=[s for s in prompts.data_source for _ in range(n)],
+        extra_info=[e for e in prompts.extra_info for _ in range(n)],
     )

@@ -11,10 +11,20 @@ from miniverl.workers import ProcessSettings, memory_report, setup_process
 
 
 class ScorerWorker:
-    def __init__(self, model_path: str, dtype: str, micro_batch_size: int, process: ProcessSettings) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        micro_batch_size: int,
+        process: ProcessSettings,
+        vocab_size: int | None = None,
+    ) -> None:
+        """`vocab_size`: the student's logit count when the teacher pads its vocabulary further
+        (models.loading.shared_vocab_size); the teacher's logits past it are dropped before every softmax."""
         self.device = setup_process(process)
         self.model = load_causal_lm(model_path, torch_dtype(dtype, self.device), self.device).eval()
         self.micro_batch_size = micro_batch_size
+        self.vocab_size = vocab_size
 
     @torch.no_grad()
     def score(self, batch: RolloutBatch, support_k: int | None, temperature: float = 1.0) -> TeacherScores:
@@ -30,7 +40,7 @@ class ScorerWorker:
         return concat_scores(parts)
 
     def _score_rows(self, batch: RolloutBatch, support_k: int | None, temperature: float) -> TeacherScores:
-        logits = response_logits(self.model, batch)  # [b, Tr, V] in the model's dtype
+        logits = response_logits(self.model, batch)[..., : self.vocab_size]  # [b, Tr, V_student], model dtype
         mask = batch.response_mask.to(logits.device)
         sampled = token_logprobs(logits, batch.responses.to(logits.device)) * mask  # [b, Tr] fp32
         out = TeacherScores(teacher_log_probs=sampled.cpu(), loss_temperature=temperature)

@@ -1,0 +1,143 @@
+"""The prompt stream over a prompt file: epochs, seeded shuffling, a held-out set, lazy length checks.
+
+`batch(step, g)` is a pure function of (seed, step) for a given file and tokenizer, so a resumed run
+draws the same prompts. The stream is the training rows in a seeded order per epoch (a fresh order
+each epoch), with over-long prompts skipped (`overlong="filter"`) or refused (`"error"`); step s takes
+the valid rows s*g .. s*g+g-1 of that stream. Prompts are tokenized only when the stream reaches them
+(and remembered as valid/over-long), so step 0 never waits for a whole file to be tokenized; a
+restart at step s re-checks the lengths of the s*g rows before it, not the whole file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from miniverl.data.files import Columns, check_columns, is_verl_table, load_table, verl_row
+from miniverl.data.templates import encode_prompt
+from miniverl.protocol import ConfigError, PromptBatch
+
+UNKNOWN, VALID, OVERLONG = 0, 1, 2  # per-row length status, filled in as the stream reaches a row
+HOLDOUT_STREAM = 1  # seed-sequence tag of the held-out split, apart from every epoch's order (tag 0)
+
+
+class FilePromptSource:
+    def __init__(
+        self,
+        train_files: list[str],
+        val_files: list[str],
+        columns: Columns,
+        tokenizer,
+        use_template: bool,
+        max_prompt_length: int,
+        overlong: str,
+        shuffle: bool,
+        eval_prompts: int,
+        seed: int,
+    ) -> None:
+        self.columns, self.tokenizer, self.use_template = columns, tokenizer, use_template
+        self.max_prompt_length, self.overlong, self.shuffle, self.seed = max_prompt_length, overlong, shuffle, seed
+        self.train = load_table(train_files, "data.train_files")
+        check_columns(self.train, columns, "data.train_files")
+        if val_files:
+            self.val = load_table(val_files, "data.val_files")
+            check_columns(self.val, columns, "data.val_files")
+            self.train_idx = np.arange(len(self.train))
+            self.eval_idx = np.arange(len(self.val))
+        else:
+            if len(self.train) <= eval_prompts:
+                raise ConfigError(
+                    f"data.train_files holds {len(self.train)} rows and data.eval_prompts={eval_prompts} of them"
+                    " would be held out for evaluation, leaving none to train on; lower data.eval_prompts or pass"
+                    " data.val_files"
+                )
+            self.val = self.train
+            split = np.random.default_rng([seed, HOLDOUT_STREAM]).permutation(len(self.train))
+            self.eval_idx, self.train_idx = split[:eval_prompts], np.sort(split[eval_prompts:])
+        self.status = {
+            id(self.train): np.zeros(len(self.train), np.int8),
+            id(self.val): np.zeros(len(self.val), np.int8),
+        }
+        self.valid: list[int] = []  # table rows of the training stream, in stream order
+        self.scanned = 0  # stream positions examined so far (epoch * len(train_idx) + offset)
+        self.overlong_count = 0  # distinct over-long rows met so far (train and eval)
+        self._epoch_order: tuple[int, np.ndarray] | None = None
+
+    def describe(self) -> str:
+        kind = (
+            "verl schema"
+            if is_verl_table(self.train)
+            else f"columns {self.columns.prompt_key}/{self.columns.answer_key}"
+        )
+        template = "chat template" if self.use_template else "raw text"
+        return f"{len(self.train_idx)} training and {len(self.eval_idx)} evaluation prompts ({kind}, {template})"
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Training rows in the order of `epoch`: a fresh seeded permutation per epoch (or file order)."""
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            rows = self.train_idx
+            if self.shuffle:
+                rows = rows[np.random.default_rng([self.seed, 0, epoch]).permutation(len(rows))]
+            self._epoch_order = (epoch, rows)
+        return self._epoch_order[1]
+
+    def _encode(self, table, index: int) -> tuple[dict, list[int] | None]:
+        """The verl row and its ids, or None for ids when it is over-long and filtered."""
+        row = verl_row(table[int(index)], self.columns, int(index))
+        status = self.status[id(table)]
+        if status[index] == OVERLONG:
+            return row, None
+        ids = encode_prompt(self.tokenizer, row["prompt"], self.use_template)
+        if len(ids) <= self.max_prompt_length:
+            status[index] = VALID
+            return row, ids
+        if self.overlong == "error":
+            raise ConfigError(
+                f"prompt row {index} ({'data.val_files' if table is not self.train else 'data.train_files'}) has"
+                f" {len(ids)} tokens, more than data.max_prompt_length={self.max_prompt_length}; raise"
+                " data.max_prompt_length, or set data.overlong=filter to skip such prompts"
+            )
+        status[index] = OVERLONG
+        self.overlong_count += 1
+        return row, None
+
+    def _extend(self, count: int) -> None:
+        """Scan the stream until it holds `count` valid rows."""
+        n = len(self.train_idx)
+        status = self.status[id(self.train)]
+        while len(self.valid) < count:
+            epoch, offset = divmod(self.scanned, n)
+            index = int(self.order(epoch)[offset])
+            if status[index] == VALID or (status[index] == UNKNOWN and self._encode(self.train, index)[1] is not None):
+                self.valid.append(index)
+            self.scanned += 1
+            if self.scanned % n == 0 and not (status[self.train_idx] == VALID).any():
+                raise ConfigError(
+                    f"every training prompt is longer than data.max_prompt_length={self.max_prompt_length}"
+                    " tokens; raise data.max_prompt_length"
+                )
+
+    def _batch(self, table, indices: list[int], prefix: str) -> PromptBatch:
+        rows = [self._encode(table, i) for i in indices]
+        return PromptBatch(
+            [ids for _, ids in rows],
+            [f"{prefix}-{i}" for i in range(len(rows))],
+            [r["reward_model"]["ground_truth"] for r, _ in rows],
+            [r["data_source"] for r, _ in rows],
+            [r["extra_info"] for r, _ in rows],
+        )
+
+    def batch(self, step: int, groups: int) -> PromptBatch:
+        self._extend((step + 1) * groups)
+        return self._batch(self.train, self.valid[step * groups : (step + 1) * groups], f"s{step}")
+
+    def eval_batch(self, count: int) -> PromptBatch:
+        """The first `count` valid held-out prompts (all of them when fewer)."""
+        keep: list[int] = []
+        for i in self.eval_idx:  # lazily: a large val file is read only as far as `count` prompts
+            if len(keep) == count:
+                break
+            if self._encode(self.val, int(i))[1] is not None:
+                keep.append(int(i))
+        if not keep:
+            raise ConfigError(f"no evaluation prompt fits data.max_prompt_length={self.max_prompt_length}; raise it")
+        return self._batch(self.val, keep, "eval")

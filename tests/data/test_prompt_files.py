@@ -1,0 +1,162 @@
+"""Prompt files: verl parquet and plain jsonl through `datasets`, chat templates, and the prompt stream."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from miniverl.data.files import Columns, verl_rows
+from miniverl.data.stream import FilePromptSource
+from miniverl.data.templates import encode_prompt
+from miniverl.protocol import ConfigError
+from tests.chat_models import gsm8k_rows, write_jsonl, write_parquet
+
+LONG = 400  # a prompt limit no fixture prompt reaches
+
+
+@pytest.fixture(scope="module")
+def chat_tok(chat_student_dir):
+    return AutoTokenizer.from_pretrained(str(chat_student_dir))
+
+
+def source(tok, train, val=(), limit=LONG, overlong="filter", shuffle=True, eval_prompts=4, seed=0, **cols):
+    return FilePromptSource(
+        [str(p) for p in train],
+        [str(p) for p in val],
+        Columns(**cols),
+        tok,
+        True,
+        limit,
+        overlong,
+        shuffle,
+        eval_prompts,
+        seed,
+    )
+
+
+def test_verl_parquet_rows_keep_the_schema(tmp_path):
+    path = write_parquet(tmp_path / "train.parquet", gsm8k_rows(3))
+    rows = list(verl_rows([str(path)]))
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["0", "2", "4"]
+    assert rows[1]["data_source"] == "openai/gsm8k" and rows[1]["ability"] == "math"
+    assert rows[1]["prompt"][0]["role"] == "user" and rows[1]["extra_info"]["index"] == 1
+
+
+def test_plain_jsonl_maps_columns(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"question": "2+2?", "label": 4}, {"question": "1+1?", "label": 2}])
+    rows = list(verl_rows([str(path)], Columns(prompt_key="question", answer_key="label")))
+    assert rows[0]["prompt"] == [{"role": "user", "content": "2+2?"}]
+    assert rows[0]["reward_model"]["ground_truth"] == "4" and rows[0]["data_source"] == "jsonl"
+
+
+def test_missing_prompt_column_names_the_columns_and_the_key(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"question": "2+2?"}])
+    with pytest.raises(ConfigError, match=r"no column 'prompt' \(columns: question\); set data.prompt_key"):
+        list(verl_rows([str(path)]))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("p.csv", "a,b\n", "ending in .jsonl"),
+        ("p.jsonl", "{not json\n", "cannot read it"),
+        ("p.jsonl", "", "cannot read it|no rows"),
+    ],
+)
+def test_bad_files_name_the_key(tmp_path, name, content, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        list(verl_rows([str(tmp_path / name)]))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.train_files: .*nowhere.jsonl does not exist"):
+        list(verl_rows([str(tmp_path / "nowhere.jsonl")]))
+
+
+def test_chat_template_wraps_the_prompt_and_opens_the_answer(chat_tok):
+    ids = encode_prompt(chat_tok, [{"role": "user", "content": "What is 2 + 2?"}], True)
+    text = chat_tok.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and "<|im_start|>user\nWhat is 2 + 2?<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    raw = encode_prompt(chat_tok, [{"role": "user", "content": "What is 2 + 2?"}], False)
+    assert chat_tok.decode(raw) == "What is 2 + 2?"
+
+
+def test_template_errors_say_which_switch(chat_tok, student_dir):
+    char_tok = AutoTokenizer.from_pretrained(str(student_dir))  # the built-in tokenizer has no template
+    with pytest.raises(ConfigError, match="no chat template; set data.chat_template=false"):
+        encode_prompt(char_tok, [{"role": "user", "content": "ab>"}], True)
+    two = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(ConfigError, match="set data.chat_template=true"):
+        encode_prompt(chat_tok, two, False)
+
+
+def test_stream_is_a_pure_function_of_seed_and_step(tmp_path, chat_tok):
+    path = write_parquet(tmp_path / "t.parquet", gsm8k_rows(20))
+    a, b = source(chat_tok, [path]), source(chat_tok, [path])
+    late = b.batch(7, 3)  # a "restarted" run asks for step 7 first
+    for step in range(8):
+        a.batch(step, 3)
+    assert a.batch(7, 3) == late
+    assert source(chat_tok, [path], seed=1).batch(7, 3).prompt_ids != late.prompt_ids
+
+
+def test_epochs_cover_every_training_row_once_in_a_new_order(tmp_path, chat_tok):
+    path = write_parquet(tmp_path / "t.parquet", gsm8k_rows(14))
+    s = source(chat_tok, [path], eval_prompts=4)  # 10 training rows, 2 per step: an epoch is 5 steps
+    truths = [[t for step in range(e * 5, e * 5 + 5) for t in s.batch(step, 2).ground_truth] for e in range(2)]
+    held_out = set(s.eval_batch(4).ground_truth)
+    assert sorted(truths[0]) == sorted(truths[1]) and len(set(truths[0])) == 10
+    assert truths[0] != truths[1]  # reshuffled
+    assert not held_out & set(truths[0]) and len(held_out) == 4
+
+
+def test_file_order_without_shuffle_and_val_files(tmp_path, chat_tok):
+    train = write_parquet(tmp_path / "t.parquet", gsm8k_rows(6))
+    val = write_parquet(tmp_path / "v.parquet", gsm8k_rows(3, source="lighteval/MATH"))
+    s = source(chat_tok, [train], [val], shuffle=False)
+    assert s.batch(0, 3).ground_truth == ["0", "2", "4"] and s.batch(2, 3).ground_truth == ["0", "2", "4"]
+    assert s.eval_batch(10).data_source == ["lighteval/MATH"] * 3
+
+
+def test_overlong_prompts_are_filtered_and_counted_never_cut(tmp_path, chat_tok):
+    rows = gsm8k_rows(8)
+    for r in rows[::2]:  # every other prompt gets far longer than the limit
+        r["prompt"][0]["content"] += " step" * 80
+    path = write_parquet(tmp_path / "t.parquet", rows)
+    limit = 150
+    s = source(chat_tok, [path], val=[path], limit=limit)
+    batch = s.batch(0, 4)
+    assert all(len(ids) <= limit for ids in batch.prompt_ids)
+    assert sorted(batch.ground_truth) == ["10", "14", "2", "6"] and s.overlong_count == 4
+    s.batch(3, 4)
+    assert s.overlong_count == 4  # each row is counted once, not once per epoch
+    with pytest.raises(
+        ConfigError, match=r"has \d+ tokens, more than data.max_prompt_length=150.*data.overlong=filter"
+    ):
+        source(chat_tok, [path], limit=limit, overlong="error", shuffle=False).batch(0, 4)
+
+
+def test_every_prompt_over_the_limit_stops(tmp_path, chat_tok):
+    path = write_parquet(tmp_path / "t.parquet", gsm8k_rows(6))
+    with pytest.raises(ConfigError, match="every training prompt is longer"):
+        source(chat_tok, [path], limit=5, eval_prompts=1).batch(0, 2)
+
+
+def test_tokenization_is_lazy(tmp_path, chat_tok, monkeypatch):
+    import miniverl.data.stream as stream
+
+    path = write_parquet(tmp_path / "t.parquet", gsm8k_rows(200))
+    calls = []
+    real = stream.encode_prompt
+    monkeypatch.setattr(stream, "encode_prompt", lambda *a: calls.append(1) or real(*a))
+    s = source(chat_tok, [path], eval_prompts=4)
+    s.batch(0, 4)
+    assert len(calls) <= 8  # step 0's four prompts, checked then encoded; not the 196 other rows
+
+
+def test_too_few_rows_to_hold_out(tmp_path, chat_tok):
+    path = write_parquet(tmp_path / "t.parquet", gsm8k_rows(3))
+    with pytest.raises(ConfigError, match="lower data.eval_prompts or pass data.val_files"):
+        source(chat_tok, [path], eval_prompts=3)
