@@ -45,7 +45,8 @@ class VerlRefusal(ConfigError):
     def __init__(self, reasons: list[Reason]) -> None:
         self.reasons = reasons
         lines = "\n".join(f"  - [{r.code}] {r.message}" for r in reasons)
-        super().__init__(f"verl cannot reproduce this run ({len(reasons)} reasons); nothing was written:\n{lines}")
+        count = f"{len(reasons)} reason{'' if len(reasons) == 1 else 's'}"
+        super().__init__(f"verl cannot reproduce this run ({count}); nothing was written:\n{lines}")
 
 
 def _verl_version(s: RunSpec) -> str | None:

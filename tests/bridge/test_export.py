@@ -7,6 +7,7 @@ import shlex
 
 import pytest
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from miniverl.bridge import data as bridge_data
 from miniverl.bridge import export as bridge_export
@@ -40,7 +41,11 @@ def test_export_pg_k1_run_dir(tmp_path, clean):
     overrides = flatten(yaml.safe_load((out / "verl_overrides.yaml").read_text()))
     script = (out / "verl_command.sh").read_text()
     assert script.split("\n")[2].startswith("WANDB_MODE=offline python3 -m verl.trainer.main_ppo")
-    assert _command_overrides(script) == {k: hydra_value(v) for k, v in overrides.items()}
+    on_command_line = _command_overrides(script)
+    assert on_command_line == {k: hydra_value(v) for k, v in overrides.items()}
+    # Hydra's own override parser reads the command line back to the YAML's values
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in on_command_line.items()])
+    assert {o.key_or_group: o.value() for o in parsed} == overrides
     # what the run means, in verl's names
     assert overrides["distillation.distillation_loss.loss_mode"] == "k1"
     assert overrides["distillation.distillation_loss.use_policy_gradient"] is True
