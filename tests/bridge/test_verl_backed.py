@@ -151,3 +151,13 @@ def test_verl_kl_penalty_and_grpo_equal_miniverl(tmp_path, verl_python):
     for norm in (True, False):
         ours = grpo_advantages(rewards, UID, norm_by_std=norm).unsqueeze(1) * mask  # [B, Tr]
         torch.testing.assert_close(ours, verl[f"grpo_norm_{norm}"], rtol=1e-6, atol=1e-6, msg=f"norm={norm}")
+
+
+def test_verl_agrees_with_the_batch_size_refusal(tmp_path, clean, verl_python):
+    """The batch_sizes refusal is verl's own rule: 8 prompts x 4 samples over 3 GPUs fails verl's validation."""
+    out = export_verl(write_config(tmp_path / "c.yaml", clean), tmp_path / "e")
+    tree = yaml.safe_load((out / "verl_overrides.yaml").read_text())
+    tree["trainer"]["n_gpus_per_node"] = 3
+    (out / "verl_overrides.yaml").write_text(yaml.safe_dump(tree))
+    err = run_check(verl_python, "config", str(out), expect_ok=False)
+    assert "must be divisible by minimal possible batch size" in err
