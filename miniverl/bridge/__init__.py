@@ -4,7 +4,8 @@
 - batches.py     rollout/training batches as safetensors + JSON manifest under verl's key names; DataProto
 - refusals.py    every reason verl 0.9 cannot express a run, collected before anything is written
 - translate.py   a MiniVerlConfig as overrides of verl's `main_ppo` config (YAML and command line)
-- export.py      `export-verl` and `export-data`: load a run, refuse or write one directory atomically
+- runs.py        a run directory or config YAML, typed and validated, as the refusals see it
+- export.py      `export-verl` and `export-data`: refuse, or write one directory atomically
 - verl_reward.py the reward function the exported run hands to verl (copied into the export)
 - verl_check.py  runs inside a verl virtualenv (scripts/make_verl_venv.sh) to verify exports with verl itself
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from miniverl.bridge.__main__ import REFUSALS_HELP, main
-from miniverl.bridge.export import export_verl, load_run
+from miniverl.bridge.export import export_verl
 from miniverl.bridge.refusals import CHECKS, VerlRefusal, refusal_reasons
+from miniverl.bridge.runs import load_run
 from tests.bridge.helpers import set_key, write_config
 
 # reason code -> the config changes (dotted key: value) that trigger it, alone, on the clean config
@@ -114,3 +115,13 @@ def test_all_reasons_listed_at_once(tmp_path, clean):
         "batch_sizes",
     ]
     assert not (tmp_path / "out").exists()
+
+
+def test_forward_keys_that_verl_can_express_are_accepted(tmp_path, clean):
+    """model.student.quantization and reward.name are read even though this schema lacks them; their
+    expressible values refuse nothing (and are not unknown-key errors)."""
+    set_key(clean, "model.student.quantization", "none")
+    set_key(clean, "reward.name", "exact_match")
+    spec = _spec(tmp_path, clean)
+    assert (spec.student_quantization, spec.reward) == ("none", "exact_match")
+    assert refusal_reasons(spec) == []
