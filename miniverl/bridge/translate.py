@@ -128,6 +128,9 @@ def _distillation(spec: RunSpec, teacher: str) -> dict[str, Any]:
                 prefix + "clip_ratio_high": o.is_cap - 1.0,
                 # the old policy is the sampler, as in miniVERL (ratios q_theta / q_sampler)
                 "algorithm.rollout_correction.bypass_mode": True,
+                # the task-reward policy loss clips its ratio with the actor's settings: the same bounds
+                "actor_rollout_ref.actor.clip_ratio_low": NO_LOWER_RATIO_CLIP,
+                "actor_rollout_ref.actor.clip_ratio_high": o.is_cap - 1.0,
             }
         )
     else:  # gkd at beta 0 over the full vocabulary (refusals admit nothing else)
