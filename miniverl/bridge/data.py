@@ -13,6 +13,7 @@ turns a run's data config into rows (built-in tasks today; jsonl and parquet sou
 from __future__ import annotations
 
 import random
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -120,7 +121,10 @@ def jsonl_rows(
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such jsonl file; pass the path of a file with one JSON object per line")
-    table = load_dataset("json", data_files=str(path), split="train")
+    # A throwaway cache: reading a user's file leaves no Arrow copy of it under ~/.cache, and an edited
+    # file is never answered from a stale one.
+    with tempfile.TemporaryDirectory() as cache:
+        table = load_dataset("json", data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True)
     for key, flag in ((prompt_key, "--prompt-key"), (answer_key, "--answer-key")):
         if key not in table.column_names:
             raise ConfigError(
