@@ -25,6 +25,7 @@ run, prints them all and writes nothing. It refuses:
   pg_reward_weight      pg_k1 with objective.reward_coef other than 0 or 1
   lora                  LoRA dropout, a fractional alpha, or a rank vLLM cannot serve
   batch_sizes           samples per step that do not split evenly over GPUs and micro-batches
+  prompt_tokens         a student tokenizer that adds more than a BOS to a prompt, or none to inspect
   reward_function       a reward with no verl compute_score (known: {", ".join(VERL_CALLABLE_REWARDS)};
                         tasks: {", ".join(sorted(TASK_REWARDS))})
 An existing --out is never overwritten; output is written to a hidden temporary directory and renamed

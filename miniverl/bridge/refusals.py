@@ -31,6 +31,8 @@ class RunSpec:
     student_quantization: str | None = None  # model.student.quantization, when the config carries it
     reward: str | None = None  # the reward's name; None = the task's own (TASK_REWARDS)
     student_vocab_size: int | None = None  # from the student's config.json when it is a local directory
+    # What the student's tokenizer adds to a plain prompt: "none", "bos", another description, None = unknown
+    prompt_special_tokens: str | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,23 @@ def _reward_function(s: RunSpec) -> str | None:
     )
 
 
+def _prompt_tokens(s: RunSpec) -> str | None:
+    special = s.prompt_special_tokens
+    if special in ("none", "bos"):
+        return None
+    student = s.cfg.model.student.path
+    if special is None:
+        return (
+            f"model.student.path={student}: verl renders prompts through a chat template, and whether it reproduces"
+            " the run's prompt tokens (a BOS or not) is read from the student's tokenizer, which is not a local"
+            " directory here; build the model first (python scripts/build_models.py) or pass a local directory"
+        )
+    return (
+        f"the student's tokenizer {special} of a plain prompt; verl's chat template can reproduce a leading BOS"
+        " only, so its prompt tokens would differ from the run's; use a tokenizer that adds at most a BOS"
+    )
+
+
 CHECKS: tuple[Callable[[RunSpec], str | None], ...] = (
     _verl_version,
     _rollout_backend,
@@ -219,6 +238,7 @@ CHECKS: tuple[Callable[[RunSpec], str | None], ...] = (
     _lora,
     _batch_sizes,
     _reward_function,
+    _prompt_tokens,
 )
 
 

@@ -14,6 +14,7 @@ from miniverl.models.builtin import BUILTIN_PREFIX, BuiltinRecipe, builtin_dir
 from miniverl.protocol import ConfigError
 
 RUN_CONFIG = Path(".hydra") / "config.yaml"
+PROBE_TEXT = "abc"  # any text the tokenizer encodes without special tokens of its own
 # Settings the refusals must see even when this miniVERL's schema lacks them (a run written by a newer
 # one): taken out of the raw YAML before typing, or read from the typed config once the schema has them.
 FORWARD_KEYS = {"quantization": ("model", "student", "quantization"), "reward": ("reward", "name")}
@@ -48,6 +49,7 @@ def load_run(source: str | Path, verl_version: str = DEFAULT_VERL_VERSION) -> Ru
         student_quantization=forward["quantization"],
         reward=forward["reward"],
         student_vocab_size=_vocab_size(student),
+        prompt_special_tokens=prompt_special_tokens(student),
     )
 
 
@@ -109,6 +111,24 @@ def _select(cfg, keys: tuple[str, ...]):
     for key in keys:
         node = getattr(node, key, None)
     return node
+
+
+def prompt_special_tokens(model_path: str) -> str | None:
+    """What the student's tokenizer adds around a plain prompt, as miniVERL tokenizes it (`tokenizer(text)`):
+    "none", "bos", or a description of anything else; None when there is no local tokenizer to ask."""
+    path = Path(model_path).expanduser()
+    if not (path / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    plain = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    full = tok(PROBE_TEXT)["input_ids"]
+    if full == plain:
+        return "none"
+    if tok.bos_token_id is not None and full == [tok.bos_token_id, *plain]:
+        return "bos"
+    return f"adds {tok.convert_ids_to_tokens([t for t in full if t not in plain])} around the text"
 
 
 def _vocab_size(model_path: str) -> int | None:

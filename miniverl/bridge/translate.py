@@ -13,10 +13,13 @@ from typing import Any
 
 from miniverl.bridge.refusals import RunSpec
 
-# miniVERL tokenizes a task's prompt text as it is, with no chat template; verl renders the chat messages
-# through the tokenizer's template. This template renders the one user message as its bare content, so
-# verl's prompt tokens are the run's.
+# miniVERL tokenizes a task's prompt text as it is (`tokenizer(text)`: the text plus a BOS where the
+# tokenizer adds one), with no chat template; verl renders the chat messages through the tokenizer's
+# template and adds no special tokens of its own. These templates render the one user message as its bare
+# content, after the BOS when the run's tokenizer adds one, so verl's prompt tokens are the run's (checked
+# by verl's RLHFDataset and chat-template code in tests/bridge).
 RAW_PROMPT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+BOS_PROMPT_TEMPLATE = "{{ bos_token }}" + RAW_PROMPT_TEMPLATE
 REWARD_FILE = "verl_reward.py"
 REWARD_FUNCTION = "compute_score"
 VERL_TOP_K_OFF = -1  # verl's "no top-k" (miniVERL's is 0)
@@ -48,7 +51,9 @@ def verl_overrides(spec: RunSpec, student: str, teacher: str, data_dir: Path, re
         "data.truncation": "error",  # like miniVERL, a prompt over the limit is an error, never cut
         # model and LoRA
         "actor_rollout_ref.model.path": student,
-        "actor_rollout_ref.model.custom_chat_template": RAW_PROMPT_TEMPLATE,
+        "actor_rollout_ref.model.custom_chat_template": (
+            BOS_PROMPT_TEMPLATE if spec.prompt_special_tokens == "bos" else RAW_PROMPT_TEMPLATE
+        ),
         "actor_rollout_ref.model.lora_rank": lora.rank,
         "actor_rollout_ref.model.lora_alpha": int(lora.alpha),
         "actor_rollout_ref.model.target_modules": list(lora.target_modules),

@@ -1,6 +1,7 @@
 """Checks of exported files by verl itself, run with the verl virtualenv's python (scripts/make_verl_venv.sh).
 
     python -m miniverl.bridge.verl_check config EXPORT_DIR     compose + validate the overrides with verl's config
+    python -m miniverl.bridge.verl_check prompts EXPORT_DIR TOKENIZER_DIR   verl's tokens of the exported prompts
     python -m miniverl.bridge.verl_check dataproto BATCH_DIR    build a verl DataProto from a batch directory
     python -m miniverl.bridge.verl_check algos BATCH_DIR OUT    verl's kl_penalty and GRPO advantages -> OUT
 
@@ -70,6 +71,34 @@ def check_config(export_dir: str) -> dict:
     }
 
 
+def check_prompts(export_dir: str, tokenizer_dir: str) -> dict:
+    """The exported training prompts as verl tokenizes them: its RLHFDataset reads data/train.parquet and
+    its chat-template code renders each row with the exported custom_chat_template (set on the tokenizer,
+    as verl's agent loop does)."""
+    import tempfile
+
+    import yaml
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.utils.tokenizer.chat_template import apply_chat_template, normalize_token_ids
+
+    from miniverl.bridge.translate import flatten
+
+    ov = flatten(yaml.safe_load((Path(export_dir) / "verl_overrides.yaml").read_text()))
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = ov["actor_rollout_ref.model.custom_chat_template"]
+    data_cfg = {"max_prompt_length": ov["data.max_prompt_length"], "truncation": ov["data.truncation"]}
+    with tempfile.TemporaryDirectory() as cache:
+        dataset = RLHFDataset(ov["data.train_files"], tok, OmegaConf.create({**data_cfg, "cache_dir": cache}))
+        rows = [dataset[i] for i in range(len(dataset))]
+    return {
+        "uid": [r["extra_info"]["uid"] for r in rows],
+        "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
+        "prompt_ids": [normalize_token_ids(apply_chat_template(tok, list(r["raw_prompt"]))) for r in rows],
+    }
+
+
 def check_dataproto(batch_dir: str) -> dict:
     from miniverl.bridge.batches import to_dataproto
 
@@ -108,7 +137,7 @@ def check_algos(batch_dir: str, out: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    commands = {"config": check_config, "dataproto": check_dataproto, "algos": check_algos}
+    commands = {"config": check_config, "prompts": check_prompts, "dataproto": check_dataproto, "algos": check_algos}
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2

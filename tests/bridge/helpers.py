@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from miniverl.config import MiniVerlConfig
 
 
-def clean_config(cache_dir: Path) -> dict:
+def clean_config(cache_dir: Path, student: Path, teacher: Path) -> dict:
     """PG-k1 on vLLM with the teacher on its own GPU: everything verl 0.9 can express."""
     c = OmegaConf.to_container(OmegaConf.structured(MiniVerlConfig))
     c["rollout"].update(backend="vllm", n=4)
@@ -19,6 +19,7 @@ def clean_config(cache_dir: Path) -> dict:
     c["trainer"].update(total_steps=3, micro_batch_size=16)
     c["data"].update(prompts_per_step=8, eval_prompts=4)
     c["model"]["cache_dir"] = str(cache_dir)  # empty: built-in models are not built here
+    c["model"]["student"]["path"], c["model"]["teacher"]["path"] = str(student), str(teacher)
     return c
 
 

@@ -12,7 +12,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from miniverl.bridge import data as bridge_data
 from miniverl.bridge import export as bridge_export
 from miniverl.bridge.__main__ import main
-from miniverl.bridge.translate import RAW_PROMPT_TEMPLATE, flatten, hydra_value
+from miniverl.bridge.translate import BOS_PROMPT_TEMPLATE, flatten, hydra_value
 from tests.bridge.helpers import set_key, write_config
 
 
@@ -54,8 +54,9 @@ def test_export_pg_k1_run_dir(tmp_path, clean):
     assert overrides["distillation.n_gpus_per_node"] == 1 and overrides["distillation.enabled"] is True
     assert overrides["actor_rollout_ref.rollout.n"] == 4 and overrides["actor_rollout_ref.rollout.top_k"] == -1
     assert overrides["data.train_batch_size"] == 8 and overrides["actor_rollout_ref.actor.ppo_mini_batch_size"] == 8
-    assert overrides["actor_rollout_ref.model.custom_chat_template"] == RAW_PROMPT_TEMPLATE
-    assert overrides["actor_rollout_ref.model.path"].endswith("/student")
+    # the built-in tokenizer puts a BOS before the prompt text, so the template does too
+    assert overrides["actor_rollout_ref.model.custom_chat_template"] == BOS_PROMPT_TEMPLATE
+    assert overrides["actor_rollout_ref.model.path"] == clean["model"]["student"]["path"]
     assert overrides["data.train_files"] == str(out / "data" / "train.parquet")
     # data: total_steps x prompts_per_step training rows in step order, the eval prompts as the test split
     train = bridge_data.read_parquet(out / "data" / "train.parquet")

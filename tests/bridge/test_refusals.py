@@ -31,6 +31,7 @@ CASES = {
     "lora": {"model.lora.dropout": 0.05},
     "batch_sizes": {"trainer.micro_batch_size": 3},
     "reward_function": {"reward.name": "llm_judge"},
+    "prompt_tokens": {"model.student.path": "builtin:student"},  # not built in this cache: no tokenizer to ask
 }
 
 
@@ -86,10 +87,35 @@ def test_lora_fractional_alpha_and_large_rank(tmp_path, clean):
 
 
 def test_gkd_without_a_built_student_cannot_know_the_vocabulary(tmp_path, clean):
-    for key, value in {"objective.name": "gkd", "objective.beta": 0.0, "objective.teacher_topk": 0}.items():
+    for key, value in {
+        "objective.name": "gkd",
+        "objective.beta": 0.0,
+        "objective.teacher_topk": 0,
+        "model.student.path": "builtin:student",
+    }.items():
         set_key(clean, key, value)
+    reasons = {r.code: r.message for r in refusal_reasons(_spec(tmp_path, clean))}
+    assert set(reasons) == {"gkd_support", "prompt_tokens"} and "config.json" in reasons["gkd_support"]
+
+
+def test_a_tokenizer_adding_more_than_a_bos_is_refused(tmp_path, clean, student_dir):
+    """A tokenizer that also appends EOS to a plain prompt: verl's chat template cannot reproduce that."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    bos, eos = tok.bos_token, tok.eos_token
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", special_tokens=[(bos, tok.bos_token_id), (eos, tok.eos_token_id)]
+    )
+    odd = tmp_path / "odd_student"
+    tok.save_pretrained(str(odd))
+    shutil.copy(student_dir / "config.json", odd / "config.json")
+    set_key(clean, "model.student.path", str(odd))
     (reason,) = refusal_reasons(_spec(tmp_path, clean))
-    assert reason.code == "gkd_support" and "config.json" in reason.message
+    assert reason.code == "prompt_tokens" and eos in reason.message
 
 
 def test_batch_sizes_that_do_not_split_over_gpus(tmp_path, clean):

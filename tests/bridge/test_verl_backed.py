@@ -20,6 +20,7 @@ from miniverl.bridge import batches
 from miniverl.bridge.export import export_verl
 from miniverl.bridge.translate import flatten
 from miniverl.bridge.verl_check import KL_KINDS
+from miniverl.data.prompts import PromptSource
 from miniverl.objectives import grpo_advantages, kl_penalty
 from miniverl.protocol import RolloutBatch, TeacherScores
 from tests.bridge.helpers import set_key, write_config
@@ -84,6 +85,23 @@ def test_gkd_export_passes_verl_config_validation(tmp_path, clean, student_dir, 
         set_key(clean, key, value)
     out = export_verl(write_config(tmp_path / "c.yaml", clean), tmp_path / "e")
     _assert_composed(run_check(verl_python, "config", str(out)), out)
+
+
+def test_verl_tokenizes_the_exported_prompts_as_the_run_did(tmp_path, clean, student_dir, verl_python):
+    """verl's RLHFDataset reads the exported parquet and its chat-template code, with the exported template,
+    gives the prompt tokens miniVERL's PromptSource gives (BOS included), row for row and in step order."""
+    from transformers import AutoTokenizer
+
+    out = export_verl(write_config(tmp_path / "c.yaml", clean), tmp_path / "e")
+    verl = run_check(verl_python, "prompts", str(out), str(student_dir))
+    d = clean["data"]
+    source = PromptSource(
+        d["task"], d["min_len"], d["max_len"], AutoTokenizer.from_pretrained(str(student_dir)), 32, d["seed"]
+    )
+    ours = [source.batch(step, d["prompts_per_step"]) for step in range(clean["trainer"]["total_steps"])]
+    assert verl["uid"] == [u for b in ours for u in b.uid]
+    assert verl["ground_truth"] == [a for b in ours for a in b.ground_truth]
+    assert verl["prompt_ids"] == [ids for b in ours for ids in b.prompt_ids]
 
 
 def test_verl_validation_can_fail(tmp_path, clean, verl_python):
