@@ -60,6 +60,14 @@ def check_config(export_dir: str) -> dict:
     built = {}
     for key in ("algorithm", "distillation", "actor_rollout_ref.rollout", "actor_rollout_ref.actor"):
         built[key] = type(omega_conf_to_dataclass(OmegaConf.select(cfg, key))).__name__
+    # verl loads the exported reward file itself and calls it the way its naive reward manager does
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    reward = get_custom_reward_fn(cfg)
+    probe = [
+        reward(data_source="miniverl/reverse", solution_str=text, ground_truth="cba", extra_info={"num_turns": None})
+        for text in ("cba", "cb", "cba ")
+    ]
     composed = {k: OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, k)}))["v"] for k in overrides}
     return {
         "ok": True,
@@ -68,6 +76,7 @@ def check_config(export_dir: str) -> dict:
         "composed": composed,
         "need_critic": need_critic(cfg),
         "need_reference_policy": need_reference_policy(cfg),
+        "reward_probe": probe,
     }
 
 

@@ -72,6 +72,7 @@ def test_pg_k1_export_passes_verl_config_validation(tmp_path, clean, verl_python
     _assert_composed(result, out)
     assert result["dataclasses"]["distillation"] == "DistillationConfig"
     assert result["need_critic"] is False and result["need_reference_policy"] is False
+    assert result["reward_probe"] == [1.0, 0.0, 0.0]  # verl loaded and called the exported exact match
 
 
 def test_gkd_export_passes_verl_config_validation(tmp_path, clean, student_dir, teacher_dir, verl_python):
