@@ -2,7 +2,9 @@
 
 - data.py        prompt rows in verl's parquet schema (export, read back, round trip)
 - batches.py     rollout/training batches as safetensors + JSON manifest under verl's key names; DataProto
-- refusals.py    every reason verl 0.9 cannot express a run, collected before anything is written
+- spec.py        a run as the bridge sees it (RunSpec)
+- checks.py      one function per reason verl 0.9 cannot express a run
+- refusals.py    runs every check before anything is written; VerlRefusal lists all reasons
 - translate.py   a MiniVerlConfig as overrides of verl's `main_ppo` config (YAML and command line)
 - runs.py        a run directory or config YAML, typed and validated, as the refusals see it
 - export.py      `export-verl` and `export-data`: refuse, or write one directory atomically

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from miniverl.bridge.refusals import TASK_REWARDS, VERL_CALLABLE_REWARDS, VERL_ROLLOUT_ENGINES
+from miniverl.bridge.checks import TASK_REWARDS, VERL_CALLABLE_REWARDS, VERL_ROLLOUT_ENGINES
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION, SUPPORTED_VERL_VERSIONS
 from miniverl.protocol import MiniVerlError
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from miniverl.bridge import data as bridge_data
 from miniverl.bridge.atomic import atomic_dir, refuse_existing
-from miniverl.bridge.refusals import RunSpec, refuse_unless_expressible
+from miniverl.bridge.refusals import refuse_unless_expressible
 from miniverl.bridge.runs import load_run, model_paths
+from miniverl.bridge.spec import RunSpec
 from miniverl.bridge.translate import REWARD_FILE, command_line, nested, verl_overrides
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION, miniverl_version
 from miniverl.protocol import ConfigError

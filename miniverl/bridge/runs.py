@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from miniverl.bridge.refusals import RunSpec
+from miniverl.bridge.spec import RunSpec
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION
 from miniverl.config import MiniVerlConfig, to_config, validate
 from miniverl.models.builtin import BUILTIN_PREFIX, BuiltinRecipe, builtin_dir

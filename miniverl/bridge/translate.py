@@ -2,7 +2,8 @@
 
 Every key below exists in that release's composed config (tests/bridge compose them with verl's own Hydra
 config and run its validation). Only runs that passed `refusals.refusal_reasons` are translated, so each
-value here carries miniVERL's meaning over exactly; docs/bridge.md lists the correspondences.
+value carries miniVERL's meaning over; docs/bridge.md lists the correspondences and the few differences
+that remain.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from miniverl.bridge.refusals import RunSpec
+from miniverl.bridge.spec import RunSpec
 
 # miniVERL tokenizes a task's prompt text as it is (`tokenizer(text)`: the text plus a BOS where the
 # tokenizer adds one), with no chat template; verl renders the chat messages through the tokenizer's

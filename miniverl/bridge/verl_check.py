@@ -28,7 +28,7 @@ def _stub_vllm_lora_rank_check() -> None:
         return
     except ImportError:
         pass
-    from miniverl.bridge.refusals import VLLM_MAX_LORA_RANK
+    from miniverl.bridge.checks import VLLM_MAX_LORA_RANK
 
     def get_vllm_max_lora_rank(lora_rank: int) -> int:
         if not 0 < lora_rank <= VLLM_MAX_LORA_RANK:
