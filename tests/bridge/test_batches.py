@@ -131,3 +131,13 @@ def test_bad_columns_refused_and_nothing_written(tmp_path):
     with pytest.raises(BatchError, match="rewards must be"):
         batches.save_batch(tmp_path / "b", make_batch(), rewards=torch.zeros(B + 1))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_to_dataproto_without_verl_says_where_to_run_it(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is importable in this environment; test_verl_backed covers to_dataproto")
+    batches.save_batch(tmp_path / "b", make_batch())
+    with pytest.raises(ImportError, match="make_verl_venv.sh"):
+        batches.to_dataproto(tmp_path / "b")
