@@ -1,0 +1,207 @@
+"""The reasons verl 0.9 cannot reproduce a run: one small function each, of the run, returning a reason
+(the setting, what verl 0.9 does instead, the fix) or None. `CHECKS` is their order in a refusal."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from miniverl.bridge.spec import RunSpec
+from miniverl.bridge.versions import unsupported_verl_version
+
+VERL_ROLLOUT_ENGINES = ("vllm", "sglang")  # verl 0.9 rollout.name values that serve LoRA students
+# vLLM's largest LoRA rank (verl's fallback list in vllm_rollout/utils.get_vllm_max_lora_rank).
+VLLM_MAX_LORA_RANK = 512
+# Rewards the bridge can hand to verl as a `compute_score` function (miniverl/bridge/verl_reward.py).
+VERL_CALLABLE_REWARDS = ("exact_match",)
+TASK_REWARDS = {"reverse": "exact_match", "addition": "exact_match"}  # the reward each built-in task uses
+
+
+def _verl_version(s: RunSpec) -> str | None:
+    return unsupported_verl_version(s.verl_version)
+
+
+def _rollout_backend(s: RunSpec) -> str | None:
+    b = s.cfg.rollout.backend
+    if b in VERL_ROLLOUT_ENGINES:
+        return None
+    return (
+        f"rollout.backend={b}: verl 0.9 samples with vLLM or SGLang only (rollout.name), so its samples would not"
+        f" come from the sampler this run used; run with rollout.backend=vllm (or sglang)"
+    )
+
+
+def _quantized_student(s: RunSpec) -> str | None:
+    q = s.student_quantization
+    if q in (None, "", "none"):
+        return None
+    return (
+        f"model.student.quantization={q}: verl 0.9's FSDP actor trains a bf16/fp32 base (no NF4/QLoRA), and a"
+        f" learner on another base than the sampler's is off-policy (DESIGN.md); set model.student.quantization=none"
+    )
+
+
+def _teacher_colocated(s: RunSpec) -> str | None:
+    if s.cfg.resources.scorer_gpus > 0:
+        return None
+    return (
+        "resources.scorer_gpus=0 puts the teacher on the rollout/learner GPU; verl 0.9 runs the teacher in its own"
+        " resource pool (distillation.n_gpus_per_node x nnodes, separate from trainer.n_gpus_per_node); give it"
+        " whole GPUs with resources.scorer_gpus=1"
+    )
+
+
+def _no_gpus(s: RunSpec) -> str | None:
+    if s.cfg.resources.gpus != 0:
+        return None
+    return "resources.gpus=0 is a CPU-only run; verl 0.9 trains on GPUs; set resources.gpus=1 (or null)"
+
+
+def _gkd_loss(s: RunSpec) -> str | None:
+    o = s.cfg.objective
+    if o.name != "gkd" or o.beta == 0.0:
+        return None
+    return (
+        f"objective gkd with beta={o.beta}: verl 0.9's distillation losses are forward_kl_topk (forward KL) and the"
+        " sampled-token estimators k1/k2/k3/abs (distillation.distillation_loss.loss_mode); it has no generalized"
+        " JSD and no reverse KL over the distribution. Use objective.beta=0 (forward KL), or objective=pg_k1"
+        " (verl loss_mode=k1 with use_policy_gradient=true)"
+    )
+
+
+def _gkd_support(s: RunSpec) -> str | None:
+    o = s.cfg.objective
+    if o.name != "gkd" or o.beta != 0.0:
+        return None
+    if o.teacher_topk > 0:
+        return (
+            f"objective.teacher_topk={o.teacher_topk}: verl's forward_kl_topk sums over the teacher's top-k only and"
+            " drops the tail mass, which miniVERL keeps as one bucket; set objective.teacher_topk=0 (the full"
+            " vocabulary, exported as a top-k over every token)"
+        )
+    if s.student_vocab_size is None:
+        return (
+            f"model.student.path={s.cfg.model.student.path}: the full-vocabulary GKD support is exported as"
+            " forward_kl_topk with topk = vocabulary size, which is read from the student's config.json; build the"
+            " model first (python scripts/build_models.py) or point model.student.path at a local directory"
+        )
+    return None
+
+
+def _gkd_temperature(s: RunSpec) -> str | None:
+    o, r = s.cfg.objective, s.cfg.rollout
+    if o.name != "gkd" or (o.loss_temperature == 1.0 and r.temperature == 1.0):
+        return None
+    return (
+        f"objective.loss_temperature={o.loss_temperature}, rollout.temperature={r.temperature}: verl 0.9 scores the"
+        " teacher at the rollout temperature and has no separate loss temperature; set both to 1"
+    )
+
+
+def _pg_discount(s: RunSpec) -> str | None:
+    o = s.cfg.objective
+    if o.name != "pg_k1" or o.discount == 0.0:
+        return None
+    return (
+        f"objective.discount={o.discount}: verl 0.9's policy-gradient distillation uses the per-token k1 reward as"
+        " the advantage (no discounted return); set objective.discount=0"
+    )
+
+
+def _pg_kl_in_advantage(s: RunSpec) -> str | None:
+    o = s.cfg.objective
+    if o.name != "pg_k1" or o.kl_coef == 0.0:
+        return None
+    return (
+        f"objective.kl_coef={o.kl_coef}: miniVERL subtracts the reference KL from every token's k1 advantage; verl"
+        " 0.9 folds it into the task reward before GRPO normalization (algorithm.use_kl_in_reward) or adds a KL"
+        " loss (actor.use_kl_loss), neither of which is the same gradient; set objective.kl_coef=0"
+    )
+
+
+def _pg_reward_weight(s: RunSpec) -> str | None:
+    o = s.cfg.objective
+    if o.name != "pg_k1" or o.reward_coef in (0.0, 1.0):
+        return None
+    return (
+        f"objective.reward_coef={o.reward_coef}: verl 0.9 adds the task-reward policy loss with weight 1 to the"
+        " distillation loss (distillation_loss_coef scales the other side, and with it the gradient clipping);"
+        " only reward_coef 0 (no task reward) or 1 carry over exactly; set objective.reward_coef=1 or 0"
+    )
+
+
+def _lora(s: RunSpec) -> str | None:
+    lora = s.cfg.model.lora
+    problems = []
+    if lora.dropout != 0.0:
+        problems.append(f"model.lora.dropout={lora.dropout} (verl's FSDP LoRA has no dropout: set 0)")
+    if lora.alpha != int(lora.alpha):
+        problems.append(f"model.lora.alpha={lora.alpha} (verl's lora_alpha is an integer: round it)")
+    if lora.rank > VLLM_MAX_LORA_RANK:
+        problems.append(f"model.lora.rank={lora.rank} (vLLM serves ranks up to {VLLM_MAX_LORA_RANK})")
+    return "LoRA settings verl 0.9 cannot express: " + "; ".join(problems) if problems else None
+
+
+def _batch_sizes(s: RunSpec) -> str | None:
+    c = s.cfg
+    gpus = c.resources.gpus or 1
+    rows = c.data.prompts_per_step * c.rollout.n
+    if rows % gpus:
+        return (
+            f"data.prompts_per_step x rollout.n = {rows} samples per step do not divide over resources.gpus={gpus};"
+            " verl needs an equal share per GPU: change prompts_per_step or n"
+        )
+    per_gpu = rows // gpus
+    if per_gpu % c.trainer.micro_batch_size:
+        return (
+            f"{per_gpu} samples per GPU per step are not a multiple of trainer.micro_batch_size="
+            f"{c.trainer.micro_batch_size}; verl's ppo_micro_batch_size_per_gpu must divide them (miniVERL allows a"
+            " short last micro-batch): pick a micro_batch_size that divides it"
+        )
+    return None
+
+
+def _reward_function(s: RunSpec) -> str | None:
+    name = s.reward or TASK_REWARDS.get(s.cfg.data.task)
+    if name in VERL_CALLABLE_REWARDS:
+        return None
+    return (
+        f"the reward of task {s.cfg.data.task!r} ({name or 'unknown'}) has no verl compute_score the bridge can"
+        f" export (it knows {', '.join(VERL_CALLABLE_REWARDS)}); write one for verl's"
+        " reward.custom_reward_function, or train on a task with an exact-match answer"
+    )
+
+
+def _prompt_tokens(s: RunSpec) -> str | None:
+    special = s.prompt_special_tokens
+    if special in ("none", "bos"):
+        return None
+    student = s.cfg.model.student.path
+    if special is None:
+        return (
+            f"model.student.path={student}: verl renders prompts through a chat template, and whether it reproduces"
+            " the run's prompt tokens (a BOS or not) is read from the student's tokenizer, which is not a local"
+            " directory here; build the model first (python scripts/build_models.py) or pass a local directory"
+        )
+    return (
+        f"the student's tokenizer {special} of a plain prompt; verl's chat template can reproduce a leading BOS"
+        " only, so its prompt tokens would differ from the run's; use a tokenizer that adds at most a BOS"
+    )
+
+
+CHECKS: tuple[Callable[[RunSpec], str | None], ...] = (
+    _verl_version,
+    _rollout_backend,
+    _quantized_student,
+    _teacher_colocated,
+    _no_gpus,
+    _gkd_loss,
+    _gkd_support,
+    _gkd_temperature,
+    _pg_discount,
+    _pg_kl_in_advantage,
+    _pg_reward_weight,
+    _lora,
+    _batch_sizes,
+    _reward_function,
+    _prompt_tokens,
+)

@@ -1,0 +1,168 @@
+"""Prompt data in verl 0.9's parquet schema, one row per prompt:
+
+    data_source  str                      where the row comes from ("miniverl/reverse", a file name)
+    prompt       [{"role", "content"}]    chat messages; miniVERL's prompts are one user message
+    ability      str                      the task family
+    reward_model {"style", "ground_truth"}  "rule": the reward compares the response with ground_truth
+    extra_info   {"index", "split", "uid"}  row number within its split, and miniVERL's prompt uid
+
+Rows are plain dicts so that any prompt source can feed the exporter: `prompt_rows` is the one seam that
+turns a run's data config into rows (built-in tasks today; jsonl and parquet sources plug in there).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from miniverl.data.prompts import EVAL_SEED_OFFSET
+from miniverl.data.tasks import TASKS
+from miniverl.protocol import ConfigError
+
+TRAIN_SEED_STRIDE = 7919  # PromptSource.batch seeds step `s` with `seed * 7919 + s` (tested to agree)
+DATA_SOURCE_PREFIX = "miniverl/"
+REWARD_STYLE = "rule"  # verl's name for a programmatic reward that checks ground_truth
+ROW_KEYS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+
+
+def _schema():
+    import pyarrow as pa
+
+    # Fixed types (not inferred per file) so that export -> read -> export gives the same bytes.
+    return pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            ("extra_info", pa.struct([("index", pa.int64()), ("split", pa.string()), ("uid", pa.string())])),
+        ]
+    )
+
+
+def make_row(data_source: str, prompt: str, answer: str, ability: str, index: int, split: str, uid: str) -> dict:
+    """One verl row for a single-turn prompt whose reward checks `answer`."""
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": prompt}],
+        "ability": ability,
+        "reward_model": {"style": REWARD_STYLE, "ground_truth": answer},
+        "extra_info": {"index": index, "split": split, "uid": uid},
+    }
+
+
+def check_row(row: dict, where: str) -> None:
+    """Raise ConfigError naming the first field of `row` that does not fit the schema."""
+    if not isinstance(row, dict) or tuple(sorted(row)) != tuple(sorted(ROW_KEYS)):
+        got = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ConfigError(f"{where}: a verl row has exactly the keys {', '.join(ROW_KEYS)}; got {got}")
+    msgs = row["prompt"]
+    if not msgs or not all(isinstance(m, dict) and set(m) == {"role", "content"} for m in msgs):
+        raise ConfigError(f"{where}: prompt must be a non-empty list of {{role, content}} messages; got {msgs!r}")
+    rm = row["reward_model"]
+    if not isinstance(rm, dict) or not isinstance(rm.get("ground_truth"), str):
+        raise ConfigError(f"{where}: reward_model.ground_truth must be a string; got {rm!r}")
+    info = row["extra_info"]
+    if not isinstance(info, dict) or not isinstance(info.get("index"), int):
+        raise ConfigError(f"{where}: extra_info.index must be an integer row number; got {info!r}")
+
+
+def task_rows(task: str, min_len: int, max_len: int, seed: int, steps: int, groups: int) -> list[dict]:
+    """The training prompts a run draws from built-in `task`: `groups` per step for `steps` steps, in order.
+
+    Same seeds and uids as miniverl.data.prompts.PromptSource.batch, so verl sees the run's prompts.
+    """
+    sample = TASKS.get(task)
+    rows = []
+    for step in range(steps):
+        rng = random.Random(seed * TRAIN_SEED_STRIDE + step)
+        for i in range(groups):
+            ex = sample(rng, min_len, max_len)
+            rows.append(
+                make_row(DATA_SOURCE_PREFIX + task, ex.prompt, ex.answer, task, len(rows), "train", f"s{step}-{i}")
+            )
+    return rows
+
+
+def task_eval_rows(task: str, min_len: int, max_len: int, seed: int, count: int) -> list[dict]:
+    """The held-out evaluation prompts (PromptSource.eval_batch), as verl's validation split."""
+    sample = TASKS.get(task)
+    rng = random.Random(seed + EVAL_SEED_OFFSET)
+    rows = []
+    for i in range(count):
+        ex = sample(rng, min_len, max_len)
+        rows.append(make_row(DATA_SOURCE_PREFIX + task, ex.prompt, ex.answer, task, i, "test", f"eval-{i}"))
+    return rows
+
+
+def prompt_rows(cfg) -> dict[str, list[dict]]:
+    """{"train": rows, "test": rows} for a run's data config: the prompts it trains and evaluates on.
+
+    The one place a prompt source becomes verl rows; a new source (jsonl, parquet) adds its branch here.
+    """
+    d = cfg.data
+    return {
+        "train": task_rows(d.task, d.min_len, d.max_len, d.seed, cfg.trainer.total_steps, d.prompts_per_step),
+        "test": task_eval_rows(d.task, d.min_len, d.max_len, d.seed, d.eval_prompts),
+    }
+
+
+def jsonl_rows(
+    path: str | Path, prompt_key: str, answer_key: str, split: str = "train", ability: str | None = None
+) -> list[dict]:
+    """verl rows from a user's jsonl file with one prompt and one answer column (read with HF datasets).
+
+    data_source is the file's stem; ability defaults to it too.
+    """
+    from datasets import load_dataset
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such jsonl file; pass the path of a file with one JSON object per line")
+    # A throwaway cache: reading a user's file leaves no Arrow copy of it under ~/.cache, and an edited
+    # file is never answered from a stale one.
+    with tempfile.TemporaryDirectory() as cache:
+        table = load_dataset("json", data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True)
+    for key, flag in ((prompt_key, "--prompt-key"), (answer_key, "--answer-key")):
+        if key not in table.column_names:
+            raise ConfigError(
+                f"{path}: no column {key!r}; it has {', '.join(table.column_names)}. Name the column with {flag}"
+            )
+    source = path.stem
+    rows = []
+    for i, rec in enumerate(table):
+        prompt, answer = rec[prompt_key], rec[answer_key]
+        if not isinstance(prompt, str) or not prompt:
+            raise ConfigError(f"{path}: line {i + 1}: {prompt_key!r} must be a non-empty string; got {prompt!r}")
+        rows.append(make_row(source, prompt, str(answer), ability or source, i, split, f"{source}-{i}"))
+    return rows
+
+
+def write_parquet(rows: Iterable[dict], path: str | Path) -> int:
+    """Write verl rows to `path` (checked row by row first); returns the row count."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = list(rows)
+    if not rows:
+        raise ConfigError(f"{path}: no rows to write; the prompt source produced none")
+    for i, row in enumerate(rows):
+        check_row(row, f"{path} row {i}")
+    pq.write_table(pa.Table.from_pylist(rows, schema=_schema()), str(path))
+    return len(rows)
+
+
+def read_parquet(path: str | Path) -> list[dict]:
+    """verl rows from a parquet file written in verl's schema (by this bridge or by verl's own scripts)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(str(path))
+    missing = [k for k in ROW_KEYS if k not in table.column_names]
+    if missing:
+        raise ConfigError(f"{path}: not verl prompt data, missing columns {', '.join(missing)}")
+    rows = table.select(list(ROW_KEYS)).to_pylist()
+    for i, row in enumerate(rows):
+        check_row(row, f"{path} row {i}")
+    return rows

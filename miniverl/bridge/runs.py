@@ -1,0 +1,138 @@
+"""A finished or planned run as the bridge reads it: a run directory's .hydra/config.yaml or a composed
+config YAML, typed by miniverl/config.py and validated, plus keys a newer schema may carry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from miniverl.bridge.spec import RunSpec
+from miniverl.bridge.versions import DEFAULT_VERL_VERSION
+from miniverl.config import MiniVerlConfig, to_config, validate
+from miniverl.models.builtin import BUILTIN_PREFIX, BuiltinRecipe, builtin_dir
+from miniverl.protocol import ConfigError
+
+RUN_CONFIG = Path(".hydra") / "config.yaml"
+PROBE_TEXT = "abc"  # any text the tokenizer encodes without special tokens of its own
+# Settings the refusals must see even when this miniVERL's schema lacks them (a run written by a newer
+# one): taken out of the raw YAML before typing, or read from the typed config once the schema has them.
+FORWARD_KEYS = {"quantization": ("model", "student", "quantization"), "reward": ("reward", "name")}
+
+
+def load_run(source: str | Path, verl_version: str = DEFAULT_VERL_VERSION) -> RunSpec:
+    """The run at `source` (a run directory or a config YAML) as a RunSpec for the refusals and translation."""
+    import yaml
+
+    path = Path(source)
+    file = path / RUN_CONFIG if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(
+            f"{source}: neither a run directory with {RUN_CONFIG} nor a config file; pass outputs/<date>/<time>"
+            " or a YAML written by `python -m miniverl.main ... --cfg job`"
+        )
+    raw = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a mapping of config groups, got {type(raw).__name__}")
+    forward = {name: _take(raw, keys) for name, keys in FORWARD_KEYS.items() if not _schema_has(keys)}
+    cfg = _typed(raw, file)
+    for name, keys in FORWARD_KEYS.items():
+        if _schema_has(keys):
+            forward[name] = _select(cfg, keys)
+    # The rollout backend is judged against verl's engines (refusals) whether or not this miniVERL has it
+    # registered, so validation runs every other check with a known backend in its place.
+    validate(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend="hf_reference")))
+    student, _ = model_paths(cfg)
+    return RunSpec(
+        cfg=cfg,
+        verl_version=verl_version,
+        student_quantization=forward["quantization"],
+        reward=forward["reward"],
+        student_vocab_size=_vocab_size(student),
+        prompt_special_tokens=prompt_special_tokens(student),
+    )
+
+
+def model_paths(cfg: MiniVerlConfig) -> tuple[str, str]:
+    """Student and teacher as verl loads them: built-in models resolve to their cache directories."""
+    recipe = BuiltinRecipe(cfg.data.task, cfg.data.min_len, cfg.data.max_len)
+
+    def resolve(path: str) -> str:
+        if path.startswith(BUILTIN_PREFIX):
+            return str(builtin_dir(cfg.model.cache_dir, recipe) / path[len(BUILTIN_PREFIX) :])
+        return path
+
+    return resolve(cfg.model.student.path), resolve(cfg.model.teacher.path)
+
+
+def _typed(raw: dict, file: Path) -> MiniVerlConfig:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(MiniVerlConfig), raw)
+    except OmegaConfBaseException as e:  # an unknown key or a wrong type
+        raise ConfigError(
+            f"{file}: {str(e).splitlines()[0]}; the config must fit this miniVERL's schema (miniverl/config.py)"
+        ) from e
+    return to_config(merged)
+
+
+def _take(raw: dict, keys: tuple[str, ...]):
+    """Remove raw[k0][k1]...; return its value (None when absent). Emptied parents are removed too."""
+    parents = [raw]
+    for key in keys[:-1]:
+        child = parents[-1].get(key)
+        if not isinstance(child, dict):
+            return None
+        parents.append(child)
+    value = parents[-1].pop(keys[-1], None)
+    for parent, key in zip(reversed(parents[:-1]), reversed(keys[:-1])):
+        if parent[key] == {}:
+            del parent[key]
+    return value
+
+
+def _schema_has(keys: tuple[str, ...]) -> bool:
+    """Whether miniverl/config.py has the setting at `keys` (model.student.quantization, ...)."""
+    import typing
+
+    node = MiniVerlConfig
+    for key in keys:
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if key not in hints:
+            return False
+        node = hints[key]
+    return True
+
+
+def _select(cfg, keys: tuple[str, ...]):
+    node = cfg
+    for key in keys:
+        node = getattr(node, key, None)
+    return node
+
+
+def prompt_special_tokens(model_path: str) -> str | None:
+    """What the student's tokenizer adds around a plain prompt, as miniVERL tokenizes it (`tokenizer(text)`):
+    "none", "bos", or a description of anything else; None when there is no local tokenizer to ask."""
+    path = Path(model_path).expanduser()
+    if not (path / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    plain = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    full = tok(PROBE_TEXT)["input_ids"]
+    if full == plain:
+        return "none"
+    if tok.bos_token_id is not None and full == [tok.bos_token_id, *plain]:
+        return "bos"
+    return f"adds {tok.convert_ids_to_tokens([t for t in full if t not in plain])} around the text"
+
+
+def _vocab_size(model_path: str) -> int | None:
+    file = Path(model_path).expanduser() / "config.json"
+    if not file.is_file():
+        return None
+    return json.loads(file.read_text()).get("vocab_size")

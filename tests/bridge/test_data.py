@@ -1,0 +1,95 @@
+"""Prompt data in verl's parquet schema: the run's own prompts, jsonl input, and an identical round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from miniverl.bridge import data
+from miniverl.data.prompts import PromptSource
+from miniverl.protocol import ConfigError
+
+
+def _char_tokenizer(text):
+    return {"input_ids": [ord(ch) for ch in text]}
+
+
+def test_task_rows_are_the_prompts_the_run_trains_on():
+    source = PromptSource("reverse", 3, 8, _char_tokenizer, max_prompt_length=32, seed=5)
+    rows = data.task_rows("reverse", 3, 8, seed=5, steps=3, groups=4)
+    assert len(rows) == 12
+    for step in range(3):
+        batch = source.batch(step, 4)
+        got = rows[step * 4 : step * 4 + 4]
+        assert [r["extra_info"]["uid"] for r in got] == batch.uid
+        assert [r["reward_model"]["ground_truth"] for r in got] == batch.ground_truth
+        assert [_char_tokenizer(r["prompt"][0]["content"])["input_ids"] for r in got] == batch.prompt_ids
+    assert [r["extra_info"]["index"] for r in rows] == list(range(12))
+
+
+def test_eval_rows_are_the_run_evaluation_prompts():
+    source = PromptSource("addition", 1, 3, _char_tokenizer, max_prompt_length=32, seed=2)
+    batch = source.eval_batch(6)
+    rows = data.task_eval_rows("addition", 1, 3, seed=2, count=6)
+    assert [r["reward_model"]["ground_truth"] for r in rows] == batch.ground_truth
+    assert [r["extra_info"]["uid"] for r in rows] == batch.uid
+    assert rows[0]["data_source"] == "miniverl/addition" and rows[0]["ability"] == "addition"
+    assert rows[0]["prompt"][0]["role"] == "user" and rows[0]["reward_model"]["style"] == "rule"
+
+
+def test_round_trip_is_identical(tmp_path):
+    rows = data.task_rows("reverse", 3, 8, seed=0, steps=2, groups=5)
+    first, second = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    assert data.write_parquet(rows, first) == 10
+    back = data.read_parquet(first)
+    assert back == rows
+    data.write_parquet(back, second)
+    assert data.read_parquet(second) == rows
+    assert first.read_bytes() == second.read_bytes()
+
+
+def test_jsonl_rows(tmp_path):
+    f = tmp_path / "qa.jsonl"
+    f.write_text("\n".join(json.dumps({"question": f"{i}+1=", "label": i + 1, "other": "x"}) for i in range(3)))
+    rows = data.jsonl_rows(f, "question", "label")
+    assert [r["prompt"][0]["content"] for r in rows] == ["0+1=", "1+1=", "2+1="]
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["1", "2", "3"]
+    assert rows[2]["data_source"] == "qa" and rows[2]["extra_info"] == {"index": 2, "split": "train", "uid": "qa-2"}
+    out = tmp_path / "qa.parquet"
+    data.write_parquet(rows, out)
+    assert data.read_parquet(out) == rows
+
+
+def test_jsonl_missing_column_names_the_flag(tmp_path):
+    f = tmp_path / "qa.jsonl"
+    f.write_text(json.dumps({"q": "a", "a": "b"}) + "\n")
+    with pytest.raises(ConfigError, match="no column 'prompt'.*--prompt-key"):
+        data.jsonl_rows(f, "prompt", "a")
+    with pytest.raises(ConfigError, match="no such jsonl file"):
+        data.jsonl_rows(tmp_path / "missing.jsonl", "q", "a")
+
+
+def test_bad_rows_are_refused_before_writing(tmp_path):
+    row = data.make_row("s", "p", "a", "t", 0, "train", "u")
+    del row["ability"]
+    out = tmp_path / "bad.parquet"
+    with pytest.raises(ConfigError, match="exactly the keys"):
+        data.write_parquet([row], out)
+    bad = data.make_row("s", "p", "a", "t", 0, "train", "u")
+    bad["prompt"] = []
+    with pytest.raises(ConfigError, match="prompt must be a non-empty list"):
+        data.write_parquet([bad], out)
+    with pytest.raises(ConfigError, match="no rows"):
+        data.write_parquet([], out)
+    assert not out.exists()
+
+
+def test_read_refuses_other_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"text": ["a"]}), str(f))
+    with pytest.raises(ConfigError, match="missing columns data_source"):
+        data.read_parquet(f)

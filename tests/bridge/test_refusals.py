@@ -1,0 +1,153 @@
+"""Fail closed: each reason verl 0.9 cannot reproduce a run, triggered by a config that causes it; all
+reasons listed at once; nothing written when refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from miniverl.bridge.__main__ import REFUSALS_HELP, main
+from miniverl.bridge.export import export_verl
+from miniverl.bridge.refusals import CHECKS, VerlRefusal, refusal_reasons
+from miniverl.bridge.runs import load_run
+from tests.bridge.helpers import set_key, write_config
+
+# reason code -> the config changes (dotted key: value) that trigger it, alone, on the clean config
+CASES = {
+    "rollout_backend": {"rollout.backend": "hf_reference"},
+    "quantized_student": {"model.student.quantization": "nf4"},
+    "teacher_colocated": {"resources.scorer_gpus": 0},
+    "no_gpus": {"resources.gpus": 0, "resources.scorer_gpus": 0, "resources.device": "cpu"},
+    "gkd_loss": {"objective.name": "gkd", "objective.beta": 0.5},
+    "gkd_support": {"objective.name": "gkd", "objective.beta": 0.0, "objective.teacher_topk": 64},
+    "gkd_temperature": {
+        "objective.name": "gkd",
+        "objective.beta": 0.0,
+        "objective.teacher_topk": 0,
+        "objective.loss_temperature": 2.0,
+    },
+    "pg_discount": {"objective.discount": 0.5},
+    "pg_kl_in_advantage": {"objective.kl_coef": 0.1},
+    "pg_reward_weight": {"objective.reward_coef": 0.5},
+    "lora": {"model.lora.dropout": 0.05},
+    "batch_sizes": {"trainer.micro_batch_size": 3},
+    "reward_function": {"reward.name": "llm_judge"},
+    "prompt_tokens": {"model.student.path": "builtin:student"},  # not built in this cache: no tokenizer to ask
+}
+
+
+def _spec(tmp_path, cfg, verl_version="0.9.1"):
+    return load_run(write_config(tmp_path / "config.yaml", cfg), verl_version)
+
+
+def test_clean_config_has_no_reason(tmp_path, clean):
+    assert refusal_reasons(_spec(tmp_path, clean)) == []
+
+
+def test_every_check_has_a_case_and_a_help_line():
+    codes = {c.__name__.lstrip("_") for c in CHECKS}
+    assert codes == set(CASES) | {"verl_version"}
+    for code in codes:
+        assert code in REFUSALS_HELP, f"--help does not explain {code}"
+
+
+@pytest.mark.parametrize("code", sorted(CASES))
+def test_refusal_reason(tmp_path, clean, code):
+    cfg = clean
+    for key, value in CASES[code].items():
+        set_key(cfg, key, value)
+    reasons = refusal_reasons(_spec(tmp_path, cfg))
+    assert code in [r.code for r in reasons], reasons
+    out = tmp_path / "export"
+    with pytest.raises(VerlRefusal) as err:
+        export_verl(tmp_path / "config.yaml", out)
+    assert code in str(err.value)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export")]
+
+
+def test_unknown_verl_version(tmp_path, clean):
+    reasons = refusal_reasons(_spec(tmp_path, clean, verl_version="0.8.0"))
+    assert [r.code for r in reasons] == ["verl_version"]
+    assert "0.9.1" in reasons[0].message
+
+
+def test_unknown_verl_version_on_the_command_line(tmp_path, clean, capsys):
+    src = write_config(tmp_path / "config.yaml", clean)
+    rc = main(["export-verl", str(src), "--out", str(tmp_path / "x"), "--verl-version", "0.10.0"])
+    assert rc == 2
+    assert "[verl_version]" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_lora_fractional_alpha_and_large_rank(tmp_path, clean):
+    set_key(clean, "model.lora.alpha", 12.5)
+    set_key(clean, "model.lora.rank", 1024)
+    (reason,) = refusal_reasons(_spec(tmp_path, clean))
+    assert reason.code == "lora" and "alpha=12.5" in reason.message and "rank=1024" in reason.message
+
+
+def test_gkd_without_a_built_student_cannot_know_the_vocabulary(tmp_path, clean):
+    for key, value in {
+        "objective.name": "gkd",
+        "objective.beta": 0.0,
+        "objective.teacher_topk": 0,
+        "model.student.path": "builtin:student",
+    }.items():
+        set_key(clean, key, value)
+    reasons = {r.code: r.message for r in refusal_reasons(_spec(tmp_path, clean))}
+    assert set(reasons) == {"gkd_support", "prompt_tokens"} and "config.json" in reasons["gkd_support"]
+
+
+def test_a_tokenizer_adding_more_than_a_bos_is_refused(tmp_path, clean, student_dir):
+    """A tokenizer that also appends EOS to a plain prompt: verl's chat template cannot reproduce that."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    bos, eos = tok.bos_token, tok.eos_token
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", special_tokens=[(bos, tok.bos_token_id), (eos, tok.eos_token_id)]
+    )
+    odd = tmp_path / "odd_student"
+    tok.save_pretrained(str(odd))
+    shutil.copy(student_dir / "config.json", odd / "config.json")
+    set_key(clean, "model.student.path", str(odd))
+    (reason,) = refusal_reasons(_spec(tmp_path, clean))
+    assert reason.code == "prompt_tokens" and eos in reason.message
+
+
+def test_batch_sizes_that_do_not_split_over_gpus(tmp_path, clean):
+    set_key(clean, "resources.gpus", 3)  # 8 prompts x 4 samples = 32 rows over 3 GPUs
+    codes = [r.code for r in refusal_reasons(_spec(tmp_path, clean))]
+    assert codes == ["batch_sizes"]
+
+
+def test_all_reasons_listed_at_once(tmp_path, clean):
+    for code in ("rollout_backend", "teacher_colocated", "pg_discount", "batch_sizes", "quantized_student"):
+        for key, value in CASES[code].items():
+            set_key(clean, key, value)
+    src = write_config(tmp_path / "config.yaml", clean)
+    with pytest.raises(VerlRefusal) as err:
+        export_verl(src, tmp_path / "out", "0.1.0")
+    codes = [r.code for r in err.value.reasons]
+    assert codes == [
+        "verl_version",
+        "rollout_backend",
+        "quantized_student",
+        "teacher_colocated",
+        "pg_discount",
+        "batch_sizes",
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_forward_keys_that_verl_can_express_are_accepted(tmp_path, clean):
+    """model.student.quantization and reward.name are read even though this schema lacks them; their
+    expressible values refuse nothing (and are not unknown-key errors)."""
+    set_key(clean, "model.student.quantization", "none")
+    set_key(clean, "reward.name", "exact_match")
+    spec = _spec(tmp_path, clean)
+    assert (spec.student_quantization, spec.reward) == ("none", "exact_match")
+    assert refusal_reasons(spec) == []
