@@ -103,10 +103,41 @@ def prompt_rows(cfg) -> dict[str, list[dict]]:
     The one place a prompt source becomes verl rows; a new source (jsonl, parquet) adds its branch here.
     """
     d = cfg.data
+    if d.train_files:
+        return file_rows(d)
     return {
         "train": task_rows(d.task, d.min_len, d.max_len, d.seed, cfg.trainer.total_steps, d.prompts_per_step),
         "test": task_eval_rows(d.task, d.min_len, d.max_len, d.seed, d.eval_prompts),
     }
+
+
+def file_rows(d) -> dict[str, list[dict]]:
+    """A run's prompt files (data.train_files / val_files, read as miniVERL reads them) as verl rows: the
+    held-out split is the one the run evaluates on when no val_files are given."""
+    from miniverl.data.files import Columns, verl_rows
+    from miniverl.data.stream import holdout_split
+
+    columns = Columns(d.prompt_key, d.answer_key, d.default_data_source)
+    train = list(verl_rows(d.train_files, columns, "data.train_files"))
+    if d.val_files:
+        test = list(verl_rows(d.val_files, columns, "data.val_files"))
+    else:
+        held, kept = holdout_split(len(train), d.eval_prompts, d.seed)
+        train, test = [train[i] for i in kept], [train[i] for i in held]
+
+    def rows(source: list[dict], split: str) -> list[dict]:
+        return [
+            {
+                "data_source": r["data_source"],
+                "prompt": [{"role": m["role"], "content": m["content"]} for m in r["prompt"]],
+                "ability": r["ability"],
+                "reward_model": {"style": REWARD_STYLE, "ground_truth": r["reward_model"]["ground_truth"]},
+                "extra_info": {"index": i, "split": split, "uid": f"{split}-{r['extra_info']['index']}"},
+            }
+            for i, r in enumerate(source)
+        ]
+
+    return {"train": rows(train, "train"), "test": rows(test, "test")}
 
 
 def jsonl_rows(

@@ -20,6 +20,12 @@ UNKNOWN, VALID, OVERLONG = 0, 1, 2  # per-row length status, filled in as the st
 HOLDOUT_STREAM = 1  # seed-sequence tag of the held-out split, apart from every epoch's order (tag 0)
 
 
+def holdout_split(rows: int, eval_prompts: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out row indices, training row indices in file order) when no data.val_files is given."""
+    split = np.random.default_rng([seed, HOLDOUT_STREAM]).permutation(rows)
+    return split[:eval_prompts], np.sort(split[eval_prompts:])
+
+
 class FilePromptSource:
     def __init__(
         self,
@@ -51,8 +57,7 @@ class FilePromptSource:
                     " data.val_files"
                 )
             self.val = self.train
-            split = np.random.default_rng([seed, HOLDOUT_STREAM]).permutation(len(self.train))
-            self.eval_idx, self.train_idx = split[:eval_prompts], np.sort(split[eval_prompts:])
+            self.eval_idx, self.train_idx = holdout_split(len(self.train), eval_prompts, seed)
         self.status = {
             id(self.train): np.zeros(len(self.train), np.int8),
             id(self.val): np.zeros(len(self.val), np.int8),
