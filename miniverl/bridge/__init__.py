@@ -8,7 +8,7 @@
 - translate.py   a MiniVerlConfig as overrides of verl's `main_ppo` config (YAML and command line)
 - runs.py        a run directory or config YAML, typed and validated, as the refusals see it
 - export.py      `export-verl` and `export-data`: refuse, or write one directory atomically
-- verl_reward.py the reward function the exported run hands to verl (copied into the export)
+- rewards.py     the reward verl calls: the run's scorers routed by data_source, or its custom function
 - verl_check.py  runs inside a verl virtualenv (scripts/make_verl_venv.sh) to verify exports with verl itself
 
 Nothing here imports verl; `batches.to_dataproto` imports it when called.

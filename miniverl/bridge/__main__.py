@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from miniverl.bridge.checks import TASK_REWARDS, VERL_CALLABLE_REWARDS, VERL_ROLLOUT_ENGINES
+from miniverl.bridge.checks import VERL_ROLLOUT_ENGINES
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION, SUPPORTED_VERL_VERSIONS
 from miniverl.protocol import MiniVerlError
 
@@ -25,9 +25,13 @@ run, prints them all and writes nothing. It refuses:
   pg_reward_weight      pg_k1 with objective.reward_coef other than 0 or 1
   lora                  LoRA dropout, a fractional alpha, or a rank vLLM cannot serve
   batch_sizes           samples per step that do not split evenly over GPUs and micro-batches
-  prompt_tokens         a student tokenizer that adds more than a BOS to a prompt, or none to inspect
-  reward_function       a reward with no verl compute_score (known: {", ".join(VERL_CALLABLE_REWARDS)};
-                        tasks: {", ".join(sorted(TASK_REWARDS))})
+  stop_token_ids        rollout.stop_token_ids: verl 0.9.1 has no stop-token setting (use generation_config)
+  reward_function       a data_source of the exported rows with no reward (reward.name / by_source), or a
+                        reward that is not one of miniverl/rewards/scoring.py (exported as compute_score)
+  reward_signature      reward.custom_function whose parameters are not verl's (data_source, solution_str,
+                        ground_truth, extra_info): verl calls it by keyword
+  prompt_tokens         a student tokenizer that adds more than a BOS to a raw prompt, a chat_template=true
+                        run whose tokenizer has no template, or no local tokenizer to inspect
 An existing --out is never overwritten; output is written to a hidden temporary directory and renamed
 into place only when complete. docs/bridge.md has the full correspondence of settings.
 """
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--out", required=True, help="new directory to write (must not exist)")
     ev.add_argument("--verl-version", default=DEFAULT_VERL_VERSION, help="the verl release to target")
     ed = sub.add_parser("export-data", help="prompt data alone as verl parquet (train.parquet, test.parquet)")
-    ed.add_argument("source", nargs="?", help="a run directory or composed config YAML (its task prompts)")
+    ed.add_argument("source", nargs="?", help="a run directory or composed config YAML (its prompts)")
     ed.add_argument("--jsonl", help="instead of a run: a jsonl file with one prompt and one answer per line")
     ed.add_argument("--prompt-key", default="prompt", help="the jsonl column holding the prompt text")
     ed.add_argument("--answer-key", default="answer", help="the jsonl column holding the answer")

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from miniverl.bridge import rewards
 from miniverl.bridge.spec import RunSpec
 from miniverl.bridge.versions import unsupported_verl_version
 
 VERL_ROLLOUT_ENGINES = ("vllm", "sglang")  # verl 0.9 rollout.name values that serve LoRA students
 # vLLM's largest LoRA rank (verl's fallback list in vllm_rollout/utils.get_vllm_max_lora_rank).
 VLLM_MAX_LORA_RANK = 512
-# Rewards the bridge can hand to verl as a `compute_score` function (miniverl/bridge/verl_reward.py).
-VERL_CALLABLE_REWARDS = ("exact_match",)
-TASK_REWARDS = {"reverse": "exact_match", "addition": "exact_match"}  # the reward each built-in task uses
 
 
 def _verl_version(s: RunSpec) -> str | None:
@@ -160,31 +158,75 @@ def _batch_sizes(s: RunSpec) -> str | None:
     return None
 
 
-def _reward_function(s: RunSpec) -> str | None:
-    name = s.reward or TASK_REWARDS.get(s.cfg.data.task)
-    if name in VERL_CALLABLE_REWARDS:
+def _stop_token_ids(s: RunSpec) -> str | None:
+    ids = list(s.cfg.rollout.stop_token_ids)
+    if not ids:
         return None
     return (
-        f"the reward of task {s.cfg.data.task!r} ({name or 'unknown'}) has no verl compute_score the bridge can"
-        f" export (it knows {', '.join(VERL_CALLABLE_REWARDS)}); write one for verl's"
-        " reward.custom_reward_function, or train on a task with an exact-match answer"
+        f"rollout.stop_token_ids={ids}: verl 0.9.1's rollout config has no stop-token setting (vLLM stops at the"
+        " tokenizer's EOS and the eos_token_id ids of the model's generation_config.json), so its responses would"
+        " run past these ids; add them to eos_token_id in the student's generation_config.json (miniVERL and vLLM"
+        " both stop there) and drop rollout.stop_token_ids"
+    )
+
+
+def _reward_function(s: RunSpec) -> str | None:
+    r = s.cfg.reward
+    if r.custom_function is not None:
+        return None  # verl calls the user's function itself (reward_signature checks that it can)
+    table = rewards.routes(r, s.data_sources)
+    missing = [source for source, name in table.items() if name is None]
+    if missing:
+        return (
+            f"data_source {', '.join(map(repr, missing))} of the exported rows has no reward under reward.name="
+            f"{r.name} (miniVERL's run would stop on it too), so verl would have nothing to call; set reward.name,"
+            " add reward.by_source entries for them, or reward.custom_function=path/to/file.py:name"
+        )
+    foreign = [f"{source} ({name})" for source, name in table.items() if rewards.scorer(name) is None]
+    if foreign:
+        return (
+            f"the reward of {', '.join(foreign)} is not a scorer of miniverl/rewards/scoring.py, the file the export"
+            " carries to verl as its compute_score; write it as reward.custom_function with verl's signature"
+        )
+    return None
+
+
+def _reward_signature(s: RunSpec) -> str | None:
+    spec = s.cfg.reward.custom_function
+    if spec is None:
+        return None
+    problem = rewards.custom_signature_problem(rewards.load_custom(s.cfg.reward))
+    if problem is None:
+        return None
+    return (
+        f"reward.custom_function={spec}: verl 0.9 calls its reward.custom_reward_function by keyword as"
+        f" fn(data_source=, solution_str=, ground_truth=, extra_info=), miniVERL by position, but {problem}; name"
+        f" its first four parameters {', '.join(rewards.VERL_REWARD_ARGS)} (any further ones with defaults)"
     )
 
 
 def _prompt_tokens(s: RunSpec) -> str | None:
-    special = s.prompt_special_tokens
-    if special in ("none", "bos"):
-        return None
-    student = s.cfg.model.student.path
-    if special is None:
+    student, d = s.cfg.model.student.path, s.cfg.data
+    templated = bool(d.train_files) and d.chat_template  # built-in tasks are always raw text (PromptSource)
+    if s.prompt_special_tokens is None:
         return (
             f"model.student.path={student}: verl renders prompts through a chat template, and whether it reproduces"
-            " the run's prompt tokens (a BOS or not) is read from the student's tokenizer, which is not a local"
-            " directory here; build the model first (python scripts/build_models.py) or pass a local directory"
+            " the run's prompt tokens is read from the student's tokenizer, which is not a local directory here;"
+            " build the model first (python scripts/build_models.py) or pass a local directory"
         )
+    if templated:
+        if s.student_chat_template:
+            return None  # verl applies the tokenizer's own template, as miniVERL does (add_generation_prompt)
+        return (
+            "data.chat_template=true but the student's tokenizer has no chat template (miniVERL's run would stop"
+            " too), so verl could not render the prompts; set data.chat_template=false for raw text prompts"
+        )
+    if s.prompt_special_tokens in ("none", "bos"):
+        return None
     return (
-        f"the student's tokenizer {special} of a plain prompt; verl's chat template can reproduce a leading BOS"
-        " only, so its prompt tokens would differ from the run's; use a tokenizer that adds at most a BOS"
+        f"the student's tokenizer {s.prompt_special_tokens} of a plain prompt; verl's chat template can reproduce a"
+        " leading BOS only, so its prompt tokens would differ from the run's; use a tokenizer that adds at most a"
+        " BOS, or data.chat_template=true with prompt files"
     )
 
 
@@ -202,6 +244,8 @@ CHECKS: tuple[Callable[[RunSpec], str | None], ...] = (
     _pg_reward_weight,
     _lora,
     _batch_sizes,
+    _stop_token_ids,
     _reward_function,
+    _reward_signature,
     _prompt_tokens,
 )

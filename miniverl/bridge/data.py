@@ -1,13 +1,14 @@
 """Prompt data in verl 0.9's parquet schema, one row per prompt:
 
-    data_source  str                      where the row comes from ("miniverl/reverse", a file name)
+    data_source  str                      where the row comes from (the built-in task's name, as miniVERL's
+                                          rows carry it, or the file row's own; it picks the reward)
     prompt       [{"role", "content"}]    chat messages; miniVERL's prompts are one user message
     ability      str                      the task family
     reward_model {"style", "ground_truth"}  "rule": the reward compares the response with ground_truth
     extra_info   {"index", "split", "uid"}  row number within its split, and miniVERL's prompt uid
 
 Rows are plain dicts so that any prompt source can feed the exporter: `prompt_rows` is the one seam that
-turns a run's data config into rows (built-in tasks today; jsonl and parquet sources plug in there).
+turns a run's data config into rows (built-in tasks, and prompt files through miniverl.data's reader).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from miniverl.data.prompts import EVAL_SEED_OFFSET
+from miniverl.data.stream import VALID as VALID_PROMPT
 from miniverl.data.tasks import TASKS
 from miniverl.protocol import ConfigError
 
 TRAIN_SEED_STRIDE = 7919  # PromptSource.batch seeds step `s` with `seed * 7919 + s` (tested to agree)
-DATA_SOURCE_PREFIX = "miniverl/"
 REWARD_STYLE = "rule"  # verl's name for a programmatic reward that checks ground_truth
 ROW_KEYS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 
@@ -80,9 +81,7 @@ def task_rows(task: str, min_len: int, max_len: int, seed: int, steps: int, grou
         rng = random.Random(seed * TRAIN_SEED_STRIDE + step)
         for i in range(groups):
             ex = sample(rng, min_len, max_len)
-            rows.append(
-                make_row(DATA_SOURCE_PREFIX + task, ex.prompt, ex.answer, task, len(rows), "train", f"s{step}-{i}")
-            )
+            rows.append(make_row(task, ex.prompt, ex.answer, task, len(rows), "train", f"s{step}-{i}"))
     return rows
 
 
@@ -93,18 +92,19 @@ def task_eval_rows(task: str, min_len: int, max_len: int, seed: int, count: int)
     rows = []
     for i in range(count):
         ex = sample(rng, min_len, max_len)
-        rows.append(make_row(DATA_SOURCE_PREFIX + task, ex.prompt, ex.answer, task, i, "test", f"eval-{i}"))
+        rows.append(make_row(task, ex.prompt, ex.answer, task, i, "test", f"eval-{i}"))
     return rows
 
 
-def prompt_rows(cfg) -> dict[str, list[dict]]:
+def prompt_rows(cfg, tokenizer=None) -> dict[str, list[dict]]:
     """{"train": rows, "test": rows} for a run's data config: the prompts it trains and evaluates on.
 
-    The one place a prompt source becomes verl rows; a new source (jsonl, parquet) adds its branch here.
+    The one place a prompt source becomes verl rows. Prompt files with the student's `tokenizer`: the
+    run's own stream (run_file_rows); without one, the files' rows (file_rows).
     """
     d = cfg.data
     if d.train_files:
-        return file_rows(d)
+        return file_rows(d) if tokenizer is None else run_file_rows(d, tokenizer, cfg.trainer.total_steps)
     return {
         "train": task_rows(d.task, d.min_len, d.max_len, d.seed, cfg.trainer.total_steps, d.prompts_per_step),
         "test": task_eval_rows(d.task, d.min_len, d.max_len, d.seed, d.eval_prompts),
@@ -112,8 +112,8 @@ def prompt_rows(cfg) -> dict[str, list[dict]]:
 
 
 def file_rows(d) -> dict[str, list[dict]]:
-    """A run's prompt files (data.train_files / val_files, read as miniVERL reads them) as verl rows: the
-    held-out split is the one the run evaluates on when no val_files are given."""
+    """A run's prompt files (data.train_files / val_files, read as miniVERL reads them) as verl rows, in file
+    order: the held-out split is the one the run evaluates on when no val_files are given."""
     from miniverl.data.files import Columns, verl_rows
     from miniverl.data.stream import holdout_split
 
@@ -124,20 +124,40 @@ def file_rows(d) -> dict[str, list[dict]]:
     else:
         held, kept = holdout_split(len(train), d.eval_prompts, d.seed)
         train, test = [train[i] for i in kept], [train[i] for i in held]
+    return {
+        "train": [_file_row(r, i, "train", f"train-{r['extra_info']['index']}") for i, r in enumerate(train)],
+        "test": [_file_row(r, i, "test", f"test-{r['extra_info']['index']}") for i, r in enumerate(test)],
+    }
 
-    def rows(source: list[dict], split: str) -> list[dict]:
-        return [
-            {
-                "data_source": r["data_source"],
-                "prompt": [{"role": m["role"], "content": m["content"]} for m in r["prompt"]],
-                "ability": r["ability"],
-                "reward_model": {"style": REWARD_STYLE, "ground_truth": r["reward_model"]["ground_truth"]},
-                "extra_info": {"index": i, "split": split, "uid": f"{split}-{r['extra_info']['index']}"},
-            }
-            for i, r in enumerate(source)
-        ]
 
-    return {"train": rows(train, "train"), "test": rows(test, "test")}
+def run_file_rows(d, tokenizer, total_steps: int) -> dict[str, list[dict]]:
+    """The prompts a file-based run draws, as miniVERL's FilePromptSource draws them: `total_steps x
+    prompts_per_step` training rows in step order (its epochs, seeded shuffle and over-long filter), and
+    the first data.eval_prompts held-out rows that fit. uids are the run's (s<step>-<i>, eval-<i>)."""
+    from miniverl.data.build import build_prompt_source
+    from miniverl.data.files import verl_row
+
+    g = d.prompts_per_step
+    source = build_prompt_source(d, tokenizer, total_steps, log=lambda _: None)
+    source.batch(total_steps - 1, g)  # scans the stream up to the last step
+    train = [
+        _file_row(verl_row(source.train[i], source.columns, i), n, "train", f"s{n // g}-{n % g}")
+        for n, i in enumerate(source.valid[: total_steps * g])
+    ]
+    status = source.status[id(source.val)]
+    held = [int(i) for i in source.eval_idx if status[i] == VALID_PROMPT][: d.eval_prompts]
+    test = [_file_row(verl_row(source.val[i], source.columns, i), n, "test", f"eval-{n}") for n, i in enumerate(held)]
+    return {"train": train, "test": test}
+
+
+def _file_row(r: dict, index: int, split: str, uid: str) -> dict:
+    return {
+        "data_source": r["data_source"],
+        "prompt": [{"role": m["role"], "content": m["content"]} for m in r["prompt"]],
+        "ability": r["ability"],
+        "reward_model": {"style": REWARD_STYLE, "ground_truth": r["reward_model"]["ground_truth"]},
+        "extra_info": {"index": index, "split": split, "uid": uid},
+    }
 
 
 def jsonl_rows(

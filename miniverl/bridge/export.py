@@ -3,7 +3,7 @@
 An export directory holds:
     verl_overrides.yaml   the overrides as a nested YAML mapping
     verl_command.sh       the same overrides as verl's command line
-    verl_reward.py        the reward function verl calls
+    verl_reward.py        the reward function verl calls (miniVERL's scorers routed by data_source, or the user's)
     data/train.parquet    the run's training prompts in step order, verl's schema
     data/test.parquet     its evaluation prompts
     manifest.json         miniverl and verl versions, the source run, what each file is
@@ -12,10 +12,10 @@ An export directory holds:
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from miniverl.bridge import data as bridge_data
+from miniverl.bridge import rewards as bridge_rewards
 from miniverl.bridge.atomic import atomic_dir, refuse_existing
 from miniverl.bridge.refusals import refuse_unless_expressible
 from miniverl.bridge.runs import load_run, model_paths
@@ -31,7 +31,7 @@ def export_verl(source: str | Path, out: str | Path, verl_version: str = DEFAULT
     refuse_existing(out)
     spec = load_run(source, verl_version)
     refuse_unless_expressible(spec)
-    rows = bridge_data.prompt_rows(spec.cfg)
+    rows = spec.rows
     student, teacher = model_paths(spec.cfg)
     overrides = verl_overrides(spec, student, teacher, out / "data", out / REWARD_FILE)
     env = {"WANDB_MODE": spec.cfg.tracking.wandb_mode} if spec.cfg.tracking.wandb_mode != "disabled" else {}
@@ -51,7 +51,8 @@ def _write_export(tmp: Path, spec: RunSpec, rows: dict, overrides: dict, env: di
         "#!/usr/bin/env bash\n# Runs the exported miniVERL run with verl.\n" + command_line(overrides, env)
     )
     script.chmod(0o755)
-    shutil.copyfile(Path(__file__).with_name("verl_reward.py"), tmp / REWARD_FILE)
+    table = bridge_rewards.routes(spec.cfg.reward, spec.data_sources)
+    (tmp / REWARD_FILE).write_text(bridge_rewards.reward_file_text(spec.cfg.reward, table))
     manifest = {
         "format": "miniverl-verl-export",
         "miniverl_version": miniverl_version(),
@@ -59,6 +60,7 @@ def _write_export(tmp: Path, spec: RunSpec, rows: dict, overrides: dict, env: di
         "source": str(Path(source).absolute()),
         "objective": spec.cfg.objective.name,
         "rows": counts,
+        "reward": table,  # data_source -> the reward verl calls for it
         "files": ["verl_overrides.yaml", "verl_command.sh", REWARD_FILE, "data/train.parquet", "data/test.parquet"],
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -79,7 +81,7 @@ def export_data(
     if jsonl is not None:
         rows = {"train": bridge_data.jsonl_rows(jsonl, prompt_key, answer_key)}
     else:
-        rows = bridge_data.prompt_rows(load_run(source).cfg)
+        rows = load_run(source).rows
     with atomic_dir(out) as tmp:
         for split, split_rows in rows.items():
             bridge_data.write_parquet(split_rows, tmp / f"{split}.parquet")

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from miniverl.bridge.data import prompt_rows
 from miniverl.bridge.spec import RunSpec
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION
 from miniverl.config import MiniVerlConfig, to_config, validate
@@ -17,7 +18,8 @@ RUN_CONFIG = Path(".hydra") / "config.yaml"
 PROBE_TEXT = "abc"  # any text the tokenizer encodes without special tokens of its own
 # Settings the refusals must see even when this miniVERL's schema lacks them (a run written by a newer
 # one): taken out of the raw YAML before typing, or read from the typed config once the schema has them.
-FORWARD_KEYS = {"quantization": ("model", "student", "quantization"), "reward": ("reward", "name")}
+# (reward.* is in the schema: the checks read cfg.reward.)
+FORWARD_KEYS = {"quantization": ("model", "student", "quantization")}
 
 
 def load_run(source: str | Path, verl_version: str = DEFAULT_VERL_VERSION) -> RunSpec:
@@ -43,13 +45,21 @@ def load_run(source: str | Path, verl_version: str = DEFAULT_VERL_VERSION) -> Ru
     # registered, so validation runs every other check with a known backend in its place.
     validate(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend="hf_reference")))
     student, _ = model_paths(cfg)
+    tok = student_tokenizer(student)
+    has_template = None if tok is None else bool(getattr(tok, "chat_template", None))
+    # The run's own prompt stream needs a tokenizer that can render it; otherwise the files' rows are read
+    # as they are, so that the refusals (prompt_tokens) can say why.
+    renders = tok is not None and (has_template or not (cfg.data.train_files and cfg.data.chat_template))
+    rows = prompt_rows(cfg, tok if renders else None)
     return RunSpec(
         cfg=cfg,
         verl_version=verl_version,
         student_quantization=forward["quantization"],
-        reward=forward["reward"],
         student_vocab_size=_vocab_size(student),
-        prompt_special_tokens=prompt_special_tokens(student),
+        prompt_special_tokens=None if tok is None else prompt_special_tokens(tok),
+        student_chat_template=has_template,
+        data_sources=tuple(dict.fromkeys(r["data_source"] for split in rows.values() for r in split)),
+        rows=rows,
     )
 
 
@@ -113,15 +123,19 @@ def _select(cfg, keys: tuple[str, ...]):
     return node
 
 
-def prompt_special_tokens(model_path: str) -> str | None:
-    """What the student's tokenizer adds around a plain prompt, as miniVERL tokenizes it (`tokenizer(text)`):
-    "none", "bos", or a description of anything else; None when there is no local tokenizer to ask."""
+def student_tokenizer(model_path: str):
+    """The student's tokenizer when it is a local directory, else None (nothing is downloaded)."""
     path = Path(model_path).expanduser()
     if not (path / "tokenizer_config.json").is_file():
         return None
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def prompt_special_tokens(tok) -> str:
+    """What `tok` adds around a plain prompt, as miniVERL tokenizes raw prompts (`tokenizer(text)`):
+    "none", "bos", or a description of anything else."""
     plain = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
     full = tok(PROBE_TEXT)["input_ids"]
     if full == plain:

@@ -12,17 +12,18 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from miniverl.bridge.rewards import function_name
 from miniverl.bridge.spec import RunSpec
 
-# miniVERL tokenizes a task's prompt text as it is (`tokenizer(text)`: the text plus a BOS where the
-# tokenizer adds one), with no chat template; verl renders the chat messages through the tokenizer's
-# template and adds no special tokens of its own. These templates render the one user message as its bare
-# content, after the BOS when the run's tokenizer adds one, so verl's prompt tokens are the run's (checked
-# by verl's RLHFDataset and chat-template code in tests/bridge).
+# miniVERL tokenizes a built-in task's prompt, and a file's with data.chat_template=false, as it is
+# (`tokenizer(text)`: the text plus a BOS where the tokenizer adds one); verl renders the chat messages
+# through a chat template and adds no special tokens of its own. These templates render the one user
+# message as its bare content, after the BOS when the run's tokenizer adds one, so verl's prompt tokens are
+# the run's. With prompt files and data.chat_template=true both apply the tokenizer's own template with the
+# generation prompt, so none is set (both checked by verl's RLHFDataset and chat-template code in tests/bridge).
 RAW_PROMPT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 BOS_PROMPT_TEMPLATE = "{{ bos_token }}" + RAW_PROMPT_TEMPLATE
 REWARD_FILE = "verl_reward.py"
-REWARD_FUNCTION = "compute_score"
 VERL_TOP_K_OFF = -1  # verl's "no top-k" (miniVERL's is 0)
 VERL_NEVER = -1  # verl's test_freq / save_freq value for "never"
 # verl's vanilla PPO loss clips the ratio to [1 - low, 1 + high]; miniVERL only truncates it from above at
@@ -52,9 +53,7 @@ def verl_overrides(spec: RunSpec, student: str, teacher: str, data_dir: Path, re
         "data.truncation": "error",  # like miniVERL, a prompt over the limit is an error, never cut
         # model and LoRA
         "actor_rollout_ref.model.path": student,
-        "actor_rollout_ref.model.custom_chat_template": (
-            BOS_PROMPT_TEMPLATE if spec.prompt_special_tokens == "bos" else RAW_PROMPT_TEMPLATE
-        ),
+        "actor_rollout_ref.model.custom_chat_template": prompt_template(spec),
         "actor_rollout_ref.model.lora_rank": lora.rank,
         "actor_rollout_ref.model.lora_alpha": int(lora.alpha),
         "actor_rollout_ref.model.target_modules": list(lora.target_modules),
@@ -87,9 +86,9 @@ def verl_overrides(spec: RunSpec, student: str, teacher: str, data_dir: Path, re
         "algorithm.use_kl_in_reward": False,
         "algorithm.kl_penalty": o.kl_kind,
         "algorithm.kl_ctrl.kl_coef": o.kl_coef,
-        # the reward verl calls: exact match on the decoded response
+        # the reward verl calls: the run's scorer for each row's data_source, or the user's function
         "reward.custom_reward_function.path": str(reward_file),
-        "reward.custom_reward_function.name": REWARD_FUNCTION,
+        "reward.custom_reward_function.name": function_name(c.reward),
         # trainer
         "trainer.total_training_steps": t.total_steps,
         "trainer.total_epochs": 1,  # train.parquet holds exactly total_steps batches
@@ -106,6 +105,14 @@ def verl_overrides(spec: RunSpec, student: str, teacher: str, data_dir: Path, re
         ov["actor_rollout_ref.rollout.gpu_memory_utilization"] = res.rollout.num_gpus
     ov.update(_distillation(spec, teacher))
     return ov
+
+
+def prompt_template(spec: RunSpec) -> str | None:
+    """verl's custom_chat_template for the run's prompts; None = the tokenizer's own template."""
+    d = spec.cfg.data
+    if d.train_files and d.chat_template:
+        return None
+    return BOS_PROMPT_TEMPLATE if spec.prompt_special_tokens == "bos" else RAW_PROMPT_TEMPLATE
 
 
 def _distillation(spec: RunSpec, teacher: str) -> dict[str, Any]:

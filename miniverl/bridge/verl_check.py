@@ -1,6 +1,7 @@
 """Checks of exported files by verl itself, run with the verl virtualenv's python (scripts/make_verl_venv.sh).
 
-    python -m miniverl.bridge.verl_check config EXPORT_DIR     compose + validate the overrides with verl's config
+    python -m miniverl.bridge.verl_check config EXPORT_DIR [PROBES.json]   compose + validate the overrides with
+                                                   verl's config; score probe rows with the exported reward
     python -m miniverl.bridge.verl_check prompts EXPORT_DIR TOKENIZER_DIR   verl's tokens of the exported prompts
     python -m miniverl.bridge.verl_check dataproto BATCH_DIR    build a verl DataProto from a batch directory
     python -m miniverl.bridge.verl_check algos BATCH_DIR OUT    verl's kl_penalty and GRPO advantages -> OUT
@@ -40,7 +41,11 @@ def _stub_vllm_lora_rank_check() -> None:
     sys.modules[module.__name__] = module
 
 
-def check_config(export_dir: str) -> dict:
+# (data_source, response, ground truth) rows the exported reward is probed with when no probe file is given
+DEFAULT_PROBES = [["reverse", "cba", "cba"], ["reverse", "cb", "cba"], ["reverse", "cba ", "cba"]]
+
+
+def check_config(export_dir: str, probes_file: str | None = None) -> dict:
     import verl
     import yaml
     from hydra import compose, initialize_config_dir
@@ -60,14 +65,20 @@ def check_config(export_dir: str) -> dict:
     built = {}
     for key in ("algorithm", "distillation", "actor_rollout_ref.rollout", "actor_rollout_ref.actor"):
         built[key] = type(omega_conf_to_dataclass(OmegaConf.select(cfg, key))).__name__
-    # verl loads the exported reward file itself and calls it the way its naive reward manager does
+    # verl loads the exported reward file itself and calls it the way its naive reward manager does; its
+    # own default_compute_score scores the same rows where it knows the data_source (None where it does not)
     from verl.trainer.ppo.reward import get_custom_reward_fn
+    from verl.utils.reward_score import default_compute_score
 
     reward = get_custom_reward_fn(cfg)
-    probe = [
-        reward(data_source="miniverl/reverse", solution_str=text, ground_truth="cba", extra_info={"num_turns": None})
-        for text in ("cba", "cb", "cba ")
-    ]
+    probes = json.loads(Path(probes_file).read_text()) if probes_file else DEFAULT_PROBES
+    probe, verl_default = [], []
+    for source, text, truth in probes:
+        probe.append(reward(data_source=source, solution_str=text, ground_truth=truth, extra_info={"num_turns": None}))
+        try:
+            verl_default.append(float(default_compute_score(source, text, truth)))
+        except NotImplementedError:
+            verl_default.append(None)
     composed = {k: OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, k)}))["v"] for k in overrides}
     return {
         "ok": True,
@@ -77,13 +88,14 @@ def check_config(export_dir: str) -> dict:
         "need_critic": need_critic(cfg),
         "need_reference_policy": need_reference_policy(cfg),
         "reward_probe": probe,
+        "verl_default_probe": verl_default,
     }
 
 
 def check_prompts(export_dir: str, tokenizer_dir: str) -> dict:
     """The exported training prompts as verl tokenizes them: its RLHFDataset reads data/train.parquet and
     its chat-template code renders each row with the exported custom_chat_template (set on the tokenizer,
-    as verl's agent loop does)."""
+    as verl's agent loop does), or with the tokenizer's own template when the export sets none."""
     import tempfile
 
     import yaml
@@ -96,7 +108,8 @@ def check_prompts(export_dir: str, tokenizer_dir: str) -> dict:
 
     ov = flatten(yaml.safe_load((Path(export_dir) / "verl_overrides.yaml").read_text()))
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.chat_template = ov["actor_rollout_ref.model.custom_chat_template"]
+    if ov["actor_rollout_ref.model.custom_chat_template"] is not None:  # as verl's agent loop sets it
+        tok.chat_template = ov["actor_rollout_ref.model.custom_chat_template"]
     data_cfg = {"max_prompt_length": ov["data.max_prompt_length"], "truncation": ov["data.truncation"]}
     with tempfile.TemporaryDirectory() as cache:
         dataset = RLHFDataset(ov["data.train_files"], tok, OmegaConf.create({**data_cfg, "cache_dir": cache}))

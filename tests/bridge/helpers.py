@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -35,3 +36,34 @@ def set_key(cfg: dict, dotted: str, value) -> dict:
         node = node.setdefault(p, {})
     node[leaf] = value
     return cfg
+
+
+REWARDS_PY = """
+def verl_style(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
+    return scale * float(solution_str.strip() == ground_truth)
+
+
+def positional(response, answer):
+    return float(response == answer)
+
+
+def renamed(source, response, truth, extra):
+    return float(response == truth)
+
+
+def extra_required(data_source, solution_str, ground_truth, extra_info, tolerance):
+    return 1.0
+"""
+
+
+def write_prompt_files(directory: Path) -> None:
+    """Prompt files for file-based runs: qa.jsonl (data_source 'qa', which reward.name=auto does not know),
+    math.jsonl (gsm8k, MATH and plain rows: every auto route), and rewards.py (custom reward functions)."""
+    qa = [
+        {"prompt": f"{'abc'[: i % 3 + 1]}>", "answer": "abc"[: i % 3 + 1][::-1], "data_source": "qa"} for i in range(12)
+    ]
+    (directory / "qa.jsonl").write_text("\n".join(json.dumps(r) for r in qa) + "\n")
+    sources = ("openai/gsm8k", "lighteval/MATH", "jsonl")
+    math = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": sources[i % 3]} for i in range(30)]
+    (directory / "math.jsonl").write_text("\n".join(json.dumps(r) for r in math) + "\n")
+    (directory / "rewards.py").write_text(REWARDS_PY)

@@ -34,7 +34,8 @@ def test_eval_rows_are_the_run_evaluation_prompts():
     rows = data.task_eval_rows("addition", 1, 3, seed=2, count=6)
     assert [r["reward_model"]["ground_truth"] for r in rows] == batch.ground_truth
     assert [r["extra_info"]["uid"] for r in rows] == batch.uid
-    assert rows[0]["data_source"] == "miniverl/addition" and rows[0]["ability"] == "addition"
+    # the task's name, as miniVERL's own rows carry it (reward.name=auto routes it to exact_match)
+    assert rows[0]["data_source"] == batch.data_source[0] == "addition" and rows[0]["ability"] == "addition"
     assert rows[0]["prompt"][0]["role"] == "user" and rows[0]["reward_model"]["style"] == "rule"
 
 
@@ -123,3 +124,30 @@ def test_a_runs_prompt_files_round_trip_through_miniverls_own_reader(tmp_path):
     second = tmp_path / "again.parquet"
     data.write_parquet(back, second)
     assert data.read_parquet(second) == back
+
+
+def test_a_file_run_exports_the_stream_it_draws(tmp_path):
+    """With the student's tokenizer the export is the run's own stream: its seeded per-epoch shuffle over
+    more than one epoch, its over-long filter, total_steps x prompts_per_step rows in step order, and the
+    held-out prompts that fit, with the run's uids."""
+    from miniverl.config import MiniVerlConfig
+    from miniverl.data.build import build_prompt_source
+
+    src = tmp_path / "qa.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": "x" * (i % 7 + 1), "answer": str(i)}) for i in range(20)))
+    cfg = MiniVerlConfig()
+    d = cfg.data
+    d.train_files, d.chat_template, d.max_prompt_length, d.eval_prompts, d.prompts_per_step = [str(src)], False, 5, 3, 4
+    cfg.trainer.total_steps = 5  # 20 rows over 17 training rows, 5 too long: three epochs
+    rows = data.prompt_rows(cfg, _char_tokenizer)
+    source = build_prompt_source(d, _char_tokenizer, cfg.trainer.total_steps, log=lambda _: None)
+    ours = [source.batch(step, 4) for step in range(5)]
+    assert [r["extra_info"]["uid"] for r in rows["train"]] == [u for b in ours for u in b.uid]
+    assert [r["reward_model"]["ground_truth"] for r in rows["train"]] == [a for b in ours for a in b.ground_truth]
+    assert [_char_tokenizer(r["prompt"][0]["content"])["input_ids"] for r in rows["train"]] == [
+        ids for b in ours for ids in b.prompt_ids
+    ]
+    assert len(set(r["reward_model"]["ground_truth"] for r in rows["train"])) < 20  # rows repeat across epochs
+    held = source.eval_batch(3)
+    assert [r["reward_model"]["ground_truth"] for r in rows["test"]] == held.ground_truth
+    assert [r["extra_info"]["uid"] for r in rows["test"]] == held.uid

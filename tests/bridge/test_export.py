@@ -13,7 +13,7 @@ from miniverl.bridge import data as bridge_data
 from miniverl.bridge import export as bridge_export
 from miniverl.bridge.__main__ import main
 from miniverl.bridge.translate import BOS_PROMPT_TEMPLATE, flatten, hydra_value
-from tests.bridge.helpers import set_key, write_config
+from tests.bridge.helpers import set_key, write_config, write_prompt_files
 
 
 def _command_overrides(script: str) -> dict[str, str]:
@@ -71,8 +71,10 @@ def test_exported_reward_is_exact_match(tmp_path, clean):
     namespace: dict = {}
     exec((out / "verl_reward.py").read_text(), namespace)
     score = namespace["compute_score"]
-    assert score("miniverl/reverse", "cba", "cba", {}) == 1.0
-    assert score("miniverl/reverse", "cb", "cba", {}) == 0.0
+    assert score("reverse", "cba", "cba", {}) == 1.0
+    assert score("reverse", "cb", "cba", {}) == 0.0
+    with pytest.raises(ValueError, match="not in the exported rows"):
+        score("openai/gsm8k", "#### 4", "4", {})
 
 
 def test_export_gkd_forward_kl_over_the_whole_vocabulary(tmp_path, clean, student_dir, teacher_dir):
@@ -151,3 +153,58 @@ def test_help_explains_the_refusals(capsys):
         main(["export-verl", "--help"])
     text = capsys.readouterr().out
     assert "fails closed" in text and "rollout_backend" in text and "never overwritten" in text
+
+
+def _file_run(tmp_path, clean, **changes) -> dict:
+    """The clean run on math.jsonl (gsm8k, MATH and plain rows) as raw text prompts."""
+    write_prompt_files(tmp_path)
+    set_key(clean, "data.train_files", [str(tmp_path / "math.jsonl")])
+    set_key(clean, "data.chat_template", False)
+    for key, value in changes.items():
+        set_key(clean, key, value)
+    return clean
+
+
+def _exported_reward(out):
+    namespace: dict = {}
+    exec((out / "verl_reward.py").read_text(), namespace)
+    return namespace
+
+
+def test_auto_reward_is_routed_per_data_source(tmp_path, clean):
+    """reward.name=auto: gsm8k rows get miniVERL's gsm8k scorer, MATH rows boxed, plain rows exact match."""
+    out = bridge_export.export_verl(write_config(tmp_path / "c.yaml", _file_run(tmp_path, clean)), tmp_path / "e")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["reward"] == {"openai/gsm8k": "gsm8k", "lighteval/MATH": "boxed", "jsonl": "exact_match"}
+    score = _exported_reward(out)["compute_score"]
+    assert score("openai/gsm8k", "so 2+2 is #### 4.0", "4") == 1.0  # numbers compared as numbers
+    assert score("openai/gsm8k", "4", "4") == 0.0  # no '####' answer
+    assert score("lighteval/MATH", "the answer is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert score("jsonl", "4", "4") == 1.0 and score("jsonl", "4.0", "4") == 0.0
+    overrides = flatten(yaml.safe_load((out / "verl_overrides.yaml").read_text()))
+    assert overrides["reward.custom_reward_function.name"] == "compute_score"
+    train = bridge_data.read_parquet(out / "data" / "train.parquet")
+    assert len(train) == 3 * 8 and {r["data_source"] for r in train} <= set(manifest["reward"])
+
+
+def test_reward_name_and_by_source_route_every_row(tmp_path, clean):
+    cfg = _file_run(tmp_path, clean, **{"reward.name": "boxed", "reward.by_source": {"jsonl": "gsm8k"}})
+    out = bridge_export.export_verl(write_config(tmp_path / "c.yaml", cfg), tmp_path / "e")
+    routes = json.loads((out / "manifest.json").read_text())["reward"]
+    assert routes == {"openai/gsm8k": "boxed", "lighteval/MATH": "boxed", "jsonl": "gsm8k"}
+
+
+def test_a_custom_reward_is_exported_as_verls_custom_reward_function(tmp_path, clean):
+    cfg = _file_run(tmp_path, clean, **{"reward.custom_function": str(tmp_path / "rewards.py") + ":verl_style"})
+    out = bridge_export.export_verl(write_config(tmp_path / "c.yaml", cfg), tmp_path / "e")
+    assert (out / "verl_reward.py").read_text() == (tmp_path / "rewards.py").read_text()
+    overrides = flatten(yaml.safe_load((out / "verl_overrides.yaml").read_text()))
+    assert overrides["reward.custom_reward_function.name"] == "verl_style"
+    assert overrides["reward.custom_reward_function.path"] == str(out / "verl_reward.py")
+
+
+def test_chat_template_prompts_use_the_tokenizers_own_template(tmp_path, clean, templated_student):
+    cfg = _file_run(tmp_path, clean, **{"data.chat_template": True, "model.student.path": str(templated_student)})
+    out = bridge_export.export_verl(write_config(tmp_path / "c.yaml", cfg), tmp_path / "e")
+    overrides = flatten(yaml.safe_load((out / "verl_overrides.yaml").read_text()))
+    assert overrides["actor_rollout_ref.model.custom_chat_template"] is None

@@ -9,7 +9,7 @@ from miniverl.bridge.__main__ import REFUSALS_HELP, main
 from miniverl.bridge.export import export_verl
 from miniverl.bridge.refusals import CHECKS, VerlRefusal, refusal_reasons
 from miniverl.bridge.runs import load_run
-from tests.bridge.helpers import set_key, write_config
+from tests.bridge.helpers import set_key, write_config, write_prompt_files
 
 # reason code -> the config changes (dotted key: value) that trigger it, alone, on the clean config
 CASES = {
@@ -30,13 +30,28 @@ CASES = {
     "pg_reward_weight": {"objective.reward_coef": 0.5},
     "lora": {"model.lora.dropout": 0.05},
     "batch_sizes": {"trainer.micro_batch_size": 3},
-    "reward_function": {"reward.name": "llm_judge"},
+    "stop_token_ids": {"rollout.stop_token_ids": [5]},
+    # a jsonl row whose data_source ('qa') reward.name=auto has no reward for
+    "reward_function": {"data.train_files": ["{tmp}/qa.jsonl"], "data.chat_template": False},
+    "reward_signature": {"reward.custom_function": "{tmp}/rewards.py:positional"},
     "prompt_tokens": {"model.student.path": "builtin:student"},  # not built in this cache: no tokenizer to ask
 }
 
 
 def _spec(tmp_path, cfg, verl_version="0.9.1"):
     return load_run(write_config(tmp_path / "config.yaml", cfg), verl_version)
+
+
+def _apply(tmp_path, cfg, changes: dict) -> dict:
+    """Set each dotted key ('{tmp}' in a value = tmp_path, where prompt and reward files are written)."""
+    write_prompt_files(tmp_path)
+    for key, value in changes.items():
+        if isinstance(value, str):
+            value = value.format(tmp=tmp_path)
+        elif isinstance(value, list):
+            value = [v.format(tmp=tmp_path) if isinstance(v, str) else v for v in value]
+        set_key(cfg, key, value)
+    return cfg
 
 
 def test_clean_config_has_no_reason(tmp_path, clean):
@@ -52,9 +67,7 @@ def test_every_check_has_a_case_and_a_help_line():
 
 @pytest.mark.parametrize("code", sorted(CASES))
 def test_refusal_reason(tmp_path, clean, code):
-    cfg = clean
-    for key, value in CASES[code].items():
-        set_key(cfg, key, value)
+    cfg = _apply(tmp_path, clean, CASES[code])
     reasons = refusal_reasons(_spec(tmp_path, cfg))
     assert code in [r.code for r in reasons], reasons
     out = tmp_path / "export"
@@ -126,8 +139,7 @@ def test_batch_sizes_that_do_not_split_over_gpus(tmp_path, clean):
 
 def test_all_reasons_listed_at_once(tmp_path, clean):
     for code in ("rollout_backend", "teacher_colocated", "pg_discount", "batch_sizes", "quantized_student"):
-        for key, value in CASES[code].items():
-            set_key(clean, key, value)
+        _apply(tmp_path, clean, CASES[code])
     src = write_config(tmp_path / "config.yaml", clean)
     with pytest.raises(VerlRefusal) as err:
         export_verl(src, tmp_path / "out", "0.1.0")
@@ -143,11 +155,59 @@ def test_all_reasons_listed_at_once(tmp_path, clean):
     assert not (tmp_path / "out").exists()
 
 
-def test_forward_keys_that_verl_can_express_are_accepted(tmp_path, clean):
-    """model.student.quantization and reward.name are read even though this schema lacks them; their
-    expressible values refuse nothing (and are not unknown-key errors)."""
+def test_forward_quantization_key_that_verl_can_express_is_accepted(tmp_path, clean):
+    """model.student.quantization is read even though this schema lacks it; 'none' refuses nothing (and is
+    not an unknown-key error). reward.* is in the schema and read typed."""
     set_key(clean, "model.student.quantization", "none")
     set_key(clean, "reward.name", "exact_match")
     spec = _spec(tmp_path, clean)
-    assert (spec.student_quantization, spec.reward) == ("none", "exact_match")
+    assert (spec.student_quantization, spec.cfg.reward.name) == ("none", "exact_match")
     assert refusal_reasons(spec) == []
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_verl_engines_are_accepted(tmp_path, clean, backend):
+    set_key(clean, "rollout.backend", backend)
+    assert refusal_reasons(_spec(tmp_path, clean)) == []
+
+
+def test_hf_cached_is_refused(tmp_path, clean):
+    set_key(clean, "rollout.backend", "hf_cached")
+    (reason,) = refusal_reasons(_spec(tmp_path, clean))
+    assert reason.code == "rollout_backend" and "hf_cached" in reason.message
+
+
+def test_stop_ids_name_the_generation_config_fix(tmp_path, clean):
+    set_key(clean, "rollout.stop_token_ids", [5, 7])
+    (reason,) = refusal_reasons(_spec(tmp_path, clean))
+    assert reason.code == "stop_token_ids" and "[5, 7]" in reason.message and "generation_config.json" in reason.message
+
+
+def test_a_source_without_a_reward_is_named_and_by_source_fixes_it(tmp_path, clean):
+    _apply(tmp_path, clean, CASES["reward_function"])
+    (reason,) = refusal_reasons(_spec(tmp_path, clean))
+    assert reason.code == "reward_function" and "'qa'" in reason.message and "by_source" in reason.message
+    set_key(clean, "reward.by_source", {"qa": "exact_match"})
+    assert refusal_reasons(_spec(tmp_path, clean)) == []
+
+
+@pytest.mark.parametrize("function", ["positional", "renamed", "extra_required"])
+def test_custom_functions_without_verls_signature_are_refused(tmp_path, clean, function):
+    _apply(tmp_path, clean, {"reward.custom_function": "{tmp}/rewards.py:" + function})
+    (reason,) = refusal_reasons(_spec(tmp_path, clean))
+    assert reason.code == "reward_signature" and "solution_str" in reason.message
+
+
+def test_a_custom_function_with_verls_signature_is_accepted(tmp_path, clean):
+    _apply(tmp_path, clean, {"reward.custom_function": "{tmp}/rewards.py:verl_style"})
+    assert refusal_reasons(_spec(tmp_path, clean)) == []
+
+
+def test_chat_template_true_needs_a_tokenizer_with_one(tmp_path, clean):
+    """Prompt files rendered with the chat template: the built tiny tokenizer has none, so verl (like miniVERL)
+    could not render them; chat_template=false is raw text, as for built-in tasks."""
+    _apply(tmp_path, clean, {"data.train_files": ["{tmp}/math.jsonl"], "data.chat_template": True})
+    (reason,) = refusal_reasons(_spec(tmp_path, clean))
+    assert reason.code == "prompt_tokens" and "data.chat_template=false" in reason.message
+    set_key(clean, "data.chat_template", False)
+    assert refusal_reasons(_spec(tmp_path, clean)) == []

@@ -23,7 +23,7 @@ from miniverl.bridge.verl_check import KL_KINDS
 from miniverl.data.prompts import PromptSource
 from miniverl.objectives import grpo_advantages, kl_penalty
 from miniverl.protocol import RolloutBatch, TeacherScores
-from tests.bridge.helpers import set_key, write_config
+from tests.bridge.helpers import set_key, write_config, write_prompt_files
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("MINIVERL_VERL_VENV", "~/.cache/miniverl/verl-venv")).expanduser()
@@ -103,6 +103,82 @@ def test_verl_tokenizes_the_exported_prompts_as_the_run_did(tmp_path, clean, stu
     assert verl["uid"] == [u for b in ours for u in b.uid]
     assert verl["ground_truth"] == [a for b in ours for a in b.ground_truth]
     assert verl["prompt_ids"] == [ids for b in ours for ids in b.prompt_ids]
+
+
+def _file_run(tmp_path, clean, **changes) -> dict:
+    write_prompt_files(tmp_path)
+    set_key(clean, "data.train_files", [str(tmp_path / "math.jsonl")])
+    set_key(clean, "data.chat_template", False)
+    for key, value in changes.items():
+        set_key(clean, key, value)
+    return clean
+
+
+# (data_source, response, ground truth, miniVERL's score): one row per auto route, and the rows where verl's
+# own default_compute_score rules differ from miniVERL's (why the export carries miniVERL's scorers)
+REWARD_PROBES = [
+    ("openai/gsm8k", "2+2 #### 4", "4", 1.0),
+    ("openai/gsm8k", "2+2 #### 4.0", "4", 1.0),  # verl's gsm8k compares strings: 0
+    ("openai/gsm8k", "2+2 ####4", "4", 1.0),  # verl's needs '#### ' with a space: 0
+    ("lighteval/MATH", "\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("lighteval/MATH", "\\boxed{2.0}", "2", 1.0),  # verl's MATH rule compares normalized strings: 0
+    ("jsonl", "4", "4", 1.0),
+    ("jsonl", "4.0", "4", 0.0),
+]
+
+
+def test_verl_calls_the_routed_reward_as_miniverl_scores(tmp_path, clean, verl_python):
+    """verl loads the exported reward itself and, called as its reward manager calls it, gives miniVERL's
+    score on every auto route; its own default_compute_score gives other scores on some of these rows."""
+    from miniverl.rewards import REWARDS, SOURCE_REWARDS
+
+    out = export_verl(write_config(tmp_path / "c.yaml", _file_run(tmp_path, clean)), tmp_path / "e")
+    probes = tmp_path / "probes.json"
+    probes.write_text(json.dumps([p[:3] for p in REWARD_PROBES]))
+    result = run_check(verl_python, "config", str(out), str(probes))
+    _assert_composed(result, out)
+    ours = [REWARDS.get(SOURCE_REWARDS[source])(text, truth) for source, text, truth, _ in REWARD_PROBES]
+    assert result["reward_probe"] == ours == [p[3] for p in REWARD_PROBES]
+    assert result["verl_default_probe"] == [1.0, 0.0, 0.0, 1.0, 0.0, None, None]
+
+
+def test_verl_loads_a_custom_reward_function(tmp_path, clean, verl_python):
+    spec = str(tmp_path / "rewards.py") + ":verl_style"
+    out = export_verl(
+        write_config(tmp_path / "c.yaml", _file_run(tmp_path, clean, **{"reward.custom_function": spec})),
+        tmp_path / "e",
+    )
+    probes = tmp_path / "probes.json"
+    probes.write_text(json.dumps([["jsonl", " 4 ", "4"], ["jsonl", "5", "4"]]))
+    result = run_check(verl_python, "config", str(out), str(probes))
+    _assert_composed(result, out)
+    assert result["reward_probe"] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_verl_tokenizes_a_file_runs_prompts_as_the_run_did(
+    tmp_path, clean, templated_student, verl_python, chat_template
+):
+    """Prompt files, raw text or through the tokenizer's own chat template: verl's RLHFDataset and
+    chat-template code give the ids miniVERL's FilePromptSource gives, in its step order."""
+    from transformers import AutoTokenizer
+
+    from miniverl.config import DataConfig
+    from miniverl.data.build import build_prompt_source
+
+    cfg = _file_run(
+        tmp_path, clean, **{"data.chat_template": chat_template, "model.student.path": str(templated_student)}
+    )
+    out = export_verl(write_config(tmp_path / "c.yaml", cfg), tmp_path / "e")
+    verl = run_check(verl_python, "prompts", str(out), str(templated_student))
+    d = DataConfig(**{**cfg["data"], "train_files": cfg["data"]["train_files"], "val_files": []})
+    tok = AutoTokenizer.from_pretrained(str(templated_student))
+    source = build_prompt_source(d, tok, cfg["trainer"]["total_steps"], log=lambda _: None)
+    ours = [source.batch(step, d.prompts_per_step) for step in range(cfg["trainer"]["total_steps"])]
+    assert verl["uid"] == [u for b in ours for u in b.uid]
+    assert verl["prompt_ids"] == [ids for b in ours for ids in b.prompt_ids]
+    text = tok.decode(verl["prompt_ids"][0])
+    assert ("assistant" in text) == chat_template  # the template really was applied (or not)
 
 
 def test_verl_validation_can_fail(tmp_path, clean, verl_python):
