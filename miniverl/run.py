@@ -1,26 +1,33 @@
-"""One training run: check everything that can be checked cheaply, start the actors, loop, summarize."""
+"""Setting up one training run: check everything that can be checked cheaply, resolve resume, start Ray and
+the actors, hand over to the loop (loop.py), summarize."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miniverl.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
+from miniverl.checkpoints.compat import identity_hash
 from miniverl.config import MiniVerlConfig, validate
-from miniverl.controller import StrictSyncController, rollout_metrics
+from miniverl.controller import StrictSyncController
+from miniverl.dashboard import RunGauges
 from miniverl.data.prompts import PromptSource
+from miniverl.faults import RunInterrupted, StopRequests
+from miniverl.loop import TrainingLoop
 from miniverl.models.builtin import BUILTIN_PREFIX, BUILTIN_ROLES, BuiltinRecipe, ensure_builtin_models
 from miniverl.models.loading import check_model_path, check_same_vocabulary, load_tokenizer
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives import build_objective
 from miniverl.placement import plan_placement
-from miniverl.protocol import ConfigError, PromptBatch
+from miniverl.plots import write_plots
+from miniverl.preflight import check_device_settings, check_lora_targets, check_tracking, resolve_resume
+from miniverl.protocol import ConfigError, MiniVerlError, PromptBatch
 from miniverl.rewards import ExactMatchReward
-from miniverl.rollout.sampling import SamplingParams
-from miniverl.tracking import Tracker
+from miniverl.tracking import Tracker, trim_metrics
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
@@ -176,7 +183,15 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
             for i in range(plan.count["scorer"])
         ],
         "learner": [
-            start(LearnerWorker, "learner", i, *learner_args, rank=i, world_size=plan.count["learner"])
+            start(
+                LearnerWorker,
+                "learner",
+                i,
+                *learner_args,
+                rank=i,
+                world_size=plan.count["learner"],
+                on_nonfinite=t.on_nonfinite,
+            )
             for i in range(plan.count["learner"])
         ],
     }
@@ -211,107 +226,133 @@ def teardown(actors: dict[str, list[Any]], pg) -> None:
         remove_placement_group(pg)
 
 
-def evaluate(
-    controller: StrictSyncController, batch: PromptBatch, cfg: MiniVerlConfig, stop_ids, reward_fn
-) -> dict[str, float]:
-    """Greedy accuracy and the temperature-1 reverse-KL estimate on the fixed eval prompts."""
-    identity = controller.refresh()
-    max_new = cfg.rollout.max_new_tokens
-    greedy = controller.sample(batch, SamplingParams(1, max_new, 0.0, stop_token_ids=stop_ids), identity)
-    sampled = controller.sample(
-        batch, SamplingParams(1, max_new, 1.0, stop_token_ids=stop_ids, seed=cfg.rollout.seed + 17), identity
-    )
-    scores = controller.score(sampled, None)
-    m = rollout_metrics(sampled, scores, reward_fn(sampled))
-    return {
-        "eval/accuracy": float(reward_fn(greedy).mean()),
-        "eval/sampled_accuracy": m["accuracy"],
-        "eval/reverse_kl": m["reverse_kl"],
-    }
+def load_resume(learners: list[Any], path: Path, run_dir: Path, log=print) -> tuple[int, dict[str, float]]:
+    """Restore every learner rank from `path`; returns the step it holds and that run's step-0 evaluation.
+
+    The rollout side is not loaded here: the loop's first refresh publishes the restored policy and
+    proves the engines serve it (strict sync), exactly as after any update.
+    """
+    from miniverl.checkpoints.store import load_valid_state
+
+    step = int(load_valid_state(path)["step"])
+    identities = call_all(learners, "load_checkpoint", [(str(path),)] * len(learners))
+    records = trim_metrics(run_dir / "metrics.jsonl", step)
+    first = next((r for r in records if r["step"] == 0 and "eval/reverse_kl" in r), None)
+    log(f"[miniverl] resumed from {path}: step {step}, policy {identities[0].short()}")
+    if first is None:
+        raise ConfigError(
+            f"{run_dir / 'metrics.jsonl'} has no step-0 evaluation, so the run's start cannot be reported;"
+            " resume inside the run directory that wrote the checkpoint"
+        )
+    return step, {k: v for k, v in first.items() if k.startswith("eval/")}
 
 
-def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=print) -> dict[str, Any]:
-    """The whole run; returns the summary (also written to run_dir/summary.json)."""
+def train(
+    cfg: MiniVerlConfig,
+    run_dir: Path,
+    config_dict: dict[str, Any],
+    log=print,
+    after_step: Callable[[int, dict[str, list[Any]]], None] | None = None,
+) -> dict[str, Any]:
+    """The whole run; returns the summary (also written to run_dir/summary.json).
+
+    Everything that can be checked is checked before Ray starts. `after_step(step, actors)` runs after
+    each completed step (tests use it to inject faults).
+    """
     import ray
 
     started = time.perf_counter()
     setup = prepare(cfg, log)
+    check_lora_targets(setup.paths["student"], cfg.model.lora.target_modules)
+    check_tracking(cfg.tracking.wandb_mode)
+    check_device_settings(cfg, setup.device)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    typed_config = dataclasses.asdict(cfg)
+    resume_from = resolve_resume(cfg, run_dir, typed_config, log)
     objective = build_objective(cfg.objective)
     started_ray = start_ray(cfg, log)
-    tracker, actors, pg = None, {}, None
+    tracker, actors, pg, status = None, {}, None, {"status": "failed"}
     try:
         actors, pg = build_actors(cfg, setup, objective)
         log(f"[miniverl] actors ready on {setup.device} ({time.perf_counter() - started:.1f}s since start)")
-        reward_fn = ExactMatchReward(setup.tokenizer)
+        start, first = 0, None
+        if resume_from is not None:
+            start, first = load_resume(actors["learner"], resume_from, run_dir, log)
         controller = StrictSyncController(
             actors["rollout"],
             actors["scorer"],
             actors["learner"],
-            reward_fn,
+            ExactMatchReward(setup.tokenizer),
             objective.teacher_support_k,
             objective.loss_temperature,
         )
-        r = cfg.rollout
-        params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
+        tr, t = cfg.tracking, cfg.trainer
         tracker = Tracker(
-            run_dir,
-            config_dict,
-            cfg.tracking.wandb_mode,
-            cfg.tracking.project,
-            cfg.tracking.run_name,
-            cfg.trainer.total_steps,
-            cfg.tracking.progress_bar,
+            run_dir, config_dict, tr.wandb_mode, tr.project, tr.run_name, t.total_steps, tr.progress_bar, start
         )
-        t = cfg.trainer
-        first = evaluate(controller, setup.eval_batch, cfg, setup.stop_token_ids, reward_fn)
-        tracker.log(0, first, advance=False)
-        tracker.write(_eval_line(0, first))
-        last = first
-        for step in range(t.total_steps):
-            step_params = dataclasses.replace(params, seed=r.seed * 100_003 + step)
-            metrics = controller.step(setup.train_batches[step], step_params)
-            done = step + 1
-            if done == t.total_steps or (t.eval_every and done % t.eval_every == 0):
-                last = evaluate(controller, setup.eval_batch, cfg, setup.stop_token_ids, reward_fn)
-                metrics.update(last)
-                tracker.write(_eval_line(done, last))
-            tracker.log(done, metrics)
-        checkpoint = None
-        if t.save_checkpoint:
-            checkpoint = call(actors["learner"][0], "save_checkpoint", str(run_dir / "checkpoint"))
+        meta = {"config": typed_config, "config_hash": identity_hash(typed_config), "miniverl_version": version()}
+        with StopRequests() as stop:
+            loop = TrainingLoop(
+                cfg,
+                setup,
+                controller,
+                actors,
+                tracker,
+                run_dir,
+                meta,
+                stop,
+                RunGauges(),
+                after_step,
+                str(resume_from) if resume_from else None,
+            )
+            try:
+                result = loop.run(start, first)
+            except RunInterrupted:
+                status = {"status": "interrupted", "checkpoint": loop.checkpoint}
+                raise
         memory = {
             name if len(group) == 1 else f"{name}{i}": call(a, "memory")
             for name, group in actors.items()
             for i, a in enumerate(group)
         }
         summary = {
+            "status": "finished",
             "steps": t.total_steps,
+            "resumed_from": str(resume_from) if resume_from else None,
             "objective": cfg.objective.name,
-            "rollout_backend": r.backend,
+            "rollout_backend": cfg.rollout.backend,
             "device": setup.device,
-            "start_reverse_kl": first["eval/reverse_kl"],
-            "end_reverse_kl": last["eval/reverse_kl"],
-            "start_accuracy": first["eval/accuracy"],
-            "end_accuracy": last["eval/accuracy"],
+            "start_reverse_kl": result.first_eval["eval/reverse_kl"],
+            "end_reverse_kl": result.last_eval["eval/reverse_kl"],
+            "start_accuracy": result.first_eval["eval/accuracy"],
+            "end_accuracy": result.last_eval["eval/accuracy"],
             "wall_seconds": time.perf_counter() - started,
-            "checkpoint": checkpoint,
+            "checkpoint": result.checkpoint,
             "metrics_file": str(tracker.metrics_path),
             "memory": memory,
         }
-        tracker.finish(summary)
-        tracker = None
+        status = summary
         return summary
+    except MiniVerlError as e:
+        status.setdefault("error", str(e).strip().splitlines()[0])
+        raise
     finally:
         if tracker is not None:
-            tracker.finish({"status": "failed"})
+            tracker.finish(status)
+            if cfg.tracking.plots:
+                write_plots(tracker.metrics_path, run_dir, log)
         if started_ray:
             ray.shutdown()
         else:
             teardown(actors, pg)
 
 
-def _eval_line(step: int, m: dict[str, float]) -> str:
-    return (
-        f"[miniverl] eval @ step {step}: greedy accuracy {m['eval/accuracy']:.3f},"
-        f" reverse KL {m['eval/reverse_kl']:.4f} nats/token"
-    )
+def version() -> str:
+    """The installed miniverl version (recorded in checkpoints)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("miniverl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"

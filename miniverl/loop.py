@@ -1,0 +1,134 @@
+"""The training loop: steps start..total_steps, evaluation and checkpoint cadence, the operator's views.
+
+It starts at any step (a resumed run starts after its checkpoint): the prompts of a step and its
+sampling seeds are pure functions of the step, so steps k+1.. are the same whether or not the run
+stopped at k. Setting up (models, Ray, actors, resume) is in run.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from miniverl.actors import call
+from miniverl.checkpoints.store import prune, step_dir
+from miniverl.config import MiniVerlConfig
+from miniverl.controller import StrictSyncController
+from miniverl.evaluation import eval_line, evaluate
+from miniverl.faults import RunInterrupted, StopRequests, actor_names, dead_actor_error
+from miniverl.rollout.sampling import SamplingParams
+from miniverl.tracking import Tracker
+
+ROLLOUT_SEED_STRIDE = 100_003  # step seeds r.seed * stride + step never collide across rollout.seed values
+SAMPLE_TABLE_ROWS = 8  # eval prompts shown in each wandb sample table
+
+
+@dataclasses.dataclass
+class LoopResult:
+    first_eval: dict[str, float]
+    last_eval: dict[str, float]
+    checkpoint: str | None
+
+
+class TrainingLoop:
+    def __init__(
+        self,
+        cfg: MiniVerlConfig,
+        setup,  # run.Setup: prompts, eval batch, tokenizer, stop ids
+        controller: StrictSyncController,
+        actors: dict[str, list[Any]],
+        tracker: Tracker,
+        run_dir: Path,
+        checkpoint_meta: dict[str, Any],
+        stop: StopRequests,
+        gauges=None,  # dashboard.RunGauges, or None without Ray
+        after_step: Callable[[int, dict[str, list[Any]]], None] | None = None,
+        checkpoint: str | None = None,
+    ) -> None:
+        self.cfg, self.setup, self.controller, self.actors = cfg, setup, controller, actors
+        self.tracker, self.run_dir, self.meta, self.stop = tracker, run_dir, checkpoint_meta, stop
+        self.gauges, self.after_step = gauges, after_step
+        self.checkpoint = checkpoint  # the newest checkpoint written (or resumed from)
+        r = cfg.rollout
+        self.params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
+        self.names = actor_names(actors)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        s = self.setup
+        m = evaluate(self.controller, s.eval_batch, self.cfg, s.stop_token_ids, self.controller.reward_fn)
+        self.tracker.write(eval_line(step, m))
+        return m
+
+    def save(self, done: int) -> str:
+        path = step_dir(self.run_dir, done)
+        self.checkpoint = call(self.actors["learner"][0], "save_checkpoint", str(path), {**self.meta, "step": done})
+        prune(self.run_dir, self.cfg.trainer.keep_checkpoints)
+        return self.checkpoint
+
+    def run(self, start: int, first_eval: dict[str, float] | None) -> LoopResult:
+        """Steps start+1..total_steps; `first_eval` is the step-0 evaluation of a resumed run."""
+        from ray.exceptions import RayActorError
+
+        t = self.cfg.trainer
+        if first_eval is None:
+            first_eval = self.evaluate(0)
+            self.tracker.log(0, first_eval, advance=False)
+        last = first_eval
+        for step in range(start, t.total_steps):
+            done = step + 1
+            try:
+                params = dataclasses.replace(self.params, seed=self.cfg.rollout.seed * ROLLOUT_SEED_STRIDE + step)
+                metrics = self.controller.step(self.setup.train_batches[step], params)
+                if done == t.total_steps or (t.eval_every and done % t.eval_every == 0):
+                    last = self.evaluate(done)
+                    metrics.update(last)
+                self._observe(done, metrics)
+                saved = done == t.total_steps or (t.save_every and done % t.save_every == 0)
+                if saved:
+                    self.save(done)
+            except RayActorError as e:
+                raise dead_actor_error(e, self.names, done, self.checkpoint) from e
+            if self.after_step is not None:
+                self.after_step(done, self.actors)
+            if self.stop.requested and done < t.total_steps:
+                self._interrupt(done, saved)
+        return LoopResult(first_eval, last, self.checkpoint)
+
+    def _observe(self, done: int, metrics: dict[str, float]) -> None:
+        self.tracker.log(done, metrics)
+        if self.gauges is not None:
+            self.gauges.record(done, metrics)
+            if self.setup.device == "cuda":
+                self.gauges.record_memory(
+                    {f"{role}{i}": call(a, "memory") for role, g in self.actors.items() for i, a in enumerate(g)}
+                )
+        every = self.cfg.tracking.samples_every
+        if every and done % every == 0 and self.tracker.wants_samples:
+            self.tracker.log_samples(done, self.sample_rows())
+
+    def sample_rows(self) -> list[dict[str, Any]]:
+        """Greedy completions of the first eval prompts under the current policy, decoded."""
+        s = self.setup
+        batch = s.eval_batch.select(list(range(min(SAMPLE_TABLE_ROWS, len(s.eval_batch)))))
+        identity = self.controller.refresh()
+        greedy = SamplingParams(1, self.cfg.rollout.max_new_tokens, 0.0, stop_token_ids=s.stop_token_ids)
+        rollouts = self.controller.sample(batch, greedy, identity)
+        rewards = self.controller.reward_fn(rollouts).tolist()
+        texts = self.controller.reward_fn.decode(rollouts)
+        return [
+            {"prompt": s.tokenizer.decode(p), "response": text, "answer": gt, "reward": rw}
+            for p, text, gt, rw in zip(batch.prompt_ids, texts, batch.ground_truth, rewards)
+        ]
+
+    def _interrupt(self, done: int, saved: bool) -> None:
+        import signal
+
+        if not saved:
+            self.save(done)
+        name = signal.Signals(self.stop.signum).name
+        raise RunInterrupted(
+            f"{name} after step {done}: checkpoint {self.checkpoint} holds it; continue with trainer.resume=auto",
+            self.stop.signum,
+        )
