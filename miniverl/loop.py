@@ -63,33 +63,42 @@ class TrainingLoop:
 
     def save(self, done: int) -> str:
         path = step_dir(self.run_dir, done)
-        self.checkpoint = call(self.actors["learner"][0], "save_checkpoint", str(path), {**self.meta, "step": done})
+        meta = {**self.meta, "step": done, "first_eval": self.first_eval}  # a resumed run reports its start
+        self.checkpoint = call(self.actors["learner"][0], "save_checkpoint", str(path), meta)
         prune(self.run_dir, self.cfg.trainer.keep_checkpoints)
         return self.checkpoint
 
     def run(self, start: int, first_eval: dict[str, float] | None) -> LoopResult:
-        """Steps start+1..total_steps; `first_eval` is the step-0 evaluation of a resumed run."""
+        """Steps start+1..total_steps; `first_eval` is the step-0 evaluation of a resumed run.
+
+        A dead actor (Ray raises RayActorError from any call) becomes an ActorDiedError naming the actor,
+        the step and the last checkpoint.
+        """
         from ray.exceptions import RayActorError
 
+        self.current = start  # the step in progress, 0 for the evaluation before training
+        try:
+            return self._run(start, first_eval)
+        except RayActorError as e:
+            raise dead_actor_error(e, self.names, self.current, self.checkpoint) from e
+
+    def _run(self, start: int, first_eval: dict[str, float] | None) -> LoopResult:
         t = self.cfg.trainer
         if first_eval is None:
             first_eval = self.evaluate(0)
             self.tracker.log(0, first_eval, advance=False)
-        last = first_eval
+        self.first_eval = last = first_eval
         for step in range(start, t.total_steps):
-            done = step + 1
-            try:
-                params = dataclasses.replace(self.params, seed=self.cfg.rollout.seed * ROLLOUT_SEED_STRIDE + step)
-                metrics = self.controller.step(self.setup.train_batches[step], params)
-                if done == t.total_steps or (t.eval_every and done % t.eval_every == 0):
-                    last = self.evaluate(done)
-                    metrics.update(last)
-                self._observe(done, metrics)
-                saved = done == t.total_steps or (t.save_every and done % t.save_every == 0)
-                if saved:
-                    self.save(done)
-            except RayActorError as e:
-                raise dead_actor_error(e, self.names, done, self.checkpoint) from e
+            done = self.current = step + 1
+            params = dataclasses.replace(self.params, seed=self.cfg.rollout.seed * ROLLOUT_SEED_STRIDE + step)
+            metrics = self.controller.step(self.setup.train_batches[step], params)
+            if done == t.total_steps or (t.eval_every and done % t.eval_every == 0):
+                last = self.evaluate(done)
+                metrics.update(last)
+            self._observe(done, metrics)
+            saved = done == t.total_steps or bool(t.save_every and done % t.save_every == 0)
+            if saved:
+                self.save(done)
             if self.after_step is not None:
                 self.after_step(done, self.actors)
             if self.stop.requested and done < t.total_steps:

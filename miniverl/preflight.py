@@ -4,6 +4,7 @@ run directory), all made in the driver before Ray starts, each naming the key an
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from miniverl.checkpoints.compat import check_resumable
@@ -74,7 +75,16 @@ def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
             )
 
 
-def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) -> Path | None:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run starts: the checkpoint, the step it holds, and the run's step-0 evaluation."""
+
+    path: Path
+    step: int
+    first_eval: dict[str, float]
+
+
+def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) -> ResumePoint | None:
     """The checkpoint this run continues, or None for a fresh start; refuses to mix two runs in one directory.
 
     `config` is the current config as a plain dict (dataclasses.asdict), compared with the checkpoint's.
@@ -118,4 +128,4 @@ def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) 
             f"checkpoint {path} already finished step {state['step']} of trainer.total_steps={cfg.trainer.total_steps};"
             " raise trainer.total_steps to train further"
         )
-    return path
+    return ResumePoint(path, int(state["step"]), state["first_eval"])

@@ -226,27 +226,6 @@ def teardown(actors: dict[str, list[Any]], pg) -> None:
         remove_placement_group(pg)
 
 
-def load_resume(learners: list[Any], path: Path, run_dir: Path, log=print) -> tuple[int, dict[str, float]]:
-    """Restore every learner rank from `path`; returns the step it holds and that run's step-0 evaluation.
-
-    The rollout side is not loaded here: the loop's first refresh publishes the restored policy and
-    proves the engines serve it (strict sync), exactly as after any update.
-    """
-    from miniverl.checkpoints.store import load_valid_state
-
-    step = int(load_valid_state(path)["step"])
-    identities = call_all(learners, "load_checkpoint", [(str(path),)] * len(learners))
-    records = trim_metrics(run_dir / "metrics.jsonl", step)
-    first = next((r for r in records if r["step"] == 0 and "eval/reverse_kl" in r), None)
-    log(f"[miniverl] resumed from {path}: step {step}, policy {identities[0].short()}")
-    if first is None:
-        raise ConfigError(
-            f"{run_dir / 'metrics.jsonl'} has no step-0 evaluation, so the run's start cannot be reported;"
-            " resume inside the run directory that wrote the checkpoint"
-        )
-    return step, {k: v for k, v in first.items() if k.startswith("eval/")}
-
-
 def train(
     cfg: MiniVerlConfig,
     run_dir: Path,
@@ -268,7 +247,9 @@ def train(
     check_device_settings(cfg, setup.device)
     run_dir.mkdir(parents=True, exist_ok=True)
     typed_config = dataclasses.asdict(cfg)
-    resume_from = resolve_resume(cfg, run_dir, typed_config, log)
+    resume = resolve_resume(cfg, run_dir, typed_config, log)
+    if resume is not None:
+        trim_metrics(run_dir / "metrics.jsonl", resume.step)  # the steps after it are done again
     objective = build_objective(cfg.objective)
     started_ray = start_ray(cfg, log)
     tracker, actors, pg, status = None, {}, None, {"status": "failed"}
@@ -276,8 +257,12 @@ def train(
         actors, pg = build_actors(cfg, setup, objective)
         log(f"[miniverl] actors ready on {setup.device} ({time.perf_counter() - started:.1f}s since start)")
         start, first = 0, None
-        if resume_from is not None:
-            start, first = load_resume(actors["learner"], resume_from, run_dir, log)
+        if resume is not None:
+            # The rollout side is not loaded here: the loop's first refresh publishes the restored policy
+            # and proves the engines serve it (strict sync), exactly as after any update.
+            restored = call_all(actors["learner"], "load_checkpoint", [(str(resume.path),)] * len(actors["learner"]))
+            log(f"[miniverl] resumed from {resume.path}: step {resume.step}, policy {restored[0].short()}")
+            start, first = resume.step, resume.first_eval
         controller = StrictSyncController(
             actors["rollout"],
             actors["scorer"],
@@ -303,7 +288,7 @@ def train(
                 stop,
                 RunGauges(),
                 after_step,
-                str(resume_from) if resume_from else None,
+                str(resume.path) if resume else None,
             )
             try:
                 result = loop.run(start, first)
@@ -318,7 +303,7 @@ def train(
         summary = {
             "status": "finished",
             "steps": t.total_steps,
-            "resumed_from": str(resume_from) if resume_from else None,
+            "resumed_from": str(resume.path) if resume else None,
             "objective": cfg.objective.name,
             "rollout_backend": cfg.rollout.backend,
             "device": setup.device,

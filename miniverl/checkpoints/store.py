@@ -10,7 +10,7 @@ from miniverl.checkpoints.files import PARTIAL_SUFFIX, CheckpointError, read_sta
 
 CHECKPOINTS_DIR = "checkpoints"
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
-REQUIRED_STATE_KEYS = ("step", "policy_version", "policy_digest", "config", "config_hash", "files")
+REQUIRED_STATE_KEYS = ("step", "policy_version", "policy_digest", "config", "config_hash", "first_eval", "files")
 # What marks a directory as holding a run (Hydra's .hydra/ alone does not: Hydra writes it before main).
 RUN_MARKERS = ("metrics.jsonl", "summary.json", CHECKPOINTS_DIR)
 

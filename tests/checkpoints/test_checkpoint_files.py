@@ -16,7 +16,7 @@ from miniverl.objectives.gkd import GkdObjective
 from miniverl.workers.learner import LearnerWorker, NonFiniteError
 from tests.test_controller import CPU, LORA, PARAMS, make_controller
 
-META = {"config": {"model": {"lora": {"rank": 4}}}, "config_hash": "h"}
+META = {"config": {"model": {"lora": {"rank": 4}}}, "config_hash": "h", "first_eval": {"eval/accuracy": 0.5}}
 
 
 def new_learner(student_dir, objective=None, **kwargs) -> LearnerWorker:

@@ -51,6 +51,7 @@ def fake_checkpoint(run_dir, step: int, config: dict) -> None:
     path = step_dir(run_dir, step)
     path.mkdir(parents=True)
     state = {"step": step, "policy_version": step, "policy_digest": "d", "config": config, "config_hash": "h"}
+    state["first_eval"] = {"eval/accuracy": 0.5, "eval/reverse_kl": 1.0}
     (path / "state.json").write_text(json.dumps({**state, "files": {}}))
 
 
@@ -66,10 +67,11 @@ def test_a_directory_holding_a_run_is_refused_unless_resume_continues_it(tmp_pat
     fake_checkpoint(tmp_path, 5, as_dict())
     logged = []
     auto = load("trainer.resume=auto")
-    assert resolve_resume(auto, tmp_path, dataclasses.asdict(auto), logged.append) == step_dir(tmp_path, 5)
+    point = resolve_resume(auto, tmp_path, dataclasses.asdict(auto), logged.append)
+    assert point.path == step_dir(tmp_path, 5) and point.step == 5 and point.first_eval["eval/accuracy"] == 0.5
     assert any("trainer.resume: 'none' -> 'auto'" in line for line in logged)
     explicit = load(f"trainer.resume={step_dir(tmp_path, 3)}")
-    assert resolve_resume(explicit, tmp_path, dataclasses.asdict(explicit), logged.append) == step_dir(tmp_path, 3)
+    assert resolve_resume(explicit, tmp_path, dataclasses.asdict(explicit), logged.append).path == step_dir(tmp_path, 3)
 
 
 def test_resume_refuses_bad_paths_finished_runs_and_other_runs_checkpoints(tmp_path):
