@@ -13,11 +13,12 @@ import sys
 
 from miniverl.config import MiniVerlConfig
 from miniverl.controller import StrictSyncController
+from miniverl.evaluation import evaluate
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives import build_objective
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.run import evaluate, prepare
+from miniverl.run import prepare
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
