@@ -51,6 +51,8 @@ class TrainingLoop:
         self.tracker, self.run_dir, self.meta, self.stop = tracker, run_dir, checkpoint_meta, stop
         self.gauges, self.after_step = gauges, after_step
         self.checkpoint = checkpoint  # the newest checkpoint written (or resumed from)
+        self.first_eval: dict[str, float] = {}  # the step-0 evaluation, stored in every checkpoint
+        self.current = 0  # the step in progress (0: the evaluation before training)
         r = cfg.rollout
         self.params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
         self.names = actor_names(actors)
@@ -76,7 +78,7 @@ class TrainingLoop:
         """
         from ray.exceptions import RayActorError
 
-        self.current = start  # the step in progress, 0 for the evaluation before training
+        self.current = start
         try:
             return self._run(start, first_eval)
         except RayActorError as e:
@@ -127,7 +129,7 @@ class TrainingLoop:
         rewards = self.controller.reward_fn(rollouts).tolist()
         texts = self.controller.reward_fn.decode(rollouts)
         return [
-            {"prompt": s.tokenizer.decode(p), "response": text, "answer": gt, "reward": rw}
+            {"prompt": s.tokenizer.decode(p, skip_special_tokens=True), "response": text, "answer": gt, "reward": rw}
             for p, text, gt, rw in zip(batch.prompt_ids, texts, batch.ground_truth, rewards)
         ]
 

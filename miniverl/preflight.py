@@ -120,6 +120,12 @@ def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) 
                 f"trainer.resume={resume!r} continues another run's checkpoint, but {run_dir} already holds a run"
                 f" ({', '.join(markers)}); resume into a fresh directory"
             )
+        newer = [p.name for p in list_checkpoints(run_dir) if inside and p.name > path.name]
+        if newer:
+            raise ConfigError(
+                f"trainer.resume={resume!r} is older than {', '.join(newer)} in the same run, which the resumed run"
+                " would have to overwrite; resume the newest (trainer.resume=auto) or move the newer ones away"
+            )
     state = load_valid_state(path)
     for note in check_resumable(state["config"], config, str(path)):
         log(f"[miniverl] {note}")

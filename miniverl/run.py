@@ -241,13 +241,14 @@ def train(
     import ray
 
     started = time.perf_counter()
+    validate(cfg)
+    typed_config = dataclasses.asdict(cfg)
+    resume = resolve_resume(cfg, run_dir, typed_config, log)  # first: a used run directory costs nothing
     setup = prepare(cfg, log)
     check_lora_targets(setup.paths["student"], cfg.model.lora.target_modules)
     check_tracking(cfg.tracking.wandb_mode)
     check_device_settings(cfg, setup.device)
     run_dir.mkdir(parents=True, exist_ok=True)
-    typed_config = dataclasses.asdict(cfg)
-    resume = resolve_resume(cfg, run_dir, typed_config, log)
     if resume is not None:
         trim_metrics(run_dir / "metrics.jsonl", resume.step)  # the steps after it are done again
     objective = build_objective(cfg.objective)

@@ -123,3 +123,25 @@ def test_sample_tables_go_to_wandb(tmp_path):
     assert table.columns == ["prompt", "response", "answer", "reward"] and table.data == [["ab>", "ba", "ba", 1.0]]
     tracker._wandb = None
     tracker.finish({"status": "finished"})
+
+
+def test_sample_rows_decode_greedy_completions_of_eval_prompts(parts, student_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from miniverl.faults import StopRequests
+    from miniverl.loop import TrainingLoop
+    from miniverl.workers.rollout import RolloutWorker
+    from tests.test_config import load
+    from tests.test_controller import CPU, LORA, make_controller
+
+    tok, prompts, _, _ = parts
+    controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
+    setup = SimpleNamespace(eval_batch=prompts, tokenizer=tok, stop_token_ids=(tok.eos_token_id,), device="cpu")
+    tracker = Tracker(tmp_path, {}, "disabled", "p", None, 1, False)
+    cfg = load("rollout.max_new_tokens=5")
+    loop = TrainingLoop(cfg, setup, controller, {}, tracker, tmp_path, {}, StopRequests())
+    rows = loop.sample_rows()
+    assert [r["prompt"] for r in rows] == ["abc>", "de>"] and [r["answer"] for r in rows] == ["cba", "ed"]
+    for r in rows:
+        assert r["reward"] == float(r["response"] == r["answer"])  # reward of exactly the decoded response
+    tracker.finish({})

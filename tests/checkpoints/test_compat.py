@@ -70,8 +70,11 @@ def test_a_directory_holding_a_run_is_refused_unless_resume_continues_it(tmp_pat
     point = resolve_resume(auto, tmp_path, dataclasses.asdict(auto), logged.append)
     assert point.path == step_dir(tmp_path, 5) and point.step == 5 and point.first_eval["eval/accuracy"] == 0.5
     assert any("trainer.resume: 'none' -> 'auto'" in line for line in logged)
-    explicit = load(f"trainer.resume={step_dir(tmp_path, 3)}")
-    assert resolve_resume(explicit, tmp_path, dataclasses.asdict(explicit), logged.append).path == step_dir(tmp_path, 3)
+    explicit = load(f"trainer.resume={step_dir(tmp_path, 5)}")
+    assert resolve_resume(explicit, tmp_path, dataclasses.asdict(explicit), logged.append).path == step_dir(tmp_path, 5)
+    older = load(f"trainer.resume={step_dir(tmp_path, 3)}")
+    with pytest.raises(ConfigError, match="is older than step_00000005 in the same run"):
+        resolve_resume(older, tmp_path, dataclasses.asdict(older))
 
 
 def test_resume_refuses_bad_paths_finished_runs_and_other_runs_checkpoints(tmp_path):
