@@ -128,7 +128,6 @@ class TrackingConfig:
     project: str = "miniverl"
     run_name: str | None = None
     progress_bar: bool = True
-    samples_every: int = 100  # steps between wandb sample tables (greedy eval completions); 0 = never
     plots: bool = True  # PNG curves in the run directory at the end (needs matplotlib)
 
 
@@ -217,10 +216,6 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"trainer.on_nonfinite={t.on_nonfinite!r}: use {' or '.join(NONFINITE_POLICIES)}",
     )
     _require(bool(t.resume), "trainer.resume is empty: use none, auto or a checkpoint directory")
-    _require(
-        cfg.tracking.samples_every >= 0,
-        f"tracking.samples_every={cfg.tracking.samples_every}: use 0 (no sample tables) or a step count",
-    )
     lora = cfg.model.lora
     _require(lora.rank >= 1, f"model.lora.rank={lora.rank}: a LoRA adapter needs rank >= 1 (e.g. 16)")
     _require(lora.alpha > 0, f"model.lora.alpha={lora.alpha}: must be > 0 (commonly 2 x rank)")

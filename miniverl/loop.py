@@ -22,7 +22,6 @@ from miniverl.rollout.sampling import SamplingParams
 from miniverl.tracking import Tracker
 
 ROLLOUT_SEED_STRIDE = 100_003  # step seeds r.seed * stride + step never collide across rollout.seed values
-SAMPLE_TABLE_ROWS = 8  # eval prompts shown in each wandb sample table
 
 
 @dataclasses.dataclass
@@ -93,7 +92,7 @@ class TrainingLoop:
         for step in range(start, t.total_steps):
             done = self.current = step + 1
             params = dataclasses.replace(self.params, seed=self.cfg.rollout.seed * ROLLOUT_SEED_STRIDE + step)
-            metrics = self.controller.step(self.setup.train_batches[step], params)
+            metrics = self.controller.step(self.setup.prompts.batch(step, self.cfg.data.prompts_per_step), params)
             if done == t.total_steps or (t.eval_every and done % t.eval_every == 0):
                 last = self.evaluate(done)
                 metrics.update(last)
@@ -115,23 +114,6 @@ class TrainingLoop:
                 self.gauges.record_memory(
                     {f"{role}{i}": call(a, "memory") for role, g in self.actors.items() for i, a in enumerate(g)}
                 )
-        every = self.cfg.tracking.samples_every
-        if every and done % every == 0 and self.tracker.wants_samples:
-            self.tracker.log_samples(done, self.sample_rows())
-
-    def sample_rows(self) -> list[dict[str, Any]]:
-        """Greedy completions of the first eval prompts under the current policy, decoded."""
-        s = self.setup
-        batch = s.eval_batch.select(list(range(min(SAMPLE_TABLE_ROWS, len(s.eval_batch)))))
-        identity = self.controller.refresh()
-        greedy = SamplingParams(1, self.cfg.rollout.max_new_tokens, 0.0, stop_token_ids=s.stop_token_ids)
-        rollouts = self.controller.sample(batch, greedy, identity)
-        rewards = self.controller.reward_fn(rollouts).tolist()
-        texts = self.controller.reward_fn.decode(rollouts)
-        return [
-            {"prompt": s.tokenizer.decode(p, skip_special_tokens=True), "response": text, "answer": gt, "reward": rw}
-            for p, text, gt, rw in zip(batch.prompt_ids, texts, batch.ground_truth, rewards)
-        ]
 
     def _interrupt(self, done: int, saved: bool) -> None:
         import signal

@@ -56,21 +56,6 @@ class Tracker:
             if advance:
                 self._bar.update(1)
 
-    @property
-    def wants_samples(self) -> bool:
-        return self._wandb is not None
-
-    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """A wandb table of sample completions (one row per dict, columns in the first row's order)."""
-        if self._wandb is None or not rows:
-            return
-        import wandb
-
-        columns = list(rows[0])
-        self._wandb.log(
-            {"samples": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])}, step=step
-        )
-
     def write(self, line: str) -> None:
         """Print without breaking the progress bar."""
         if self._bar is not None:

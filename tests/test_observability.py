@@ -1,4 +1,4 @@
-"""What the operator sees: dashboard gauges, PNG plots, wandb sample tables, metrics kept across resume."""
+"""What the operator sees: dashboard gauges, PNG plots, metrics kept across resume."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from miniverl.dashboard import STEP_GAUGES, RunGauges
 from miniverl.plots import MISSING_MATPLOTLIB, write_plots
-from miniverl.tracking import REPLACED_METRICS, Tracker, trim_metrics
+from miniverl.tracking import REPLACED_METRICS, trim_metrics
 
 STEP = {
     "reverse_kl": 0.5,
@@ -99,49 +99,3 @@ def test_trim_metrics_keeps_steps_up_to_the_checkpoint_and_loses_nothing(tmp_pat
     assert path.read_text().splitlines() == original[:3]
     assert (tmp_path / REPLACED_METRICS).read_text().splitlines() == original[3:]
     assert trim_metrics(tmp_path / "absent.jsonl", 2) == []
-
-
-class FakeRun:
-    def __init__(self):
-        self.logged = []
-
-    def log(self, data, step):
-        self.logged.append((step, data))
-
-
-def test_sample_tables_go_to_wandb(tmp_path):
-    wandb = pytest.importorskip("wandb")
-    tracker = Tracker(tmp_path, {}, "disabled", "p", None, 3, False)
-    assert not tracker.wants_samples
-    tracker.log_samples(1, [{"prompt": "ab>", "response": "ba", "answer": "ba", "reward": 1.0}])  # no wandb: no-op
-    tracker._wandb = FakeRun()
-    assert tracker.wants_samples
-    tracker.log_samples(2, [{"prompt": "ab>", "response": "ba", "answer": "ba", "reward": 1.0}])
-    ((step, data),) = tracker._wandb.logged
-    table = data["samples"]
-    assert step == 2 and isinstance(table, wandb.Table)
-    assert table.columns == ["prompt", "response", "answer", "reward"] and table.data == [["ab>", "ba", "ba", 1.0]]
-    tracker._wandb = None
-    tracker.finish({"status": "finished"})
-
-
-def test_sample_rows_decode_greedy_completions_of_eval_prompts(parts, student_dir, tmp_path):
-    from types import SimpleNamespace
-
-    from miniverl.faults import StopRequests
-    from miniverl.loop import TrainingLoop
-    from miniverl.workers.rollout import RolloutWorker
-    from tests.test_config import load
-    from tests.test_controller import CPU, LORA, make_controller
-
-    tok, prompts, _, _ = parts
-    controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
-    setup = SimpleNamespace(eval_batch=prompts, tokenizer=tok, stop_token_ids=(tok.eos_token_id,), device="cpu")
-    tracker = Tracker(tmp_path, {}, "disabled", "p", None, 1, False)
-    cfg = load("rollout.max_new_tokens=5")
-    loop = TrainingLoop(cfg, setup, controller, {}, tracker, tmp_path, {}, StopRequests())
-    rows = loop.sample_rows()
-    assert [r["prompt"] for r in rows] == ["abc>", "de>"] and [r["answer"] for r in rows] == ["cba", "ed"]
-    for r in rows:
-        assert r["reward"] == float(r["response"] == r["answer"])  # reward of exactly the decoded response
-    tracker.finish({})

@@ -22,7 +22,7 @@ from tests.test_config import load, with_models
         ("trainer.save_every=-1", "trainer.save_every=-1"),
         ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints=0: keep at least 1"),
         ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore': use skip or stop"),
-        ("tracking.samples_every=-5", "tracking.samples_every=-5"),
+        ("trainer.resume=''", "trainer.resume is empty"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(override, message):

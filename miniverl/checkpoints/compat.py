@@ -20,6 +20,7 @@ IDENTITY_PREFIXES = ("model.student.", "model.teacher.", "model.lora.", "objecti
 HARMLESS_PREFIXES = (
     "trainer.total_steps",
     "trainer.eval_every",
+    "trainer.eval_samples",
     "trainer.save_every",
     "trainer.keep_checkpoints",
     "trainer.resume",
