@@ -84,6 +84,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 16  # rows per forward/backward; the loss is normalized per optimizer step
     eval_every: int = 100  # steps between evaluations (0 = only before and after training)
+    save_checkpoint: bool = True  # false: no checkpoints at all (a stopped run cannot be resumed)
     # Checkpoints go to <run dir>/checkpoints/step_<k>/ every save_every steps and after the last step
     # (0 = only after the last step); the newest keep_checkpoints of them are kept.
     save_every: int = 100

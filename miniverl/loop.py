@@ -97,7 +97,8 @@ class TrainingLoop:
                 last = self.evaluate(done)
                 metrics.update(last)
             self._observe(done, metrics)
-            saved = done == t.total_steps or bool(t.save_every and done % t.save_every == 0)
+            due = done == t.total_steps or bool(t.save_every and done % t.save_every == 0)
+            saved = t.save_checkpoint and due
             if saved:
                 self.save(done)
             if self.after_step is not None:
@@ -118,9 +119,13 @@ class TrainingLoop:
     def _interrupt(self, done: int, saved: bool) -> None:
         import signal
 
+        name = signal.Signals(self.stop.signum).name
+        if not self.cfg.trainer.save_checkpoint:
+            raise RunInterrupted(
+                f"{name} after step {done} (trainer.save_checkpoint=false: no checkpoint)", self.stop.signum
+            )
         if not saved:
             self.save(done)
-        name = signal.Signals(self.stop.signum).name
         raise RunInterrupted(
             f"{name} after step {done}: checkpoint {self.checkpoint} holds it; continue with trainer.resume=auto",
             self.stop.signum,
