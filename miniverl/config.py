@@ -12,6 +12,8 @@ from pathlib import Path
 
 from miniverl.protocol import ConfigError
 
+NONFINITE_POLICIES = ("skip", "stop")
+
 
 @dataclass
 class DataConfig:
@@ -126,7 +128,17 @@ class TrainerConfig:
     micro_batch_size: int = 16  # rows per forward/backward; the loss is normalized per optimizer step
     eval_every: int = 100  # steps between evaluations (0 = only before and after training)
     eval_samples: int = 4  # prompt/response/reward rows per evaluation to samples.jsonl and a wandb table
-    save_checkpoint: bool = True  # adapter + optimizer + step in <run dir>/checkpoint
+    save_checkpoint: bool = True  # false: no checkpoints at all (a stopped run cannot be resumed)
+    # Checkpoints go to <run dir>/checkpoints/step_<k>/ every save_every steps and after the last step
+    # (0 = only after the last step); the newest keep_checkpoints of them are kept.
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    # none: start fresh (a run directory that already holds a run is refused); auto: continue the newest
+    # valid checkpoint in the run directory, or start fresh if it holds none; a path: continue that checkpoint.
+    resume: str = "none"
+    # A non-finite loss or gradient: skip (drop this optimizer step, the policy stays as it was) or stop
+    # (end the run with an error). Either way the poisoned update is never applied, published or saved.
+    on_nonfinite: str = "stop"
     seed: int = 0
 
 
@@ -161,6 +173,7 @@ class TrackingConfig:
     project: str = "miniverl"
     run_name: str | None = None
     progress_bar: bool = True
+    plots: bool = True  # PNG curves in the run directory at the end (needs matplotlib)
 
 
 @dataclass
@@ -221,6 +234,7 @@ def _require(cond: bool, msg: str) -> None:
 def validate(cfg: MiniVerlConfig) -> None:
     """Range and combination checks that run before any model is loaded or actor started."""
     from miniverl.data.tasks import TASKS
+    from miniverl.models.loading import DTYPES
     from miniverl.objectives import OBJECTIVES
     from miniverl.objectives.kl import KL_KINDS
     from miniverl.rewards import check_reward_config
@@ -237,6 +251,29 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"trainer.eval_every={t.eval_every}: use 0 (start and end only) or a positive step count",
     )
     _require(t.lr > 0, f"trainer.lr={t.lr}: must be > 0")
+    _require(
+        t.save_every >= 0,
+        f"trainer.save_every={t.save_every}: use 0 (only after the last step) or a positive step count",
+    )
+    _require(
+        t.keep_checkpoints >= 1,
+        f"trainer.keep_checkpoints={t.keep_checkpoints}: keep at least 1 (resume needs one)",
+    )
+    _require(
+        t.on_nonfinite in NONFINITE_POLICIES,
+        f"trainer.on_nonfinite={t.on_nonfinite!r}: use {' or '.join(NONFINITE_POLICIES)}",
+    )
+    _require(bool(t.resume), "trainer.resume is empty: use none, auto or a checkpoint directory")
+    lora = cfg.model.lora
+    _require(lora.rank >= 1, f"model.lora.rank={lora.rank}: a LoRA adapter needs rank >= 1 (e.g. 16)")
+    _require(lora.alpha > 0, f"model.lora.alpha={lora.alpha}: must be > 0 (commonly 2 x rank)")
+    _require(0 <= lora.dropout < 1, f"model.lora.dropout={lora.dropout}: must be in [0, 1)")
+    _require(len(lora.target_modules) > 0, "model.lora.target_modules is empty: name at least one linear layer")
+    for role, spec in (("student", cfg.model.student), ("teacher", cfg.model.teacher)):
+        _require(
+            spec.dtype == "auto" or spec.dtype in DTYPES,
+            f"model.{role}.dtype={spec.dtype!r}: use auto or one of {', '.join(DTYPES)}",
+        )
     _require(d.prompts_per_step > 0, f"data.prompts_per_step={d.prompts_per_step}: must be >= 1")
     _require(d.eval_prompts > 0, f"data.eval_prompts={d.eval_prompts}: must be >= 1")
     _require(

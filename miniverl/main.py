@@ -14,6 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from miniverl.config import register_configs, to_config
 
+ERROR_EXIT_CODE = 2  # a problem the message explains (config, fault); 128+N after signal N (130 = Ctrl-C)
+
 register_configs()
 
 
@@ -21,15 +23,19 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from miniverl.faults import RunInterrupted
     from miniverl.protocol import MiniVerlError
     from miniverl.run import train
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         summary = train(to_config(cfg), run_dir, OmegaConf.to_container(cfg, resolve=True))
+    except RunInterrupted as e:
+        print(f"\nminiverl: interrupted: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     except MiniVerlError as e:
         print(f"\nminiverl: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(ERROR_EXIT_CODE)
     print_summary(summary, run_dir)
 
 
@@ -39,7 +45,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         "  reverse KL to teacher (nats/token): {start_reverse_kl:.4f} -> {end_reverse_kl:.4f}\n"
         "  greedy task accuracy:               {start_accuracy:.3f} -> {end_accuracy:.3f}".format(**summary)
     )
-    print(f"  run directory: {run_dir} (config, metrics.jsonl, summary.json, checkpoint/, wandb/)")
+    print(f"  run directory: {run_dir} (config, metrics.jsonl, summary.json, checkpoints/, plots, wandb/)")
     memory = {k: v for k, v in summary["memory"].items() if v}
     if memory:
         print(f"  peak GPU memory per actor (GiB): {json.dumps(memory)}")

@@ -1,19 +1,23 @@
-"""One training run: check everything that can be checked cheaply, start the actors, loop, summarize."""
+"""Setting up one training run: check everything that can be checked cheaply, resolve resume, start Ray and
+the actors, hand over to the loop (loop.py), summarize."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miniverl.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
+from miniverl.checkpoints.compat import identity_hash
 from miniverl.config import MiniVerlConfig, validate
 from miniverl.controller import StrictSyncController
+from miniverl.dashboard import RunGauges
 from miniverl.data.build import PromptStream, build_prompt_source
-from miniverl.evaluation import eval_line, evaluate
-from miniverl.gpu_memory import device_used_gib
+from miniverl.faults import RunInterrupted, StopRequests
+from miniverl.loop import TrainingLoop
 from miniverl.models.builtin import (
     BUILTIN_PREFIX,
     BUILTIN_ROLES,
@@ -28,11 +32,12 @@ from miniverl.models.lora import LoraSettings
 from miniverl.models.stops import resolve_stop_ids
 from miniverl.objectives import build_objective
 from miniverl.placement import plan_placement
-from miniverl.protocol import ConfigError, PromptBatch
+from miniverl.plots import write_plots
+from miniverl.preflight import check_device_settings, check_lora_targets, check_tracking, resolve_resume
+from miniverl.protocol import ConfigError, MiniVerlError, PromptBatch
 from miniverl.rewards import SourceReward, build_reward
-from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm, settings_from_config
-from miniverl.tracking import Tracker
+from miniverl.tracking import Tracker, trim_metrics
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
@@ -195,7 +200,15 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
             for i in range(plan.count["scorer"])
         ],
         "learner": [
-            start(LearnerWorker, "learner", i, *learner_args, rank=i, world_size=plan.count["learner"])
+            start(
+                LearnerWorker,
+                "learner",
+                i,
+                *learner_args,
+                rank=i,
+                world_size=plan.count["learner"],
+                on_nonfinite=t.on_nonfinite,
+            )
             for i in range(plan.count["learner"])
         ],
     }
@@ -230,100 +243,120 @@ def teardown(actors: dict[str, list[Any]], pg) -> None:
         remove_placement_group(pg)
 
 
-def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=print) -> dict[str, Any]:
-    """The whole run; returns the summary (also written to run_dir/summary.json)."""
+def train(
+    cfg: MiniVerlConfig,
+    run_dir: Path,
+    config_dict: dict[str, Any],
+    log=print,
+    after_step: Callable[[int, dict[str, list[Any]]], None] | None = None,
+) -> dict[str, Any]:
+    """The whole run; returns the summary (also written to run_dir/summary.json).
+
+    Everything that can be checked is checked before Ray starts. `after_step(step, actors)` runs after
+    each completed step (tests use it to inject faults).
+    """
     import ray
 
     started = time.perf_counter()
+    validate(cfg)
+    typed_config = dataclasses.asdict(cfg)
+    resume = resolve_resume(cfg, run_dir, typed_config, log)  # first: a used run directory costs nothing
     setup = prepare(cfg, log)
+    check_lora_targets(setup.paths["student"], cfg.model.lora.target_modules)
+    check_tracking(cfg.tracking.wandb_mode)
+    check_device_settings(cfg, setup.device)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if resume is not None:
+        trim_metrics(run_dir / "metrics.jsonl", resume.step)  # the steps after it are done again
     objective = build_objective(cfg.objective)
     started_ray = start_ray(cfg, log)
-    tracker, actors, pg = None, {}, None
+    tracker, actors, pg, status = None, {}, None, {"status": "failed"}
     try:
         actors, pg = build_actors(cfg, setup, objective)
         log(f"[miniverl] actors ready on {setup.device} ({time.perf_counter() - started:.1f}s since start)")
-        reward_fn = setup.reward_fn
+        start, first = 0, None
+        if resume is not None:
+            # The rollout side is not loaded here: the loop's first refresh publishes the restored policy
+            # and proves the engines serve it (strict sync), exactly as after any update.
+            restored = call_all(actors["learner"], "load_checkpoint", [(str(resume.path),)] * len(actors["learner"]))
+            log(f"[miniverl] resumed from {resume.path}: step {resume.step}, policy {restored[0].short()}")
+            start, first = resume.step, resume.first_eval
         controller = StrictSyncController(
             actors["rollout"],
             actors["scorer"],
             actors["learner"],
-            reward_fn,
+            setup.reward_fn,
             objective.teacher_support_k,
             objective.loss_temperature,
         )
-        r = cfg.rollout
-        params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
+        tr, t = cfg.tracking, cfg.trainer
         tracker = Tracker(
-            run_dir,
-            config_dict,
-            cfg.tracking.wandb_mode,
-            cfg.tracking.project,
-            cfg.tracking.run_name,
-            cfg.trainer.total_steps,
-            cfg.tracking.progress_bar,
+            run_dir, config_dict, tr.wandb_mode, tr.project, tr.run_name, t.total_steps, tr.progress_bar, start
         )
-        t = cfg.trainer
-
-        def run_eval(step: int) -> dict[str, float]:
-            result = evaluate(
+        meta = {"config": typed_config, "config_hash": identity_hash(typed_config), "miniverl_version": version()}
+        with StopRequests() as stop:
+            loop = TrainingLoop(
+                cfg,
+                setup,
                 controller,
-                setup.eval_batch,
-                r.max_new_tokens,
-                setup.stop_token_ids,
-                r.seed,
-                reward_fn,
-                setup.tokenizer,
-                t.eval_samples,
+                actors,
+                tracker,
+                run_dir,
+                meta,
+                stop,
+                RunGauges(),
+                after_step,
+                str(resume.path) if resume else None,
             )
-            tracker.log_samples(step, result.samples)
-            tracker.write(eval_line(step, result.metrics))
-            return result.metrics
-
-        first = run_eval(0)
-        tracker.log(0, first, advance=False)
-        last = first
-        for step in range(t.total_steps):
-            step_params = dataclasses.replace(params, seed=r.seed * 100_003 + step)
-            metrics = controller.step(setup.prompts.batch(step, cfg.data.prompts_per_step), step_params)
-            metrics["data/overlong_filtered"] = setup.prompts.overlong_count
-            used = device_used_gib() if setup.device == "cuda" else None
-            if used is not None:  # after every refresh: a flat curve shows no memory leak per policy version
-                metrics["gpu/device_used_gib"] = used
-            done = step + 1
-            if done == t.total_steps or (t.eval_every and done % t.eval_every == 0):
-                last = run_eval(done)
-                metrics.update(last)
-            tracker.log(done, metrics)
-        checkpoint = None
-        if t.save_checkpoint:
-            checkpoint = call(actors["learner"][0], "save_checkpoint", str(run_dir / "checkpoint"))
+            try:
+                result = loop.run(start, first)
+            except RunInterrupted:
+                status = {"status": "interrupted", "checkpoint": loop.checkpoint}
+                raise
         memory = {
             name if len(group) == 1 else f"{name}{i}": call(a, "memory")
             for name, group in actors.items()
             for i, a in enumerate(group)
         }
         summary = {
+            "status": "finished",
             "steps": t.total_steps,
+            "resumed_from": str(resume.path) if resume else None,
             "objective": cfg.objective.name,
-            "rollout_backend": r.backend,
+            "rollout_backend": cfg.rollout.backend,
             "device": setup.device,
-            "start_reverse_kl": first["eval/reverse_kl"],
-            "end_reverse_kl": last["eval/reverse_kl"],
-            "start_accuracy": first["eval/accuracy"],
-            "end_accuracy": last["eval/accuracy"],
+            "start_reverse_kl": result.first_eval["eval/reverse_kl"],
+            "end_reverse_kl": result.last_eval["eval/reverse_kl"],
+            "start_accuracy": result.first_eval["eval/accuracy"],
+            "end_accuracy": result.last_eval["eval/accuracy"],
             "wall_seconds": time.perf_counter() - started,
-            "checkpoint": checkpoint,
+            "checkpoint": result.checkpoint,
             "metrics_file": str(tracker.metrics_path),
             "overlong_prompts_filtered": setup.prompts.overlong_count,
             "memory": memory,
         }
-        tracker.finish(summary)
-        tracker = None
+        status = summary
         return summary
+    except MiniVerlError as e:
+        status.setdefault("error", str(e).strip().splitlines()[0])
+        raise
     finally:
         if tracker is not None:
-            tracker.finish({"status": "failed"})
+            tracker.finish(status)
+            if cfg.tracking.plots:
+                write_plots(tracker.metrics_path, run_dir, log)
         if started_ray:
             ray.shutdown()
         else:
             teardown(actors, pg)
+
+
+def version() -> str:
+    """The installed miniverl version (recorded in checkpoints)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("miniverl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"

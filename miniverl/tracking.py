@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 PROGRESS_KEYS = ("reverse_kl", "accuracy", "loss", "time/step")  # shown on the progress bar
+REPLACED_METRICS = "metrics.replaced.jsonl"  # lines of steps a resumed run did again
 
 
 class Tracker:
@@ -20,6 +21,7 @@ class Tracker:
         run_name: str | None,
         total_steps: int,
         progress_bar: bool,
+        initial_step: int = 0,
     ) -> None:
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -42,7 +44,7 @@ class Tracker:
         if progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="miniverl", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="miniverl", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
         record = {"step": step, **metrics}
@@ -84,3 +86,23 @@ class Tracker:
             self._wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, int | float)})
             self._wandb.finish()
         self._file.close()
+
+
+def trim_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
+    """Keep the lines of steps <= last_step (a resumed run redoes the later ones) and return them.
+
+    The later lines are not lost: they are appended to metrics.replaced.jsonl next to the file.
+    """
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]
+    keep = [line for line, r in zip(lines, records) if r["step"] <= last_step]
+    drop = [line for line, r in zip(lines, records) if r["step"] > last_step]
+    if drop:
+        with path.with_name(REPLACED_METRICS).open("a") as f:
+            f.write("\n".join(drop) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)  # atomic: a crash here leaves the old file, never a half-written one
+    return [r for r in records if r["step"] <= last_step]

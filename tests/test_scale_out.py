@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,7 +126,7 @@ def test_two_logical_gpus_train_like_one(tmp_path, student_dir, teacher_dir):
             summary = train(cfg, run_dir, {}, log=lambda *_: None)
             assert summary["steps"] == 2
             results[gpus, scorer_gpus] = load_file(
-                str(run_dir / "checkpoint" / "adapter" / "adapter_model.safetensors")
+                str(Path(summary["checkpoint"]) / "adapter/adapter_model.safetensors")
             )
         one, two, dedicated = results[1, 0], results[2, 0], results[1, 1]
         assert one.keys() == two.keys() == dedicated.keys()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
-from miniverl.checkpoint import save_checkpoint
+from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
 from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import response_logits, token_logprobs
-from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model
+from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
 from miniverl.protocol import (
+    MiniVerlError,
     PolicyIdentity,
     PolicyMismatchError,
     PolicySnapshot,
@@ -19,6 +21,10 @@ from miniverl.protocol import (
     weights_digest,
 )
 from miniverl.workers import ProcessSettings, memory_report, setup_process
+
+
+class NonFiniteError(MiniVerlError):
+    """A NaN or inf loss, gradient or weight; nothing poisoned was applied, published or saved."""
 
 
 class LearnerWorker:
@@ -35,6 +41,7 @@ class LearnerWorker:
         process: ProcessSettings,
         rank: int = 0,
         world_size: int = 1,
+        on_nonfinite: str = "stop",
     ) -> None:
         self.device = setup_process(process)
         self.rank, self.world_size = rank, world_size
@@ -46,6 +53,7 @@ class LearnerWorker:
         self.micro_batch_size = micro_batch_size
         self.version = 0  # number of optimizer steps taken; the policy after k updates is version k
         self.published: PolicyIdentity | None = None
+        self.on_nonfinite = on_nonfinite  # skip | stop (trainer.on_nonfinite)
 
     def distributed_address(self) -> tuple[str, int]:
         """Host and a free port for rank 0 to host the process-group rendezvous."""
@@ -122,10 +130,9 @@ class LearnerWorker:
         if self.world_size > 1:
             self._sum_gradients()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        skipped = self._step_if_finite(sums["loss"], float(grad_norm))
         return {
+            "skipped_step": float(skipped),
             "loss": sums["loss"],
             "grad_norm": float(grad_norm),
             "sampler_gap_mean": sums["gap_abs"] / max(num_tokens, 1),
@@ -156,11 +163,60 @@ class LearnerWorker:
                 )
         return torch.cat(out, dim=0)
 
-    def save_checkpoint(self, directory: str) -> str:
-        identity = self.published if self.published and self.published.version == self.version else None
-        if identity is None:
-            identity = PolicyIdentity(self.version, weights_digest(adapter_state(self.model)))
-        return str(save_checkpoint(Path(directory), self.model, self.optimizer, identity))
+    def _step_if_finite(self, loss: float, grad_norm: float) -> bool:
+        """Apply the optimizer step unless the loss or a gradient is NaN/inf; returns True when skipped.
+
+        A non-finite value is never applied (it would poison the adapter for every later step): `skip`
+        drops this step's gradients and keeps the policy and its version; `stop` raises. With several
+        ranks the gradient norm is the same on all of them (gradients are summed first), so every rank
+        takes the same branch.
+        """
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.on_nonfinite == "skip":
+            return True
+        raise NonFiniteError(
+            f"the learner's loss ({loss}) or gradient norm ({grad_norm}) is not finite at policy v{self.version};"
+            " the update was not applied and the adapter is unchanged. Lower trainer.lr, check the data, or set"
+            " trainer.on_nonfinite=skip to drop such steps"
+        )
+
+    def save_checkpoint(self, directory: str, meta: dict | None = None) -> str:
+        """Write adapter, optimizer, RNG states and `meta` (step, config) atomically; refuses a poisoned adapter."""
+        weights = adapter_state(self.model)
+        bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
+        if bad:
+            raise NonFiniteError(
+                f"the adapter holds NaN/inf values ({bad[0]} and {len(bad) - 1} more); refusing to save it over"
+                " the last good checkpoint. Resume from that one with trainer.resume=auto and a lower trainer.lr"
+            )
+        identity = PolicyIdentity(self.version, weights_digest(weights))
+        meta = {"step": self.version, **(meta or {})}
+        return str(write_checkpoint(Path(directory), self.model, self.optimizer, identity, meta))
+
+    def load_checkpoint(self, directory: str) -> PolicyIdentity:
+        """Restore adapter, optimizer, policy version and RNG states; the restored weights must hash to the
+        digest the checkpoint recorded. The next publish_policy serves this policy to the rollout side."""
+        from safetensors.torch import load_file
+
+        path = Path(directory)
+        state = read_state(path)
+        load_adapter_state(self.model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
+        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        self.version = int(state["policy_version"])
+        self.published = None
+        restored = PolicyIdentity(self.version, weights_digest(adapter_state(self.model)))
+        if restored.digest != state["policy_digest"]:
+            raise CheckpointError(
+                f"the adapter restored from {directory} hashes to {restored.short()} but the checkpoint recorded"
+                f" {state['policy_digest'][:12]}; the checkpoint is corrupt, resume from an older one"
+            )
+        return restored
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)

@@ -151,3 +151,20 @@ def test_a_file_run_exports_the_stream_it_draws(tmp_path):
     held = source.eval_batch(3)
     assert [r["reward_model"]["ground_truth"] for r in rows["test"]] == held.ground_truth
     assert [r["extra_info"]["uid"] for r in rows["test"]] == held.uid
+
+
+def test_a_file_run_with_val_files_exports_the_val_prompts_that_fit(tmp_path):
+    from miniverl.config import MiniVerlConfig
+    from miniverl.data.build import build_prompt_source
+
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train.write_text("\n".join(json.dumps({"prompt": "ab" * (i % 3 + 1), "answer": str(i)}) for i in range(6)))
+    val.write_text("\n".join(json.dumps({"prompt": "x" * (i + 1), "answer": f"v{i}"}) for i in range(8)))
+    cfg = MiniVerlConfig()
+    d = cfg.data
+    d.train_files, d.val_files, d.chat_template, d.max_prompt_length = [str(train)], [str(val)], False, 4
+    d.eval_prompts, d.prompts_per_step, cfg.trainer.total_steps = 5, 2, 3
+    rows = data.prompt_rows(cfg, _char_tokenizer)
+    held = build_prompt_source(d, _char_tokenizer, 3, log=lambda _: None).eval_batch(5)
+    assert [r["reward_model"]["ground_truth"] for r in rows["test"]] == held.ground_truth == ["v0", "v1", "v2", "v3"]
+    assert len(rows["train"]) == 6 and all(len(r["prompt"][0]["content"]) <= 4 for r in rows["train"])

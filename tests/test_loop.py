@@ -1,0 +1,47 @@
+"""The step loop in-process (plain workers, no Ray): checkpoint cadence, pruning, and switching them off."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from miniverl.checkpoints.store import list_checkpoints, step_dir
+from miniverl.faults import StopRequests
+from miniverl.loop import TrainingLoop
+from miniverl.tracking import Tracker
+from miniverl.workers.rollout import RolloutWorker
+from tests.test_config import load
+from tests.test_controller import CPU, LORA, make_controller
+
+
+def run_loop(parts, student_dir, run_dir, *overrides: str):
+    tok, prompts, _, _ = parts
+    controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
+    setup = SimpleNamespace(
+        prompts=SimpleNamespace(batch=lambda step, g: prompts),
+        eval_batch=prompts,
+        tokenizer=tok,
+        stop_token_ids=(tok.eos_token_id,),
+        device="cpu",
+    )
+    cfg = load("rollout.max_new_tokens=5", "trainer.eval_every=0", *overrides)
+    run_dir.mkdir(parents=True, exist_ok=True)  # train() makes it; the loop expects it
+    tracker = Tracker(run_dir, {}, "disabled", "p", None, cfg.trainer.total_steps, False)
+    loop = TrainingLoop(cfg, setup, controller, {"learner": controller.learners}, tracker, run_dir, {}, StopRequests())
+    try:
+        return loop.run(0, None)
+    finally:
+        tracker.finish({})
+
+
+def test_checkpoints_follow_save_every_and_keep_the_newest(parts, student_dir, tmp_path):
+    result = run_loop(parts, student_dir, tmp_path, "trainer.total_steps=3", "trainer.save_every=1")
+    assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 2), step_dir(tmp_path, 3)]  # keep_checkpoints=2
+    assert result.checkpoint == str(step_dir(tmp_path, 3))
+    result = run_loop(parts, student_dir, tmp_path / "b", "trainer.total_steps=3", "trainer.save_every=2")
+    assert list_checkpoints(tmp_path / "b") == [step_dir(tmp_path / "b", 2), step_dir(tmp_path / "b", 3)]
+
+
+def test_save_checkpoint_false_writes_none(parts, student_dir, tmp_path):
+    result = run_loop(parts, student_dir, tmp_path, "trainer.total_steps=2", "trainer.save_checkpoint=false")
+    assert result.checkpoint is None and not (tmp_path / "checkpoints").exists()
+    assert set(result.first_eval) >= {"eval/accuracy", "eval/reverse_kl"}

@@ -1,0 +1,77 @@
+"""Every setting is checked before Ray starts, naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from miniverl.config import validate
+from miniverl.preflight import check_lora_targets, has_wandb_credentials, linear_layer_names
+from miniverl.protocol import ConfigError
+from tests.test_config import load, with_models
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.student.dtype=bf16", "model.student.dtype='bf16': use auto or one of float32, bfloat16, float16"),
+        ("model.teacher.dtype=fp32", "model.teacher.dtype='fp32'"),
+        ("model.lora.rank=0", "model.lora.rank=0: a LoRA adapter needs rank >= 1"),
+        ("model.lora.alpha=0", "model.lora.alpha=0.0: must be > 0"),
+        ("model.lora.dropout=1.0", r"model.lora.dropout=1.0: must be in \[0, 1\)"),
+        ("model.lora.target_modules=[]", "model.lora.target_modules is empty"),
+        ("trainer.save_every=-1", "trainer.save_every=-1"),
+        ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints=0: keep at least 1"),
+        ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore': use skip or stop"),
+        ("trainer.resume=''", "trainer.resume is empty"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load(override))
+
+
+def test_lora_targets_are_checked_against_the_models_linear_layers(student_dir):
+    names = linear_layer_names(str(student_dir))
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= names
+    check_lora_targets(str(student_dir), ["q_proj", "down_proj"])
+    with pytest.raises(ConfigError, match=r"names \['query_key_value'\], which the student .* linear layers are"):
+        check_lora_targets(str(student_dir), ["q_proj", "query_key_value"])
+
+
+def test_wandb_credentials_come_from_the_environment_or_netrc(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert not has_wandb_credentials()
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password secret\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert has_wandb_credentials()
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert has_wandb_credentials()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("model.lora.target_modules=[q_proj,c_attn]",), r"names \['c_attn'\]"),
+        (("tracking=online",), "tracking.wandb_mode=online but no wandb credentials"),
+        (("resources.device=cpu", "resources.emulate_gpu_gib=16"), "resources.emulate_gpu_gib=16.0 caps GPU memory"),
+        (("resources.device=cpu", "model.student.dtype=float16"), "model.student.dtype=float16 is a GPU dtype"),
+    ],
+)
+def test_model_credential_and_device_checks_fail_before_ray(
+    student_dir, teacher_dir, tmp_path, monkeypatch, overrides, message
+):
+    import ray
+
+    from miniverl.run import train
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with wandb credentials
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert not ray.is_initialized()
+    cfg = with_models(student_dir, teacher_dir, *overrides)
+    with pytest.raises(ConfigError, match=message):
+        train(cfg, tmp_path / "run", {}, log=lambda *_: None)
+    assert not ray.is_initialized()  # refused before Ray started
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
