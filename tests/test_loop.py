@@ -17,11 +17,12 @@ def run_loop(parts, student_dir, run_dir, *overrides: str):
     tok, prompts, _, _ = parts
     controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
     setup = SimpleNamespace(
-        prompts=SimpleNamespace(batch=lambda step, g: prompts),
+        prompts=SimpleNamespace(batch=lambda step, g: prompts, overlong_count=0),
         eval_batch=prompts,
         tokenizer=tok,
         stop_token_ids=(tok.eos_token_id,),
         device="cpu",
+        reward_fn=controller.reward_fn,
     )
     cfg = load("rollout.max_new_tokens=5", "trainer.eval_every=0", *overrides)
     run_dir.mkdir(parents=True, exist_ok=True)  # train() makes it; the loop expects it
