@@ -8,8 +8,9 @@ import torch
 
 from miniverl.checkpoint import save_checkpoint
 from miniverl.models.loading import torch_dtype
-from miniverl.models.logprobs import response_logits, token_logprobs
+from miniverl.models.logprobs import response_logits, sequence_logprobs, token_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model
+from miniverl.probe import PROBE_TOKENS, draw_probe
 from miniverl.protocol import (
     PolicyIdentity,
     PolicyMismatchError,
@@ -69,11 +70,26 @@ class LearnerWorker:
         backend = "nccl" if self.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size)
 
-    def publish_policy(self, include_weights: bool = True) -> PolicySnapshot:
-        """The policy's identity, and its weights unless only the identity is needed (ranks > 0)."""
+    def publish_policy(self, include_weights: bool = True) -> tuple[PolicyIdentity, PolicySnapshot]:
+        """The policy's identity (its name: version and the one digest of the weights, computed here), and
+        the snapshot with its weights unless only the identity is needed (ranks > 0).
+
+        Two values so that a driver can read the small identity and hand the snapshot to the rollout
+        replicas without fetching the weights itself (miniverl.actors.submit, num_returns=2).
+        """
         weights = adapter_state(self.model)
         self.published = PolicyIdentity(self.version, weights_digest(weights))
-        return PolicySnapshot(self.published, weights if include_weights else {})
+        return self.published, PolicySnapshot(self.published, weights if include_weights else {})
+
+    def probe_sequences(self) -> list[list[int]]:
+        """The run's fixed strict-sync probe, drawn from this student's vocabulary (miniverl/probe.py)."""
+        cfg = self.model.get_base_model().config
+        return draw_probe(cfg.vocab_size, getattr(cfg, "max_position_embeddings", PROBE_TOKENS))
+
+    def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The learner's log-probs of the probe under the current policy (peft model, eval mode, no grad)."""
+        self.model.eval()  # update() sets train mode again; LoRA dropout must not touch the probe
+        return sequence_logprobs(self.model, sequences)
 
     def update(
         self,
