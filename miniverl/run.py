@@ -10,6 +10,7 @@ from typing import Any
 
 from miniverl.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
 from miniverl.config import MiniVerlConfig, validate
+from miniverl.conformance import conformance_gate
 from miniverl.controller import StrictSyncController, rollout_metrics
 from miniverl.data.prompts import PromptSource
 from miniverl.models.builtin import BUILTIN_PREFIX, BUILTIN_ROLES, BuiltinRecipe, ensure_builtin_models
@@ -253,6 +254,7 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
         )
         r = cfg.rollout
         params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
+        gate = conformance_gate(controller, setup.eval_batch, params, objective, (cfg.objective.name, r.backend), log)
         tracker = Tracker(
             run_dir,
             config_dict,
@@ -297,6 +299,7 @@ def train(cfg: MiniVerlConfig, run_dir: Path, config_dict: dict[str, Any], log=p
             "checkpoint": checkpoint,
             "metrics_file": str(tracker.metrics_path),
             "memory": memory,
+            "conformance": gate,
         }
         tracker.finish(summary)
         tracker = None
