@@ -171,3 +171,16 @@ def test_a_stale_replica_is_caught_among_honest_ones(parts, student_dir, monkeyp
     monkeypatch.setattr(engines[1].backend, "load_adapter", lambda weights: None)
     with pytest.raises(PolicyMismatchError, match="replica 1 "):
         ctl.step(prompts, PARAMS)
+
+
+def test_an_honest_replica_passes_after_an_update_below_the_tolerance(parts, student_dir):
+    """A tiny learning rate moves the learner's probe by far less than the tolerance: the served probe
+    may then stay bit-identical (the merge rounds the update away), and that is not a stale engine."""
+    tok, prompts, _, scorer = parts
+    learner = LearnerWorker(str(student_dir), LORA, "float32", GkdObjective(0.5, 1.0, 0), 1e-9, 0.0, 1.0, 2, CPU)
+    rollout = RolloutWorker("hf_cached", str(student_dir), LORA, "float32", CPU)
+    ctl = StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0)
+    for _ in range(3):
+        ctl.step(prompts, PARAMS)
+    assert learner.version == 3
+    assert 0 <= ctl.last_probe["probe_learner_moved"] < FP32_PROBE_TOLERANCE
