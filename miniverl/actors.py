@@ -50,18 +50,15 @@ def call(actor: Any, method: str, *args: Any) -> Any:
     return fn(*args)
 
 
-def submit(actor: Any, method: str, *args: Any, num_returns: int = 1) -> Any:
-    """Start `method` without waiting: its ObjectRef (a list of `num_returns` refs) on a Ray actor, its
-    value (the tuple of values) on a plain in-process object.
+def submit(actor: Any, method: str, *args: Any) -> Any:
+    """Start `method` without waiting: its ObjectRef on a Ray actor, its value on a plain in-process object.
 
-    Passing a ref on as an argument of another actor call hands the value from producer to consumer
+    Passing the ref on as an argument of another actor call hands the value from producer to consumer
     through Ray's object store, never through the driver (the adapter: learner -> rollout replicas).
     Calls submitted from one driver to one actor run in submission order.
     """
     fn = getattr(actor, method)
-    if hasattr(fn, "remote"):
-        return (fn.options(num_returns=num_returns) if num_returns != 1 else fn).remote(*args)
-    return fn(*args)
+    return fn.remote(*args) if hasattr(fn, "remote") else fn(*args)
 
 
 def fetch(handles: list[Any]) -> list[Any]:

@@ -75,27 +75,29 @@ class StrictSyncController:
         if not self.tolerances:
             self.tolerances = fetch([submit(r, "probe_tolerance") for r in self.rollouts])
         # The learner's probe goes first: the replicas wait for the snapshot, so no two actors compute at
-        # once (on the CPU, two all-core thread pools at once made a refresh 10x slower: measured).
+        # once (on the CPU, two all-core thread pools at once made a refresh 10x slower: measured). The
+        # snapshot stays a ref here: the driver never holds the weights; the replicas report its name.
         learner = submit(self.learners[0], "probe_logprobs", self.probe)
-        identity, snapshot = submit(self.learners[0], "publish_policy", num_returns=2)
-        others = [submit(rank, "publish_policy", False, num_returns=2)[0] for rank in self.learners[1:]]
+        snapshot = submit(self.learners[0], "publish_policy")
+        others = [submit(rank, "publish_policy", False) for rank in self.learners[1:]]
         loaded = [submit(r, "load_policy", snapshot) for r in self.rollouts]
         served = [submit(r, "probe_logprobs", self.probe) for r in self.rollouts]
         k, r = len(others), len(loaded)
-        identity, learner, *rest = fetch([identity, learner, *others, *loaded, *served])
+        learner, *rest = fetch([learner, *others, *loaded, *served])
         others, loaded, served = rest[:k], rest[k : k + r], rest[k + r :]
+        identity = loaded[0]  # the name every replica received with the learner's snapshot
         for rank, other in enumerate(others, start=1):
-            if other != identity:
+            if other.identity != identity:
                 raise PolicyMismatchError(
-                    f"learner rank {rank} holds {other.short()} but rank 0 holds {identity.short()};"
+                    f"learner rank {rank} holds {other.identity.short()} but rank 0 published {identity.short()};"
                     " data-parallel ranks diverged, so the run stops"
                 )
         checks = []
         for i, (name, probe, tolerance) in enumerate(zip(loaded, served, self.tolerances)):
             if name != identity:
                 raise PolicyMismatchError(
-                    f"rollout replica {i} serves {name.short()} but the learner published {identity.short()};"
-                    " the worker did not take the new snapshot, so the run stops"
+                    f"rollout replica {i} serves {name.short()} but replica 0 serves {identity.short()} of the"
+                    " same snapshot; a worker did not take the new snapshot, so the run stops"
                 )
             previous = None if self._previous is None else (self._previous[0][i], self._previous[1])
             checks.append(check_served(i, identity.version, probe, learner, tolerance, previous))

@@ -78,7 +78,7 @@ def test_stale_rollout_worker_stops_the_run_before_any_update(parts, student_dir
 def test_learner_refuses_batches_of_another_version(parts, student_dir):
     _, prompts, learner, scorer = parts
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
-    rollout.load_policy(learner.publish_policy()[1])
+    rollout.load_policy(learner.publish_policy())
     batch = rollout.generate(prompts, PARAMS)
     scores = scorer.score(batch, 0, 1.0)
     learner.update(batch, scores, None)  # v0 batch, learner at v0: accepted
@@ -93,7 +93,7 @@ def test_learner_refuses_before_publishing(parts, student_dir):
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
     with pytest.raises(PolicyMismatchError, match="load_policy"):
         rollout.generate(prompts, PARAMS)
-    rollout.load_policy(learner.publish_policy()[1])
+    rollout.load_policy(learner.publish_policy())
     batch = rollout.generate(prompts, PARAMS)
     fresh = LearnerWorker(str(student_dir), LORA, "float32", GkdObjective(0.5, 1.0, 0), 1e-3, 0.0, 1.0, 2, CPU)
     with pytest.raises(PolicyMismatchError, match="published: nothing"):
@@ -112,7 +112,7 @@ def test_rollouts_stamped_with_another_version_are_refused(parts, student_dir):
 def test_rollout_batch_layout(parts, student_dir):
     tok, prompts, learner, _ = parts
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
-    rollout.load_policy(learner.publish_policy()[1])
+    rollout.load_policy(learner.publish_policy())
     batch = rollout.generate(prompts, SamplingParams(n=3, max_new_tokens=5, stop_token_ids=(tok.eos_token_id,)))
     assert batch.uid == ["p0"] * 3 + ["p1"] * 3
     assert batch.prompt_mask[3:].sum(1).tolist() == [len(prompts.prompt_ids[1])] * 3  # shorter prompt, left pad

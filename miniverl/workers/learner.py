@@ -70,16 +70,12 @@ class LearnerWorker:
         backend = "nccl" if self.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size)
 
-    def publish_policy(self, include_weights: bool = True) -> tuple[PolicyIdentity, PolicySnapshot]:
+    def publish_policy(self, include_weights: bool = True) -> PolicySnapshot:
         """The policy's identity (its name: version and the one digest of the weights, computed here), and
-        the snapshot with its weights unless only the identity is needed (ranks > 0).
-
-        Two values so that a driver can read the small identity and hand the snapshot to the rollout
-        replicas without fetching the weights itself (miniverl.actors.submit, num_returns=2).
-        """
+        its weights unless only the identity is needed (ranks > 0)."""
         weights = adapter_state(self.model)
         self.published = PolicyIdentity(self.version, weights_digest(weights))
-        return self.published, PolicySnapshot(self.published, weights if include_weights else {})
+        return PolicySnapshot(self.published, weights if include_weights else {})
 
     def probe_sequences(self) -> list[list[int]]:
         """The run's fixed strict-sync probe, drawn from this student's vocabulary (miniverl/probe.py)."""

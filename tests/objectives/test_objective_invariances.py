@@ -44,7 +44,7 @@ def data(student_dir, random_model_dir):
     prompts = PromptBatch([tok(p)["input_ids"] for p, _ in texts], [f"u{i}" for i in range(4)], [a for _, a in texts])
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
     learner = make_learner(student_dir, objectives()["pg_k1"], 8)
-    rollout.load_policy(learner.publish_policy()[1])
+    rollout.load_policy(learner.publish_policy())
     params = SamplingParams(n=N, max_new_tokens=5, temperature=1.0, stop_token_ids=(tok.eos_token_id,), seed=7)
     batch = rollout.generate(prompts, params)
     assert batch.response_mask.sum(1).unique().numel() > 1, "want rows of different lengths (real right padding)"
