@@ -50,6 +50,34 @@ def call(actor: Any, method: str, *args: Any) -> Any:
     return fn(*args)
 
 
+def submit(actor: Any, method: str, *args: Any) -> Any:
+    """Start `method` without waiting: its ObjectRef on a Ray actor, its value on a plain in-process object.
+
+    Passing the ref on as an argument of another actor call hands the value from producer to consumer
+    through Ray's object store, never through the driver (the adapter: learner -> rollout replicas).
+    Calls submitted from one driver to one actor run in submission order.
+    """
+    fn = getattr(actor, method)
+    return fn.remote(*args) if hasattr(fn, "remote") else fn(*args)
+
+
+def fetch(handles: list[Any]) -> list[Any]:
+    """Wait for handles from `submit`: Ray refs become their values (fetched together), values pass through."""
+    import sys
+
+    if "ray" not in sys.modules:  # no Ray imported, so no refs: everything ran in-process
+        return list(handles)
+    import ray
+
+    refs = [i for i, h in enumerate(handles) if isinstance(h, ray.ObjectRef)]
+    if not refs:  # ray.get would start a Ray session just to return nothing (Ray's auto-init)
+        return list(handles)
+    out = list(handles)
+    for i, value in zip(refs, ray.get([handles[i] for i in refs])):
+        out[i] = value
+    return out
+
+
 def call_all(actors: list[Any], method: str, args: list[tuple]) -> list[Any]:
     """Call `method` on every actor with its own arguments, concurrently for Ray actors, and wait."""
     if len(actors) != len(args):

@@ -51,8 +51,9 @@ class PolicySnapshot:
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     """SHA-256 over sorted names, dtypes, shapes and raw bytes of `weights`.
 
-    Computed independently by the learner (what it publishes) and by a rollout engine (what it
-    holds after loading), so an engine that silently kept old weights cannot echo the right digest.
+    The policy's name, computed once by the learner when it publishes. It proves nothing about what a
+    rollout engine serves (merged or fused copies, the base model): the strict-sync probe does that
+    (miniverl/probe.py).
     """
     h = hashlib.sha256()
     for name in sorted(weights):

@@ -13,6 +13,7 @@ from typing import Any
 from miniverl.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
 from miniverl.checkpoints.compat import identity_hash
 from miniverl.config import MiniVerlConfig, validate
+from miniverl.conformance import conformance_gate
 from miniverl.controller import StrictSyncController
 from miniverl.dashboard import RunGauges
 from miniverl.data.build import PromptStream, build_prompt_source
@@ -36,6 +37,7 @@ from miniverl.plots import write_plots
 from miniverl.preflight import check_device_settings, check_lora_targets, check_tracking, resolve_resume
 from miniverl.protocol import ConfigError, MiniVerlError, PromptBatch
 from miniverl.rewards import SourceReward, build_reward
+from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm, settings_from_config
 from miniverl.tracking import Tracker, trim_metrics
 from miniverl.workers import ProcessSettings
@@ -289,6 +291,9 @@ def train(
             objective.teacher_support_k,
             objective.loss_temperature,
         )
+        r = cfg.rollout
+        params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
+        gate = conformance_gate(controller, setup.eval_batch, params, objective, (cfg.objective.name, r.backend), log)
         tr, t = cfg.tracking, cfg.trainer
         tracker = Tracker(
             run_dir, config_dict, tr.wandb_mode, tr.project, tr.run_name, t.total_steps, tr.progress_bar, start
@@ -334,6 +339,7 @@ def train(
             "metrics_file": str(tracker.metrics_path),
             "overlong_prompts_filtered": setup.prompts.overlong_count,
             "memory": memory,
+            "conformance": gate,
         }
         status = summary
         return summary

@@ -63,7 +63,7 @@ def test_gkd_runs_through_ray_actors(tmp_path, student_dir, teacher_dir):
     assert "reverse KL to teacher" in proc.stdout and "greedy task accuracy" in proc.stdout
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 3]  # eval before training, then one line per step
-    for key in ("loss", "reverse_kl", "sampler_gap_mean", "accuracy", "time/generate", "time/update"):
+    for key in ("loss", "reverse_kl", "sampler_gap_mean", "accuracy", "time/generate", "time/update", "time/refresh"):
         assert key in lines[1], key
     assert [x["policy_version"] for x in lines[1:]] == [0, 1, 2]
     assert "eval/reverse_kl" in lines[-1] and "eval/accuracy" in lines[-1]
@@ -79,6 +79,10 @@ def test_gkd_runs_through_ray_actors(tmp_path, student_dir, teacher_dir):
         assert name in state["files"] and (checkpoint / name).exists(), name
     for png in ("reverse_kl.png", "accuracy.png", "step_time.png"):
         assert (run_dir / png).stat().st_size > 0, png
+    gate = summary["conformance"]  # fp32 hf_reference: the sampler computes what the learner computes
+    assert gate["decision"] == "pass" and gate["tokens"] > 0 and gate["mean_gap"] < 1e-4
+    assert "conformance gate: hf_reference vs learner" in proc.stdout
+    assert all(x["probe_gap_max"] < 1e-3 for x in lines[1:])
     assert (run_dir / ".hydra" / "config.yaml").exists()
     assert any((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
 

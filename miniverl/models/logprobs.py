@@ -39,3 +39,30 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
         picked = chunk.gather(-1, ids[start : start + LOGPROB_CHUNK_ROWS].unsqueeze(-1)).squeeze(-1)
         out.append(picked - torch.logsumexp(chunk, dim=-1))
     return torch.cat(out, dim=0)
+
+
+def right_pad(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes: -> ids [B, T] long, mask [B, T] long (right-padded: a causal model never sees the padding)."""
+    if not sequences or min(map(len, sequences)) < 2:
+        raise ValueError("every probe sequence needs at least 2 tokens (one context token, one to score)")
+    t = max(map(len, sequences))
+    ids = torch.full((len(sequences), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), t), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def unpad_logprobs(logprobs: torch.Tensor, sequences: list[list[int]]) -> list[list[float]]:
+    """Per-sequence lists from right-padded next-token log-probs. Shapes: logprobs [B, T-1] -> ragged."""
+    return [row[: len(s) - 1].tolist() for row, s in zip(logprobs.float().cpu(), sequences)]
+
+
+@torch.no_grad()
+def sequence_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
+    """log p(seq[t] | seq[:t]) for t = 1..len-1 of each sequence, temperature 1, fp32, through `model`."""
+    device = next(model.parameters()).device
+    ids, mask = right_pad(sequences)  # [B, T] each
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits  # [B, T, V]
+    return unpad_logprobs(token_logprobs(logits[:, :-1], ids[:, 1:].to(device)), sequences)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from miniverl.objectives.aggregation import masked_mean
@@ -29,3 +31,20 @@ def ratio_metrics(
         "clipped_ratio_frac": masked_mean((ratio > is_cap).to(ratio.dtype), mask),
         "ratio_mean": masked_mean(ratio, mask),
     }
+
+
+@dataclass(frozen=True)
+class SamplerTolerance:
+    """How far the sampler's log-probs of its own sampled tokens may sit from the learner's recomputation
+    before an objective's math no longer holds (the conformance gate, miniverl/conformance.py).
+
+    Gaps are |log q_sampler(y_t) - log q_learner(y_t)| in nats over sampled tokens; `outside_frac` is the
+    fraction of ratios q_learner / q_sampler outside [1/cap, cap]. `truncated` is True when the objective
+    truncates its importance ratios (TIS), which corrects a sampler outside these bounds.
+    """
+
+    mean_gap: float
+    p99_gap: float
+    outside_frac: float
+    cap: float
+    truncated: bool

@@ -22,13 +22,22 @@ class Completion:
 
 
 class RolloutBackend(Protocol):
-    """A sampler that serves the student with a LoRA adapter the learner publishes."""
+    """A sampler that serves the student with a LoRA adapter the learner publishes.
+
+    Strict sync trusts no echo of the weights it was sent: after every load the controller compares
+    `probe_logprobs` with the learner's on a fixed probe (miniverl/probe.py).
+    """
+
+    probe_tolerance: float  # max |served - learner| log-prob (nats) on probe tokens for this backend/dtype
 
     def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
         """Replace the served adapter with `weights` (learner names, CPU tensors)."""
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
-        """The adapter as the engine now holds it, read back from its own parameters."""
+        """The adapter's names and shapes as the engine holds them (benchmarks build adapters from it)."""
+
+    def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t = 1..len-1 of each sequence, through the SERVING path, temp 1."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         """Sample params.n completions per prompt, prompt-major; `seeds` has one seed per completion."""

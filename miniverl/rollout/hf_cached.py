@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miniverl.models.logprobs import right_pad, token_logprobs, unpad_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
+from miniverl.probe import probe_tolerance
 from miniverl.protocol import ConfigError
 from miniverl.rollout import Completion
 from miniverl.rollout.hf_reference import left_pad
@@ -182,6 +184,7 @@ class HFCachedBackend:
         self.device = device
         self.model = build_lora_model(model_path, lora, dtype, device).eval()
         self.decoder = _Decoder(self.model)
+        self.probe_tolerance = probe_tolerance(dtype)
         # Graphs only where CUDA is; the CPU path is the plain eager loop. Graphs rather than torch.compile:
         # compiling a 24-layer step takes minutes per batch width, more than a rollout takes. Graph vs eager
         # on CUDA is what conf/bench/rollout-hf-cached-variants.yaml measures (not yet run).
@@ -195,6 +198,26 @@ class HFCachedBackend:
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         return adapter_state(self.model)
+
+    @torch.no_grad()
+    def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Through the serving weights it samples with (the merged, fused copies), never the peft module.
+
+        One causal pass over the whole sequences, not token-by-token decoding: the decode step reads the
+        same weight tensors (refreshed in place, which its CUDA graphs rely on), and one pass keeps the
+        probe a small fraction of a refresh.
+        """
+        ids, _ = right_pad(sequences)  # [B, T]
+        if int(ids.min()) < 0 or int(ids.max()) >= self.decoder.vocab_size:
+            raise ValueError(f"probe token ids must lie in [0, {self.decoder.vocab_size})")
+        b, t = ids.shape
+        ids = ids.to(self.device)
+        positions = torch.arange(t, device=self.device).expand(b, t)  # [B, T]
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        bias = torch.zeros(1, 1, t, t, device=self.device).masked_fill(~causal, float("-inf"))  # [1, 1, T, T]
+        h = self.decoder.hidden(ids, positions, bias, lambda _layer, k, v: (k, v))  # [B, T, E]
+        logits = self.decoder.lm_head(h[:, :-1])  # [B, T-1, V]
+        return unpad_logprobs(token_logprobs(logits, ids[:, 1:]), sequences)
 
     @property
     def decode_mode(self) -> str:

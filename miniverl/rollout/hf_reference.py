@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from miniverl.models.logprobs import sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
+from miniverl.probe import probe_tolerance
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams, make_generators, sample_next
 
@@ -29,12 +31,17 @@ class HFReferenceBackend:
     def __init__(self, model_path: str, lora: LoraSettings, dtype: torch.dtype, device: str) -> None:
         self.device = device
         self.model = build_lora_model(model_path, lora, dtype, device).eval()
+        self.probe_tolerance = probe_tolerance(dtype)
 
     def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
         load_adapter_state(self.model, weights)
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         return adapter_state(self.model)
+
+    def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Through the model it samples with: the peft model, adapter applied on the fly."""
+        return sequence_logprobs(self.model, sequences)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:

@@ -9,8 +9,9 @@ import torch
 
 from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
 from miniverl.models.loading import torch_dtype
-from miniverl.models.logprobs import response_logits, token_logprobs
+from miniverl.models.logprobs import response_logits, sequence_logprobs, token_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
+from miniverl.probe import PROBE_TOKENS, draw_probe
 from miniverl.protocol import (
     MiniVerlError,
     PolicyIdentity,
@@ -78,10 +79,21 @@ class LearnerWorker:
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size)
 
     def publish_policy(self, include_weights: bool = True) -> PolicySnapshot:
-        """The policy's identity, and its weights unless only the identity is needed (ranks > 0)."""
+        """The policy's identity (its name: version and the one digest of the weights, computed here), and
+        its weights unless only the identity is needed (ranks > 0)."""
         weights = adapter_state(self.model)
         self.published = PolicyIdentity(self.version, weights_digest(weights))
         return PolicySnapshot(self.published, weights if include_weights else {})
+
+    def probe_sequences(self) -> list[list[int]]:
+        """The run's fixed strict-sync probe, drawn from this student's vocabulary (miniverl/probe.py)."""
+        cfg = self.model.get_base_model().config
+        return draw_probe(cfg.vocab_size, getattr(cfg, "max_position_embeddings", PROBE_TOKENS))
+
+    def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The learner's log-probs of the probe under the current policy (peft model, eval mode, no grad)."""
+        self.model.eval()  # update() sets train mode again; LoRA dropout must not touch the probe
+        return sequence_logprobs(self.model, sequences)
 
     def update(
         self,

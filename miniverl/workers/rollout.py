@@ -12,7 +12,6 @@ from miniverl.protocol import (
     PolicySnapshot,
     PromptBatch,
     RolloutBatch,
-    weights_digest,
 )
 from miniverl.rollout import BACKENDS, Completion
 from miniverl.rollout.sampling import SamplingParams, row_seeds
@@ -41,10 +40,18 @@ class RolloutWorker:
         self.served: PolicyIdentity | None = None
 
     def load_policy(self, snapshot: PolicySnapshot) -> PolicyIdentity:
-        """Load the snapshot, then report the identity computed from the weights the engine now holds."""
+        """Load the snapshot and serve under its name. No digest here: the probe proves what is served."""
         self.backend.load_adapter(snapshot.weights)
-        self.served = PolicyIdentity(snapshot.identity.version, weights_digest(self.backend.adapter_weights()))
+        self.served = snapshot.identity
         return self.served
+
+    def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The probe through the backend's serving path (see RolloutBackend.probe_logprobs)."""
+        return self.backend.probe_logprobs(sequences)
+
+    def probe_tolerance(self) -> float:
+        """Nats the served probe may sit from the learner's for this backend and dtype."""
+        return self.backend.probe_tolerance
 
     def generate(self, prompts: PromptBatch, params: SamplingParams, first_row: int = 0) -> RolloutBatch:
         """params.n samples per prompt from the served policy, rows grouped by prompt.

@@ -1,0 +1,59 @@
+"""Time the strict-sync refresh alone, on Ray actors built exactly as a run builds them.
+
+    PYTHONPATH=<tree> python scripts/measure_refresh.py [--repeats 30] [overrides ...]
+
+Only `controller.refresh()` is timed (publish, hand over, load, verify), repeated on the default
+experiment's actors, so a tree before and after a refresh change can be compared on a busy machine in
+short alternating runs (the whole step's time moves with every other load on the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def main() -> None:
+    import ray
+    from hydra import compose, initialize_config_dir
+
+    from miniverl.config import register_configs, to_config
+    from miniverl.controller import StrictSyncController
+    from miniverl.objectives import build_objective
+    from miniverl.rewards import ExactMatchReward
+    from miniverl.run import build_actors, prepare, start_ray
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("overrides", nargs="*", default=["+experiment=gkd", "tracking=disabled"])
+    args = ap.parse_args()
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = to_config(compose(config_name="config", overrides=args.overrides))
+    setup = prepare(cfg, log=lambda *_: None)
+    objective = build_objective(cfg.objective)
+    start_ray(cfg, log=lambda *_: None)
+    try:
+        actors, _ = build_actors(cfg, setup, objective)
+        reward = ExactMatchReward(setup.tokenizer)
+        ctl = StrictSyncController(
+            actors["rollout"], actors["scorer"], actors["learner"], reward, objective.teacher_support_k, 1.0
+        )
+        ctl.refresh()  # first refresh: reads the probe and tolerances once (when the tree has them)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            ctl.refresh()
+            times.append(time.perf_counter() - t0)
+    finally:
+        ray.shutdown()
+    print(json.dumps({"median_ms": statistics.median(times) * 1e3, "times_ms": [round(t * 1e3, 2) for t in times]}))
+
+
+if __name__ == "__main__":
+    main()

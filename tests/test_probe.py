@@ -1,0 +1,186 @@
+"""The strict-sync probe: its bookkeeping (pure), and real backends that serve the wrong weights being caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miniverl.controller import StrictSyncController
+from miniverl.models.lora import LoraSettings, adapter_state
+from miniverl.objectives.gkd import GkdObjective
+from miniverl.probe import (
+    FP32_PROBE_TOLERANCE,
+    HALF_PROBE_TOLERANCE,
+    PROBE_SEQUENCES,
+    check_served,
+    draw_probe,
+    max_gap,
+    probe_tolerance,
+)
+from miniverl.protocol import PolicyMismatchError, PromptBatch, weights_digest
+from miniverl.rewards import ExactMatchReward
+from miniverl.rollout.sampling import SamplingParams
+from miniverl.workers import ProcessSettings
+from miniverl.workers.learner import LearnerWorker
+from miniverl.workers.rollout import RolloutWorker
+from miniverl.workers.scorer import ScorerWorker
+
+LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"), init_seed=0)
+CPU = ProcessSettings("cpu", torch_threads=1)  # see conftest: one thread for tiny models
+PARAMS = SamplingParams(n=2, max_new_tokens=6, stop_token_ids=(2,))
+TOL = 0.1  # a round tolerance for the pure bookkeeping tests
+
+
+# --- bookkeeping (pure) -------------------------------------------------------------------------------
+
+
+def test_probe_is_fixed_and_inside_the_vocabulary():
+    a, b = draw_probe(40, 64), draw_probe(40, 64)
+    assert a == b and len(a) == PROBE_SEQUENCES
+    assert all(0 <= t < 40 for s in a for t in s)
+    assert draw_probe(40, 64, seed=1) != a
+    assert {len(s) for s in draw_probe(40, 8)} == {8}  # never longer than the model's positions
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        draw_probe(1, 64)
+
+
+def test_tolerance_follows_the_dtype():
+    assert probe_tolerance(torch.float32) == FP32_PROBE_TOLERANCE
+    assert probe_tolerance(torch.bfloat16) == probe_tolerance(torch.float16) == HALF_PROBE_TOLERANCE
+
+
+def test_match_within_tolerance_passes_and_reports_the_gap():
+    out = check_served(0, 3, [[-1.0, -2.05]], [[-1.0, -2.0]], TOL)
+    assert out["gap"] == pytest.approx(0.05) and out["moved"] == 0.0
+
+
+def test_gap_beyond_tolerance_names_replica_version_and_gap():
+    with pytest.raises(PolicyMismatchError, match=r"replica 2 .* up to 0\.5 nats .* v7 .* tolerance is 0\.1"):
+        check_served(2, 7, [[-1.0, -2.5]], [[-1.0, -2.0]], TOL)
+
+
+def test_served_probe_must_change_when_the_learner_moved_by_more_than_the_tolerance():
+    old_served, old_learner = [[-1.0, -2.0]], [[-1.0, -2.08]]
+    new_learner = [[-1.0, -1.93]]  # moved 0.15 > TOL; the unchanged served probe is still within TOL of it
+    assert max_gap(old_served, new_learner) <= TOL
+    with pytest.raises(PolicyMismatchError, match=r"replica 0 serves exactly .* moved them by 0\.15 .* old weights"):
+        check_served(0, 4, old_served, new_learner, TOL, previous=(old_served, old_learner))
+    moved_served = [[-1.0, -1.97]]
+    assert check_served(0, 4, moved_served, new_learner, TOL, previous=(old_served, old_learner))["moved"] > TOL
+
+
+def test_an_update_smaller_than_the_tolerance_may_leave_the_served_probe_unchanged():
+    """A tiny update cannot be told apart from rounding: the served probe may stay bit-identical."""
+    old = [[-1.0, -2.0]]
+    out = check_served(0, 5, old, [[-1.0, -2.05]], TOL, previous=(old, old))
+    assert out["moved"] == pytest.approx(0.05)
+
+
+def test_probe_rows_of_another_shape_are_refused():
+    with pytest.raises(PolicyMismatchError, match="row lengths"):
+        check_served(0, 1, [[-1.0]], [[-1.0, -2.0]], TOL)
+
+
+# --- real backends through the controller ---------------------------------------------------------------
+
+
+@pytest.fixture()
+def parts(student_dir, teacher_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    prompts = PromptBatch([tok("abc>")["input_ids"], tok("de>")["input_ids"]], ["p0", "p1"], ["cba", "ed"])
+    learner = LearnerWorker(str(student_dir), LORA, "float32", GkdObjective(0.5, 1.0, 0), 5e-2, 0.0, 1.0, 2, CPU)
+    scorer = ScorerWorker(str(teacher_dir), "float32", 4, CPU)
+    return tok, prompts, learner, scorer
+
+
+def controller(rollout, parts) -> StrictSyncController:
+    tok, _, learner, scorer = parts
+    return StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0)
+
+
+@pytest.mark.parametrize("backend", ["hf_reference", "hf_cached"])
+def test_a_normal_run_passes_the_probe(parts, student_dir, backend):
+    _, prompts, learner, _ = parts
+    ctl = controller(RolloutWorker(backend, str(student_dir), LORA, "float32", CPU), parts)
+    for _ in range(2):
+        metrics = ctl.step(prompts, PARAMS)
+        assert metrics["probe_gap_max"] <= FP32_PROBE_TOLERANCE
+    assert ctl.last_probe["probe_learner_moved"] > FP32_PROBE_TOLERANCE  # the update moved the probe
+    assert learner.version == 2
+
+
+def test_hf_cached_whose_serving_weights_were_not_refreshed_is_caught(parts, student_dir, monkeypatch):
+    """The peft module holds the new adapter (an adapter digest would pass) but the merged weights it
+    samples with are stale: the probe, computed through those weights, stops the run."""
+    _, prompts, learner, _ = parts
+    rollout = RolloutWorker("hf_cached", str(student_dir), LORA, "float32", CPU)
+    ctl = controller(rollout, parts)
+    ctl.step(prompts, PARAMS)  # v0 served honestly
+    monkeypatch.setattr(rollout.backend.decoder, "refresh", lambda: None)
+    with pytest.raises(PolicyMismatchError, match=r"replica 0 serves probe log-probs up to .* v1"):
+        ctl.step(prompts, PARAMS)
+    assert weights_digest(adapter_state(rollout.backend.model)) == learner.published.digest  # the old proof
+    assert learner.version == 1  # no second update
+
+
+def test_a_replica_serving_another_base_model_is_caught(parts, random_model_dir):
+    _, prompts, learner, _ = parts
+    ctl = controller(RolloutWorker("hf_cached", str(random_model_dir), LORA, "float32", CPU), parts)
+    with pytest.raises(PolicyMismatchError, match="another base model or dtype"):
+        ctl.step(prompts, PARAMS)
+    assert learner.version == 0
+
+
+def test_a_replica_serving_its_base_in_another_precision_is_caught(parts, student_dir):
+    """Base weights rounded to bf16 (what a replica serving another precision holds) against an fp32
+    learner: an adapter digest cannot see the base; the probe does."""
+    _, prompts, learner, _ = parts
+    rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    with torch.no_grad():
+        for name, p in rollout.backend.model.named_parameters():
+            if "lora_" not in name:
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    with pytest.raises(PolicyMismatchError, match="replica 0"):
+        controller(rollout, parts).step(prompts, PARAMS)
+    assert learner.version == 0
+
+
+def test_weights_corrupted_in_transit_are_caught(parts, student_dir):
+    class CorruptingWorker(RolloutWorker):
+        """A broken weight sync: what arrives differs from what the learner published."""
+
+        def load_policy(self, snapshot):
+            bumped = {k: v + 0.05 if "lora_B" in k else v for k, v in snapshot.weights.items()}
+            return super().load_policy(type(snapshot)(snapshot.identity, bumped))
+
+    _, prompts, learner, _ = parts
+    with pytest.raises(PolicyMismatchError, match="replica 0"):
+        controller(CorruptingWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts).step(
+            prompts, PARAMS
+        )
+    assert learner.version == 0
+
+
+def test_a_stale_replica_is_caught_among_honest_ones(parts, student_dir, monkeypatch):
+    _, prompts, learner, scorer = parts
+    engines = [RolloutWorker("hf_cached", str(student_dir), LORA, "float32", CPU) for _ in range(2)]
+    ctl = StrictSyncController(engines, scorer, learner, ExactMatchReward(parts[0]), 0, 1.0)
+    ctl.step(prompts, PARAMS)
+    monkeypatch.setattr(engines[1].backend, "load_adapter", lambda weights: None)
+    with pytest.raises(PolicyMismatchError, match="replica 1 "):
+        ctl.step(prompts, PARAMS)
+
+
+def test_an_honest_replica_passes_after_an_update_below_the_tolerance(parts, student_dir):
+    """A tiny learning rate moves the learner's probe by far less than the tolerance: the served probe
+    may then stay bit-identical (the merge rounds the update away), and that is not a stale engine."""
+    tok, prompts, _, scorer = parts
+    learner = LearnerWorker(str(student_dir), LORA, "float32", GkdObjective(0.5, 1.0, 0), 1e-9, 0.0, 1.0, 2, CPU)
+    rollout = RolloutWorker("hf_cached", str(student_dir), LORA, "float32", CPU)
+    ctl = StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0)
+    for _ in range(3):
+        ctl.step(prompts, PARAMS)
+    assert learner.version == 3
+    assert 0 <= ctl.last_probe["probe_learner_moved"] < FP32_PROBE_TOLERANCE
