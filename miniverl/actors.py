@@ -71,8 +71,9 @@ def fetch(handles: list[Any]) -> list[Any]:
 
     refs = [i for i, h in enumerate(handles) if isinstance(h, ray.ObjectRef)]
     out = list(handles)
-    for i, value in zip(refs, ray.get([handles[i] for i in refs])):
-        out[i] = value
+    if refs:  # ray.get, even of [], starts a local Ray cluster when none is running
+        for i, value in zip(refs, ray.get([handles[i] for i in refs])):
+            out[i] = value
     return out
 
 

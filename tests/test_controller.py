@@ -122,3 +122,14 @@ def test_rollout_batch_layout(parts, student_dir):
         assert bool(batch.finished[row]) == ended  # EOS is kept inside the mask
         assert ended or n == 5
         assert torch.all(batch.rollout_log_probs[row, :n] < 0)
+
+
+def test_in_process_refresh_never_starts_ray(parts, student_dir):
+    """Plain workers in a process that has imported Ray (the dashboard, a test) must not start a cluster:
+    ray.get, even of an empty list, would."""
+    import ray
+
+    assert not ray.is_initialized()
+    ctl = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
+    ctl.refresh()
+    assert not ray.is_initialized()
