@@ -4,18 +4,19 @@
 #   tests          the vLLM backend's GPU tests (tests/rollout/test_vllm_gpu.py), one engine per pytest process
 #   bench-NAME     python -m miniverl.bench +bench=NAME (conf/bench/NAME.yaml)
 #   e2e-BACKEND    GKD through Ray at real sizes (random Qwen2.5-0.5B student, 1.5B teacher) with
-#                  rollout=BACKEND under 16 GB caps, $STEPS steps (default 52: >= 50 refreshes);
+#                  rollout=BACKEND under 16 GB caps, $STEPS steps (default 48: with the conformance gate and the start and end evaluations, 51 refreshes);
 #                  nvidia-smi sampled every 200 ms, and the run's metrics.jsonl (gpu/device_used_gib per step)
 # Run two step lists at once on an x2 machine with GPU=0 / GPU=1 (one GPU each):
 #   GPU=0 bash scripts/gpu_vllm.sh tests bench-rollout-rl-sizes-hf & GPU=1 bash scripts/gpu_vllm.sh bench-rollout-rl-sizes-vllm
 set -uo pipefail
 out=${OUT:?set OUT}
 gpu=${GPU:-0}
-steps=${STEPS:-52}
+steps=${STEPS:-48}
+m=/tmp/m$gpu  # one model folder per GPU: two step lists may run at once
 export CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 models() {
-  [ -d /tmp/m/student ] || python3 scripts/make_random_model.py --shape qwen2.5-0.5b --out /tmp/m/student >/dev/null
-  [ -d /tmp/m/teacher ] || python3 scripts/make_random_model.py --shape qwen2.5-1.5b --out /tmp/m/teacher >/dev/null
+  [ -d $m/student ] || python3 scripts/make_random_model.py --shape qwen2.5-0.5b --out $m/student >/dev/null
+  [ -d $m/teacher ] || python3 scripts/make_random_model.py --shape qwen2.5-1.5b --out $m/teacher >/dev/null
 }
 for step in "$@"; do
   echo "== gpu $gpu: $step ($(date +%T))"
@@ -36,8 +37,8 @@ for step in "$@"; do
       models
       nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/e2e_${backend}_smi.csv" &
       smi=$!
-      timeout 420 python3 -m miniverl.main +experiment=gkd model.student.path=/tmp/m/student \
-        model.teacher.path=/tmp/m/teacher rollout=$backend resources.emulate_gpu_gib=16 resources.dashboard=false \
+      timeout 420 python3 -m miniverl.main +experiment=gkd model.student.path=$m/student \
+        model.teacher.path=$m/teacher rollout=$backend resources.emulate_gpu_gib=16 resources.dashboard=false \
         trainer.total_steps=$steps trainer.eval_every=0 trainer.micro_batch_size=2 trainer.save_checkpoint=false \
         data.prompts_per_step=16 rollout.n=4 rollout.max_new_tokens=256 data.eval_prompts=8 tracking=disabled \
         tracking.progress_bar=false hydra.run.dir=/tmp/runs/e2e-$backend 2>&1 | grep -v "Loading weights" \
