@@ -12,6 +12,8 @@ set -uo pipefail
 out=${OUT:?set OUT}
 gpu=${GPU:-0}
 steps=${STEPS:-48}
+prompts=${PROMPTS:-16}  # e2e: prompt groups per step
+samples=${N:-4}  # e2e: samples per prompt
 m=/tmp/m$gpu  # one model folder per GPU: two step lists may run at once
 export CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 models() {
@@ -37,10 +39,10 @@ for step in "$@"; do
       models
       nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/e2e_${backend}_smi.csv" &
       smi=$!
-      timeout 420 python3 -m miniverl.main +experiment=gkd model.student.path=$m/student \
+      timeout ${E2E_TIMEOUT:-420} python3 -m miniverl.main +experiment=gkd model.student.path=$m/student \
         model.teacher.path=$m/teacher rollout=$backend resources.emulate_gpu_gib=16 resources.dashboard=false \
         trainer.total_steps=$steps trainer.eval_every=0 trainer.micro_batch_size=2 trainer.save_checkpoint=false \
-        data.prompts_per_step=16 rollout.n=4 rollout.max_new_tokens=256 data.eval_prompts=8 tracking=disabled \
+        data.prompts_per_step=$prompts rollout.n=$samples rollout.max_new_tokens=256 data.eval_prompts=8 tracking=disabled \
         tracking.progress_bar=false hydra.run.dir=/tmp/runs/e2e-$backend 2>&1 | grep -v "Loading weights" \
         > "$out/e2e_$backend.log"
       sleep 3; kill $smi

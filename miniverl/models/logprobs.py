@@ -59,10 +59,20 @@ def unpad_logprobs(logprobs: torch.Tensor, sequences: list[list[int]]) -> list[l
     return [row[: len(s) - 1].tolist() for row, s in zip(logprobs.float().cpu(), sequences)]
 
 
+SEQUENCE_CHUNK_ROWS = 2
+
+
 @torch.no_grad()
 def sequence_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
     """log p(seq[t] | seq[:t]) for t = 1..len-1 of each sequence, temperature 1, fp32, through `model`."""
     device = next(model.parameters()).device
-    ids, mask = right_pad(sequences)  # [B, T] each
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits  # [B, T, V]
-    return unpad_logprobs(token_logprobs(logits[:, :-1], ids[:, 1:].to(device)), sequences)
+    out: list[list[float]] = []
+    # A few rows per forward: the conformance gate sends 64 rows of ~270 tokens, whose [B, T, V] bf16 logits
+    # at a 152k vocabulary (5.1 GiB) overran the learner's 4.8 GiB share of a 16 GB card (H200, 16 GB emulation).
+    for start in range(0, len(sequences), SEQUENCE_CHUNK_ROWS):
+        part = sequences[start : start + SEQUENCE_CHUNK_ROWS]
+        ids, mask = right_pad(part)  # [b, T] each
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits  # [b, T, V]
+        out += unpad_logprobs(token_logprobs(logits[:, :-1], ids[:, 1:].to(device)), part)
+        del logits
+    return out
