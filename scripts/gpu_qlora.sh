@@ -2,8 +2,9 @@
 # Issue 9's GPU half: the preregistered 16 GB workload (docs/benchmarks/qlora-4080.prereg.md), on the device
 # machine from the project root after staging the vllm + ray + extras + trl bundles. Each argument is a step;
 # results land in $OUT (flat names). One device call allows 10 minutes: run one or two steps per call.
-#   tests               the NF4 GPU tests (tests/models/test_nf4_gpu.py: double quantization, chunked = direct
-#                       on NF4, hf_reference and vLLM bitsandbytes serving the learner's base)
+#   tests               the GPU tests of issue 9 (tests/models/test_nf4_gpu.py: double quantization, chunked = direct
+#                       on NF4, hf_reference and vLLM bitsandbytes serving the learner's base; test_learner_memory_gpu.py:
+#                       the learner's peak at the real vocabulary, direct vs chunked)
 #   cell-OBJ-QUANT-BACKEND   one miniverl.main run of +experiment=gkd_4080 under 16 GB caps:
 #                       OBJ gkd|pg_k1, QUANT bf16|nf4 (student and teacher), BACKEND hf_cached|vllm;
 #                       $STEPS steps (default: 52 for the two headline cells, 12 for the others)
@@ -39,7 +40,7 @@ for step in "$@"; do
   echo "== gpu $gpu: $step ($(date +%T))"
   case "$step" in
     tests)
-      python3 -m pytest -q -x -m gpu tests/models/test_nf4_gpu.py -p no:cacheprovider -s 2>&1 \
+      python3 -m pytest -q -m gpu tests/models/test_nf4_gpu.py tests/models/test_learner_memory_gpu.py -p no:cacheprovider -s 2>&1 \
         | grep -v -e "Loading weights" > "$out/nf4_gpu_tests.log"
       tail -5 "$out/nf4_gpu_tests.log" ;;
     cell-*)

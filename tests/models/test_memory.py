@@ -50,3 +50,18 @@ def test_direct_learner_logits_at_qwen_scale_are_refused_and_chunking_fits():
     assert "trainer.logprob_chunk_tokens" in msg
     check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 64, 4.0)  # the gkd_4080 settings fit
     check_vocab_memory(256, 512, QWEN_VOCAB, None, 16, 64, 4.0)  # PG-k1: sampled tokens only
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.logprob_chunk_tokens=-1", r"trainer.logprob_chunk_tokens=-1: use 0 \(direct\) or a token count"),
+        ("trainer.vocab_memory_budget_gib=0", r"trainer.vocab_memory_budget_gib=0.0: must be > 0"),
+    ],
+)
+def test_bad_memory_settings_name_the_key(override, message):
+    from miniverl.config import validate
+    from tests.test_config import load
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load(override))
