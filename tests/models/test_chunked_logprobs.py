@@ -123,3 +123,57 @@ def test_chunked_teacher_scores_equal_the_direct_ones(data, support_k, random_mo
         if a is not None:
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert got.teacher_log_probs.shape == batch.responses.shape
+
+
+@pytest.mark.slow
+def test_memory_switches_reach_the_actors_and_change_no_number(tmp_path, student_dir, teacher_dir):
+    """`python -m miniverl.main` through Ray with chunked log-probs (learner and scorer) and gradient
+    checkpointing logs the same losses and KLs as the direct run; that the chunk size reaches each actor
+    is shown by a model the chunked path must refuse (logit soft-capping), as student and as teacher."""
+    import json
+    import shutil
+
+    from tests.test_main import TINY, run_main
+
+    for role, src in (("student", student_dir), ("teacher", teacher_dir)):
+        capped = tmp_path / f"capped_{role}"
+        shutil.copytree(src, capped)
+        config = json.loads((capped / "config.json").read_text())
+        (capped / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": 30.0}))
+        paths = {"student": student_dir, "teacher": teacher_dir, role: capped}
+        proc = run_main(
+            "+experiment=gkd",
+            "trainer=smoke",
+            f"model.student.path={paths['student']}",
+            f"model.teacher.path={paths['teacher']}",
+            "tracking=disabled",
+            "trainer.save_checkpoint=false",
+            "trainer.logprob_chunk_tokens=4",
+            *TINY,
+            f"hydra.run.dir={tmp_path / role}",
+        )
+        assert proc.returncode != 0 and "set trainer.logprob_chunk_tokens=0" in proc.stdout + proc.stderr, role
+
+    runs = {}
+    switches = ("trainer.logprob_chunk_tokens=4", "trainer.gradient_checkpointing=true")
+    for name, extra in (("direct", ()), ("chunked", switches)):
+        run_dir = tmp_path / name
+        proc = run_main(
+            "+experiment=pg_k1",
+            "trainer=smoke",
+            "objective.kl_coef=0.1",  # the reference (adapter off) log-probs take the chunked path too
+            f"model.student.path={student_dir}",
+            f"model.teacher.path={teacher_dir}",
+            "tracking=disabled",
+            "trainer.save_checkpoint=false",
+            *TINY,
+            *extra,
+            f"hydra.run.dir={run_dir}",
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[name] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(runs["direct"]) == len(runs["chunked"]) == 4
+    for a, b in zip(runs["direct"][1:], runs["chunked"][1:]):
+        assert a["loss"] != 0.0
+        for key in ("loss", "reverse_kl", "sampler_gap_mean", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
