@@ -39,6 +39,10 @@ class DataConfig:
 class ModelSpec:
     path: str = "builtin:student"  # builtin:student | builtin:teacher | a model directory | a hub id
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    # none | nf4: bitsandbytes 4-bit NF4, double quantization, bf16 compute (CUDA only). An nf4 student
+    # trains a LoRA adapter on the 4-bit base (QLoRA); the rollout side serves that same 4-bit base
+    # (rollout=vllm in adapter mode, or hf_reference), never a bf16 copy (DESIGN.md: 1.66 vs 0.10 nats).
+    quantization: str = "none"
 
 
 @dataclass
@@ -126,6 +130,15 @@ class TrainerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 16  # rows per forward/backward; the loss is normalized per optimizer step
+    # Response positions whose [rows, V] logits exist at once in the learner (and the scorer): the LM head,
+    # log-softmax and loss run chunk by chunk and backward recomputes each chunk, so no [micro_batch, Tr, V]
+    # fp32 tensor stays alive. 0 = direct (the whole micro-batch's logits at once; fine for tiny vocabularies).
+    logprob_chunk_tokens: int = 0
+    gradient_checkpointing: bool = False  # recompute decoder activations in backward (less memory, ~30% slower)
+    # The largest vocabulary-sized buffer the run may hold (GiB): the teacher's full-vocabulary support of a
+    # step (objective.teacher_topk=0) and the learner's direct-path logits are refused above it, with the
+    # arithmetic (miniverl/models/memory.py).
+    vocab_memory_budget_gib: float = 4.0
     eval_every: int = 100  # steps between evaluations (0 = only before and after training)
     eval_samples: int = 4  # prompt/response/reward rows per evaluation to samples.jsonl and a wandb table
     save_checkpoint: bool = True  # false: no checkpoints at all (a stopped run cannot be resumed)
@@ -231,10 +244,30 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def check_quantized_rollout(quantization: str, backend: str, refresh: str) -> None:
+    """The rollout side must serve the learner's own 4-bit base (DESIGN.md: an NF4 learner against a bf16
+    sampler is off by 1.66 nats per token, against vLLM's bitsandbytes engine by 0.10)."""
+    if quantization != "nf4":
+        return
+    _require(
+        backend != "hf_cached",
+        "model.student.quantization=nf4 with rollout=hf_cached: hf_cached merges the adapter into a bf16 serving"
+        " copy of the weights, which would sample from another base than the 4-bit one the learner trains on;"
+        " serving the dequantized NF4 values is possible but not yet measured, so it is refused for now. Use"
+        " rollout=vllm (adapter mode, quantization=bitsandbytes) or rollout=hf_reference",
+    )
+    _require(
+        not (backend == "vllm" and refresh == "merged"),
+        "model.student.quantization=nf4 with rollout.vllm.refresh=merged: merging the adapter into 4-bit weights"
+        " re-quantizes them, so the engine would serve another base than the learner's; use"
+        " rollout.vllm.refresh=adapter",
+    )
+
+
 def validate(cfg: MiniVerlConfig) -> None:
     """Range and combination checks that run before any model is loaded or actor started."""
     from miniverl.data.tasks import TASKS
-    from miniverl.models.loading import DTYPES
+    from miniverl.models.loading import DTYPES, QUANTIZATIONS
     from miniverl.objectives import OBJECTIVES
     from miniverl.objectives.kl import KL_KINDS
     from miniverl.rewards import check_reward_config
@@ -274,6 +307,19 @@ def validate(cfg: MiniVerlConfig) -> None:
             spec.dtype == "auto" or spec.dtype in DTYPES,
             f"model.{role}.dtype={spec.dtype!r}: use auto or one of {', '.join(DTYPES)}",
         )
+        _require(
+            spec.quantization in QUANTIZATIONS,
+            f"model.{role}.quantization={spec.quantization!r}: use one of {', '.join(QUANTIZATIONS)}",
+        )
+    check_quantized_rollout(cfg.model.student.quantization, r.backend, r.vllm.refresh)
+    _require(
+        t.logprob_chunk_tokens >= 0,
+        f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens}: use 0 (direct) or a token count such as 64",
+    )
+    _require(
+        t.vocab_memory_budget_gib > 0,
+        f"trainer.vocab_memory_budget_gib={t.vocab_memory_budget_gib}: must be > 0 (GiB)",
+    )
     _require(d.prompts_per_step > 0, f"data.prompts_per_step={d.prompts_per_step}: must be >= 1")
     _require(d.eval_prompts > 0, f"data.eval_prompts={d.eval_prompts}: must be >= 1")
     _require(

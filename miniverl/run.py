@@ -28,8 +28,15 @@ from miniverl.models.builtin import (
     require_competent_teacher,
 )
 from miniverl.models.hub import check_model_dir, resolve_model_ref
-from miniverl.models.loading import check_same_vocabulary, load_model_config, load_tokenizer, shared_vocab_size
+from miniverl.models.loading import (
+    check_same_vocabulary,
+    load_model_config,
+    load_tokenizer,
+    require_quantization,
+    shared_vocab_size,
+)
 from miniverl.models.lora import LoraSettings
+from miniverl.models.memory import check_vocab_memory
 from miniverl.models.stops import resolve_stop_ids
 from miniverl.objectives import build_objective
 from miniverl.placement import plan_placement
@@ -111,6 +118,8 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
     device = resolve_device(cfg.resources.device)
     if cfg.rollout.backend == "vllm":
         require_vllm(device)
+    for role, spec in (("student", cfg.model.student), ("teacher", cfg.model.teacher)):
+        require_quantization(spec.quantization, device, f"model.{role}.quantization")
     paths = resolve_model_paths(cfg, log)
     student_tok = load_tokenizer(paths["student"], "model.student.path", USER_MODEL_FIX)
     teacher_tok = load_tokenizer(paths["teacher"], "model.teacher.path", USER_MODEL_FIX)
@@ -118,6 +127,16 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
     v_student = load_model_config(paths["student"], "model.student.path", USER_MODEL_FIX).vocab_size
     v_teacher = load_model_config(paths["teacher"], "model.teacher.path", USER_MODEL_FIX).vocab_size
     vocab_size = shared_vocab_size(v_student, v_teacher, len(student_tok))
+    t, r = cfg.trainer, cfg.rollout
+    check_vocab_memory(
+        cfg.data.prompts_per_step * r.n,
+        r.max_new_tokens,
+        vocab_size,
+        build_objective(cfg.objective).teacher_support_k,
+        t.micro_batch_size,
+        t.logprob_chunk_tokens,
+        t.vocab_memory_budget_gib,
+    )
     stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)
@@ -190,6 +209,8 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
         share = plan.num_gpus["rollout"]
         cap = res.emulate_gpu_gib * share if res.emulate_gpu_gib else None
         options = {"settings": settings_from_config(cfg, share, cap)}
+    elif m.student.quantization != "none":  # hf_reference serves the 4-bit base as the learner loads it
+        options = {"quantization": m.student.quantization}
     rollouts = [
         start(RolloutWorker, "rollout", i, cfg.rollout.backend, student, lora, m.student.dtype, backend_options=options)
         for i in range(plan.count["rollout"])
@@ -198,7 +219,17 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
     actors = {
         "rollout": rollouts,
         "scorer": [
-            start(ScorerWorker, "scorer", i, teacher, m.teacher.dtype, t.micro_batch_size, vocab_size=setup.vocab_size)
+            start(
+                ScorerWorker,
+                "scorer",
+                i,
+                teacher,
+                m.teacher.dtype,
+                t.micro_batch_size,
+                vocab_size=setup.vocab_size,
+                quantization=m.teacher.quantization,
+                chunk_tokens=t.logprob_chunk_tokens,
+            )
             for i in range(plan.count["scorer"])
         ],
         "learner": [
@@ -210,6 +241,9 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
                 rank=i,
                 world_size=plan.count["learner"],
                 on_nonfinite=t.on_nonfinite,
+                quantization=m.student.quantization,
+                logprob_chunk_tokens=t.logprob_chunk_tokens,
+                gradient_checkpointing=t.gradient_checkpointing,
             )
             for i in range(plan.count["learner"])
         ],

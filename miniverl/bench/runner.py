@@ -194,6 +194,7 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
             "engine_process": product.engine_process,
             "async_scheduling": product.async_scheduling,
             "gpu_share": 0.5,
+            "quantization": "none",  # the bench's model is bf16
         } | dict(plan.attributes)
         capture = a.pop("cudagraph_capture_size", rows)
         settings = VllmSettings(

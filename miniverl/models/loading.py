@@ -13,6 +13,43 @@ import torch
 from miniverl.protocol import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "nf4")  # model.<role>.quantization
+# NF4 matmuls dequantize to this dtype. bf16, as the measured NF4 learner and vLLM's bitsandbytes
+# engine used (DESIGN.md: 0.10 nats mean gap between them with double quantization).
+NF4_COMPUTE_DTYPE = torch.bfloat16
+
+
+def nf4_config():
+    """bitsandbytes 4-bit NF4 with double quantization (the quantization constants quantized too, ~0.4 bit
+    per weight saved), bf16 compute: the base the learner, the teacher and vLLM's engine must all share."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=NF4_COMPUTE_DTYPE,
+    )
+
+
+def require_quantization(quantization: str, device: str, field: str) -> None:
+    """Fail before any actor starts when `quantization` cannot load here, saying what to change or install."""
+    import importlib.util
+
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"{field}={quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return
+    if device != "cuda":
+        raise ConfigError(
+            f"{field}={quantization} loads a bitsandbytes 4-bit model, which needs a CUDA GPU, but this run"
+            f" computes on the CPU; set {field}=none (or run on a GPU)"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            f"{field}={quantization} needs bitsandbytes, which is not installed; pip install 'bitsandbytes>=0.45'"
+            f" (a miniverl dependency: pip install -e .), or set {field}=none"
+        )
 
 
 def torch_dtype(name: str, device: str) -> torch.dtype:
@@ -44,18 +81,26 @@ def load_model_config(path: str, field: str, fix: str):
         ) from e
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, device: str):
+def load_causal_lm(path: str, dtype: torch.dtype, device: str, quantization: str = "none"):
+    """The model at `path` on `device`; `quantization` nf4 loads it 4-bit (non-quantized parts in `dtype`).
+
+    A bitsandbytes 4-bit model is placed by `device_map` while loading: it refuses `.to(device)`.
+    """
     from transformers import AutoModelForCausalLM
 
+    require_quantization(quantization, device, "quantization")
     local = Path(path).expanduser()
+    kwargs = {}
+    if quantization == "nf4":
+        kwargs = {"quantization_config": nf4_config(), "device_map": {"": torch.cuda.current_device()}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(local) if local.exists() else path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(local) if local.exists() else path, dtype=dtype, **kwargs)
     except Exception as e:
         raise ConfigError(
             f"cannot load the model at {path!r} ({e.__class__.__name__}: {e}); re-save it (save_pretrained) or,"
             " for a built-in model, delete that directory so it is rebuilt"
         ) from e
-    return model.to(device)
+    return model if quantization == "nf4" else model.to(device)
 
 
 def shared_vocab_size(student_logits: int, teacher_logits: int, tokenizer_size: int) -> int:

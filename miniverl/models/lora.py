@@ -23,11 +23,18 @@ class LoraSettings:
         return cls(cfg.rank, cfg.alpha, cfg.dropout, tuple(cfg.target_modules), cfg.init_seed)
 
 
-def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: str):
-    """Base model from `path` wrapped with a fresh adapter; lora_B starts at 0, so it serves the base."""
+def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: str, quantization: str = "none"):
+    """Base model from `path` wrapped with a fresh adapter; lora_B starts at 0, so it serves the base.
+
+    `quantization` nf4 gives a QLoRA student: the base is 4-bit (models/loading.py), the adapter is not.
+    peft's prepare_model_for_kbit_training is deliberately not called: it casts every bf16 non-quantized
+    weight (embeddings, norms, LM head) to fp32, which at a 152k vocabulary adds 0.27 GB for the embedding
+    alone on a 16 GB card; what it does besides is freezing the base (get_peft_model does that) and making
+    inputs require grad for reentrant checkpointing (the learner uses the non-reentrant kind).
+    """
     from peft import LoraConfig, get_peft_model
 
-    base = load_causal_lm(path, dtype, device)
+    base = load_causal_lm(path, dtype, device, quantization)
     torch.manual_seed(lora.init_seed)
     config = LoraConfig(
         r=lora.rank,

@@ -165,33 +165,46 @@ class GkdObjective:
     def prepare(self, batch, scores, rewards, ref_log_prob) -> torch.Tensor | None:
         return None  # GKD needs no batch-level advantages
 
-    def loss(self, logits, logprobs, batch, scores, advantages, num_step_tokens):
-        """Shapes: logits [b, Tr, V], logprobs [b, Tr] -> (scalar loss, metrics)."""
+    needs_logits = True  # the divergence needs the student's whole distribution at every position
+
+    def token_terms(self, logits, scores) -> torch.Tensor:
+        """Per-token generalized JSD against the teacher's support, for any slice of positions.
+
+        The learner calls it on a whole micro-batch or on chunks of its positions (models/logprobs.py).
+        Shapes: logits [b, t, V], scores' support [b, t, K or V] -> [b, t].
+        """
         if scores.teacher_topk_logprobs is None:
             raise ValueError("GKD needs the teacher's support; the scorer returned none")
         if scores.loss_temperature != self.loss_temperature:
             raise ValueError(
                 f"teacher support is at temperature {scores.loss_temperature}, the loss at {self.loss_temperature}"
             )
-        device = logits.device
         if scores.teacher_topk_ids is None:  # full vocabulary, already at the loss temperature
-            teacher = scores.teacher_topk_logprobs.to(device).float()  # [b, Tr, V]
+            teacher = scores.teacher_topk_logprobs.to(logits.device).float()  # [b, t, V]
             require_same_shape(student_logits=logits, teacher_logprobs=teacher)
-            student = F.log_softmax(logits.float() / self.loss_temperature, dim=-1)  # [b, Tr, V]
-            per_token = jsd_from_logprobs(teacher, student, self.beta)
-        else:
-            per_token = topk_generalized_jsd(
-                logits,
-                scores.teacher_topk_logprobs,
-                scores.teacher_topk_ids,
-                self.beta,
-                self.loss_temperature,
-                scores.teacher_tail_logprob,
-            )
-        mask = batch.response_mask.to(device, per_token.dtype)
+            student = F.log_softmax(logits.float() / self.loss_temperature, dim=-1)  # [b, t, V]
+            return jsd_from_logprobs(teacher, student, self.beta)
+        return topk_generalized_jsd(
+            logits,
+            scores.teacher_topk_logprobs,
+            scores.teacher_topk_ids,
+            self.beta,
+            self.loss_temperature,
+            scores.teacher_tail_logprob,
+        )
+
+    def loss_from_terms(self, logprobs, terms, batch, scores, advantages, num_step_tokens):
+        """The step-normalized loss from per-token terms. Shapes: logprobs, terms [b, Tr] -> (scalar, metrics)."""
+        device = terms.device
+        mask = batch.response_mask.to(device, terms.dtype)
         metrics = {
-            "jsd": masked_mean(per_token.detach(), mask),
+            "jsd": masked_mean(terms.detach(), mask),
             # Same definition and default cap as PG-k1, so both objectives log a comparable number.
             **ratio_metrics(logprobs, batch.rollout_log_probs.to(device), mask, DEFAULT_IS_CAP),
         }
-        return step_token_mean(per_token, mask, num_step_tokens), metrics
+        return step_token_mean(terms, mask, num_step_tokens), metrics
+
+    def loss(self, logits, logprobs, batch, scores, advantages, num_step_tokens):
+        """Shapes: logits [b, Tr, V], logprobs [b, Tr] -> (scalar loss, metrics)."""
+        terms = self.token_terms(logits, scores)
+        return self.loss_from_terms(logprobs, terms, batch, scores, advantages, num_step_tokens)

@@ -150,8 +150,11 @@ class PgK1Objective:
             adv = adv + self.reward_coef * grpo_advantages(rewards, batch.uid).unsqueeze(1) * mask
         return adv.detach()
 
-    def loss(self, logits, logprobs, batch, scores, advantages, num_step_tokens):
-        """Shapes: logprobs [b, Tr], advantages [b, Tr] -> (scalar loss, metrics)."""
+    needs_logits = False  # only the sampled tokens' log-probs: the learner never builds [b, Tr, V] for it
+    token_terms = None
+
+    def loss_from_terms(self, logprobs, terms, batch, scores, advantages, num_step_tokens):
+        """Shapes: logprobs [b, Tr], advantages [b, Tr] -> (scalar loss, metrics); `terms` is unused (None)."""
         device = logprobs.device
         return truncated_pg_loss(
             logprobs,
@@ -161,3 +164,7 @@ class PgK1Objective:
             self.is_cap,
             num_step_tokens,
         )
+
+    def loss(self, logits, logprobs, batch, scores, advantages, num_step_tokens):
+        """Shapes: logprobs [b, Tr], advantages [b, Tr] -> (scalar loss, metrics); `logits` is unused."""
+        return self.loss_from_terms(logprobs, None, batch, scores, advantages, num_step_tokens)

@@ -28,9 +28,12 @@ def left_pad(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
 
 
 class HFReferenceBackend:
-    def __init__(self, model_path: str, lora: LoraSettings, dtype: torch.dtype, device: str) -> None:
+    def __init__(
+        self, model_path: str, lora: LoraSettings, dtype: torch.dtype, device: str, quantization: str = "none"
+    ) -> None:
+        """`quantization` nf4 serves the 4-bit base exactly as the learner loads it (models/loading.py)."""
         self.device = device
-        self.model = build_lora_model(model_path, lora, dtype, device).eval()
+        self.model = build_lora_model(model_path, lora, dtype, device, quantization).eval()
         self.probe_tolerance = probe_tolerance(dtype)
 
     def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:

@@ -46,6 +46,7 @@ class VllmSettings:
     gpu_cap_gib: float | None  # the 16 GB emulation cap of this actor (None: no cap)
     kv_cache_gib: float | None  # explicit KV budget; None derives it
     adapter_root: str  # where adapter versions are written (shared memory, not the run directory)
+    quantization: str  # model.student.quantization: nf4 serves the base through vLLM's bitsandbytes loader
 
 
 def require_vllm(device: str) -> None:
@@ -86,6 +87,12 @@ def check_settings(s: VllmSettings) -> None:
         raise ConfigError(
             "rollout.vllm.refresh=merged loads weights into the engine's model in place, which needs"
             " rollout.vllm.engine_process=inprocess"
+        )
+    if s.quantization == "nf4" and s.refresh == "merged":
+        raise ConfigError(
+            "model.student.quantization=nf4 with rollout.vllm.refresh=merged: merging the adapter into 4-bit"
+            " weights re-quantizes them, so the engine would serve another base than the learner's; use"
+            " rollout.vllm.refresh=adapter"
         )
     if s.kv_cache_gib is not None and s.kv_cache_gib <= 0:
         raise ConfigError(f"rollout.vllm.kv_cache_gib={s.kv_cache_gib}: use a positive size or null (derived)")
@@ -247,6 +254,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> Vl
         gpu_cap_gib=gpu_cap_gib,
         kv_cache_gib=v.kv_cache_gib,
         adapter_root=v.adapter_root,
+        quantization=cfg.model.student.quantization,
     )
     check_settings(settings)
     return settings

@@ -9,7 +9,7 @@ import torch
 
 from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
 from miniverl.models.loading import torch_dtype
-from miniverl.models.logprobs import response_logits, sequence_logprobs, token_logprobs
+from miniverl.models.logprobs import policy_token_terms, sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
 from miniverl.probe import PROBE_TOKENS, draw_probe
 from miniverl.protocol import (
@@ -43,10 +43,22 @@ class LearnerWorker:
         rank: int = 0,
         world_size: int = 1,
         on_nonfinite: str = "stop",
+        quantization: str = "none",
+        logprob_chunk_tokens: int = 0,
+        gradient_checkpointing: bool = False,
     ) -> None:
+        """The last three are off by default (the run passes model.student.quantization,
+        trainer.logprob_chunk_tokens and trainer.gradient_checkpointing): `quantization` nf4 loads a 4-bit
+        base under the adapter (QLoRA), `logprob_chunk_tokens` > 0 never keeps a micro-batch's [b, Tr, V]
+        logits for backward (models/logprobs.py), `gradient_checkpointing` recomputes decoder activations."""
         self.device = setup_process(process)
         self.rank, self.world_size = rank, world_size
-        self.model = build_lora_model(model_path, lora, torch_dtype(dtype, self.device), self.device)
+        self.model = build_lora_model(model_path, lora, torch_dtype(dtype, self.device), self.device, quantization)
+        if gradient_checkpointing:
+            # Non-reentrant checkpointing propagates gradients into the adapter even though the frozen
+            # embeddings' outputs do not require grad (the reentrant kind would need enable_input_require_grads).
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.chunk_tokens = logprob_chunk_tokens
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.objective = objective
@@ -125,11 +137,10 @@ class LearnerWorker:
         for start in range(0, len(batch), self.micro_batch_size):
             stop = start + self.micro_batch_size
             mb, sc = batch.rows(start, stop), scores.rows(start, stop)
-            logits = response_logits(self.model, mb)  # [b, Tr, V]
-            responses = mb.responses.to(logits.device)
-            logprobs = token_logprobs(logits, responses)  # [b, Tr] fp32, grad flows
+            # [b, Tr] fp32 sampled-token log-probs and the objective's per-token terms, grad flows
+            logprobs, terms = policy_token_terms(self.model, mb, sc, self.objective.token_terms, self.chunk_tokens)
             adv = None if advantages is None else advantages[start:stop]
-            loss, metrics = self.objective.loss(logits, logprobs, mb, sc, adv, num_tokens)
+            loss, metrics = self.objective.loss_from_terms(logprobs, terms, mb, sc, adv, num_tokens)
             loss.backward()
             mask = mb.response_mask.to(logprobs.device).bool()
             gap = (logprobs.detach() - mb.rollout_log_probs.to(logprobs.device)).abs()[mask]
@@ -169,10 +180,8 @@ class LearnerWorker:
         with self.model.disable_adapter():
             for start in range(0, len(batch), self.micro_batch_size):
                 mb = batch.rows(start, start + self.micro_batch_size)
-                logits = response_logits(self.model, mb)
-                out.append(
-                    (token_logprobs(logits, mb.responses.to(logits.device)) * mb.response_mask.to(logits.device)).cpu()
-                )
+                logprobs, _ = policy_token_terms(self.model, mb, None, None, self.chunk_tokens)
+                out.append((logprobs * mb.response_mask.to(logprobs.device)).cpu())
         return torch.cat(out, dim=0)
 
     def _step_if_finite(self, loss: float, grad_norm: float) -> bool:

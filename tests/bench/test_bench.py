@@ -161,3 +161,26 @@ def test_smoke_bench_end_to_end_reports_every_cell(tmp_path):
     assert "| hf_reference | 12 | 2 x 2 | invalid: time cap" in md
     assert "| vllm | 12 | 2 x 2 | not_run: rollout=vllm needs a CUDA GPU" in md
     assert "Command: `python -m miniverl.bench +bench=rollout-smoke" in md
+
+
+@pytest.mark.parametrize(
+    "name", ["rollout-runtime-v3", "rollout-rl-sizes-vllm", "rollout-rl-sizes-vllm-judged", "rollout-smoke"]
+)
+def test_every_vllm_plan_of_a_committed_bench_builds_its_engine_settings(name):
+    """A bench's vllm plans are sized at construction (no GPU needed to check they are complete)."""
+    from omegaconf import OmegaConf
+
+    from miniverl.bench.config import BackendPlan
+    from miniverl.bench.runner import constructor_options
+    from miniverl.rollout.vllm_settings import VllmSettings, check_settings
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "bench" / f"{name}.yaml")
+    plans = [BackendPlan(**p) for p in cfg.backends.values() if p.backend in ("vllm", "raw_vllm")]
+    assert plans
+    for plan in plans:
+        options, attributes = constructor_options(cfg, plan)
+        assert attributes == {}
+        if plan.backend == "vllm":
+            check_settings(options["settings"])
+            assert isinstance(options["settings"], VllmSettings)
+            assert options["settings"].max_num_seqs == max(g * n for g, n in cfg.shapes)

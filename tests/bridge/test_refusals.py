@@ -156,8 +156,8 @@ def test_all_reasons_listed_at_once(tmp_path, clean):
 
 
 def test_forward_quantization_key_that_verl_can_express_is_accepted(tmp_path, clean):
-    """model.student.quantization is read even though this schema lacks it; 'none' refuses nothing (and is
-    not an unknown-key error). reward.* is in the schema and read typed."""
+    """model.student.quantization is in the schema now (issue 9) and read typed, as reward.* is; 'none'
+    refuses nothing (and is not an unknown-key error)."""
     set_key(clean, "model.student.quantization", "none")
     set_key(clean, "reward.name", "exact_match")
     spec = _spec(tmp_path, clean)

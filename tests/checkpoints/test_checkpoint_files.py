@@ -144,9 +144,9 @@ class PoisonedObjective:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def loss(self, *args):
+    def loss_from_terms(self, *args):  # what the learner calls for each micro-batch's loss
         self.calls += 1
-        loss, metrics = self.inner.loss(*args)
+        loss, metrics = self.inner.loss_from_terms(*args)
         return (loss * float("nan") if self.calls >= self.at else loss), metrics
 
 

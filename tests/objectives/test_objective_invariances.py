@@ -35,6 +35,10 @@ def objectives():
 
 @pytest.fixture(scope="module")
 def data(student_dir, random_model_dir):
+    return on_policy_batch(student_dir, random_model_dir)
+
+
+def on_policy_batch(student_dir, random_model_dir):
     """One on-policy batch (4 prompts x 2 samples) from the fresh adapter, and a scorer. The teacher is the
     untrained model: any teacher that differs from the student serves, and it is the cheapest to build."""
     from transformers import AutoTokenizer

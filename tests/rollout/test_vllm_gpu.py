@@ -66,6 +66,7 @@ def settings(refresh: str, **kw) -> VllmSettings:
         gpu_cap_gib=None,
         kv_cache_gib=2.0,
         adapter_root="/dev/shm",
+        quantization="none",
     )
     return VllmSettings(**(base | kw))
 

@@ -153,3 +153,14 @@ def test_checkpoint_bytes_reads_headers(random_model_dir):
     assert checkpoint_bytes(str(random_model_dir), torch.bfloat16) == 2 * sum(t.numel() for t in tensors.values())
     with pytest.raises(ConfigError, match="no \\*.safetensors"):
         checkpoint_bytes(str(Path(random_model_dir).parent), torch.bfloat16)
+
+
+def test_nf4_student_is_served_quantized_and_never_merged():
+    """vLLM must serve the learner's 4-bit base (adapter mode); merging into NF4 would re-quantize it."""
+    cfg = MiniVerlConfig()
+    cfg.model.student.quantization = "nf4"
+    assert settings_from_config(cfg, 0.4, None).quantization == "nf4"
+    cfg.rollout.vllm.refresh = "merged"
+    with pytest.raises(ConfigError, match="refresh=merged: merging the adapter into 4-bit weights"):
+        settings_from_config(cfg, 0.4, None)
+    assert settings_from_config(MiniVerlConfig(), 0.4, None).quantization == "none"

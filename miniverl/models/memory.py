@@ -1,0 +1,81 @@
+"""How many bytes the vocabulary-sized tensors of a run take, as pure functions, and the refusal that uses them.
+
+At a 152k vocabulary these tensors, not the models, decide whether a step fits a 16 GB card (DESIGN.md:
+the learner peaked at 17 GiB holding fp32 log-softmax for 16 rows; the scorer's full support of a step
+is rows x tokens x V x 4 bytes). Everything here is arithmetic on plain numbers, so it is tested without
+a model.
+"""
+
+from __future__ import annotations
+
+from miniverl.protocol import ConfigError
+
+GIB = 2**30
+FP32_BYTES = 4
+ID_BYTES = 8  # teacher_topk_ids are int64 (torch.topk's index dtype)
+# Vocabulary-sized fp32 tensors the direct learner path keeps per position for backward: the upcast
+# logits, their log-softmax (or the gathered/logsumexp inputs), and the gradient of the logits.
+DIRECT_PATH_FP32_COPIES = 3
+
+
+def human(n: int) -> str:
+    """Bytes as GiB with one decimal, or MiB/KiB when smaller (so a message never reads 0.0 GiB)."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20)):
+        if n >= size / 10:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def teacher_support_bytes(rows: int, tokens: int, vocab: int, topk: int | None) -> int:
+    """Bytes of one step's teacher scores (scorer -> learner): the sampled-token log-probs, plus the
+    full distribution (`topk` 0: rows x tokens x vocab fp32) or the top-K log-probs, ids and tail mass."""
+    sampled = rows * tokens * FP32_BYTES
+    if topk is None:
+        return sampled
+    if topk == 0 or topk >= vocab:
+        return sampled + rows * tokens * vocab * FP32_BYTES
+    return sampled + rows * tokens * (topk * (FP32_BYTES + ID_BYTES) + FP32_BYTES)
+
+
+def learner_logits_bytes(micro_batch: int, tokens: int, vocab: int, chunk_tokens: int) -> int:
+    """Peak bytes of the learner's vocabulary-sized fp32 tensors for one micro-batch: every response
+    position at once on the direct path (`chunk_tokens` 0), at most `chunk_tokens` positions when chunked."""
+    positions = tokens if chunk_tokens == 0 else min(chunk_tokens, tokens)
+    return micro_batch * positions * vocab * FP32_BYTES * DIRECT_PATH_FP32_COPIES
+
+
+def check_vocab_memory(
+    rows: int,
+    tokens: int,
+    vocab: int,
+    topk: int | None,
+    micro_batch: int,
+    chunk_tokens: int,
+    budget_gib: float,
+) -> None:
+    """Refuse a run whose vocabulary-sized tensors exceed `budget_gib`, showing the arithmetic and the fixes.
+
+    rows: rollout rows per step (prompts x samples); tokens: rollout.max_new_tokens; vocab: logits compared.
+    """
+    support = teacher_support_bytes(rows, tokens, vocab, topk)
+    if support > budget_gib * GIB:
+        per_token = (
+            f"{vocab} x {FP32_BYTES} B (full vocabulary)"
+            if topk == 0 or (topk is not None and topk >= vocab)
+            else f"{topk} x {FP32_BYTES + ID_BYTES} B + {FP32_BYTES} B (top-{topk} + tail)"
+        )
+        raise ConfigError(
+            f"the teacher's support of one step would take {human(support)}: {rows} rows x {tokens} tokens x"
+            f" {per_token} per token, over trainer.vocab_memory_budget_gib={budget_gib:g}; set objective.teacher_topk"
+            " to a support size such as 64 (NeMo RL's K), or lower data.prompts_per_step, rollout.n or"
+            " rollout.max_new_tokens"
+        )
+    logits = learner_logits_bytes(micro_batch, tokens, vocab, chunk_tokens)
+    if logits > budget_gib * GIB:
+        where = "all" if chunk_tokens == 0 else f"{min(chunk_tokens, tokens)}"
+        raise ConfigError(
+            f"the learner's logits would take {human(logits)} per micro-batch: {micro_batch} rows x {where} of"
+            f" {tokens} positions x {vocab} x {FP32_BYTES} B x {DIRECT_PATH_FP32_COPIES} fp32 copies kept for backward,"
+            f" over trainer.vocab_memory_budget_gib={budget_gib:g}; set trainer.logprob_chunk_tokens to a"
+            " chunk such as 64 (0 = direct), or lower trainer.micro_batch_size"
+        )

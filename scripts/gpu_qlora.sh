@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Issue 9's GPU half: the preregistered 16 GB workload (docs/benchmarks/qlora-4080.prereg.md), on the device
+# machine from the project root after staging the vllm + ray + extras + trl bundles. Each argument is a step;
+# results land in $OUT (flat names). One device call allows 10 minutes: run one or two steps per call.
+#   tests               the GPU tests of issue 9 (tests/models/test_nf4_gpu.py: double quantization, chunked = direct
+#                       on NF4, hf_reference and vLLM bitsandbytes serving the learner's base; test_learner_memory_gpu.py:
+#                       the learner's peak at the real vocabulary, direct vs chunked)
+#   cell-OBJ-QUANT-BACKEND   one miniverl.main run of +experiment=gkd_4080 under 16 GB caps:
+#                       OBJ gkd|pg_k1, QUANT bf16|nf4 (student and teacher), BACKEND hf_cached|vllm;
+#                       $STEPS steps (default: 52 for the two headline cells, 12 for the others)
+#   compare             miniVERL and TRL's GKDTrainer on the comparison shape (16 prompts x 1 x 512 tokens,
+#                       LoRA r32, beta 0.5, on-policy), one after the other in this call
+#   report              python -m miniverl.bench.e2e_report $OUT: the table of every cell run so far
+# nvidia-smi samples the whole device every 200 ms during each run (<cell>_smi.csv).
+# Two cells at once on an x2 machine: GPU=0 bash scripts/gpu_qlora.sh cell-... & GPU=1 bash scripts/gpu_qlora.sh cell-...
+set -uo pipefail
+out=${OUT:?set OUT}
+gpu=${GPU:-0}
+export CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1
+HEADLINE="cell-gkd-bf16-hf_cached cell-pg_k1-nf4-vllm"
+models() {
+  [ -d /tmp/m/student ] || python3 scripts/make_random_model.py --shape qwen2.5-0.5b --out /tmp/m/student >/dev/null
+  [ -d /tmp/m/teacher ] || python3 scripts/make_random_model.py --shape qwen2.5-1.5b --out /tmp/m/teacher >/dev/null
+}
+miniverl() {  # name, steps, extra overrides...
+  local name=$1 steps=$2; shift 2
+  nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/${name}_smi.csv" &
+  local smi=$!
+  timeout 540 python3 -m miniverl.main +experiment=gkd_4080 model.student.path=/tmp/m/student \
+    model.teacher.path=/tmp/m/teacher data.train_files=[] data.eval_prompts=8 trainer.eval_every=0 \
+    trainer.total_steps="$steps" trainer.save_checkpoint=false resources.emulate_gpu_gib=16 \
+    resources.dashboard=false tracking=disabled tracking.progress_bar=false tracking.plots=false \
+    hydra.run.dir=/tmp/runs/$name "$@" 2>&1 | grep -v -e "Loading weights" -e "Writing model shards" > "$out/$name.log"
+  sleep 3; kill $smi
+  cp /tmp/runs/$name/metrics.jsonl "$out/${name}_metrics.jsonl" 2>/dev/null
+  cp /tmp/runs/$name/summary.json "$out/${name}_summary.json" 2>/dev/null
+  tail -4 "$out/$name.log"; echo "$name smi peak MiB: $(sort -n "$out/${name}_smi.csv" | tail -1)"
+}
+for step in "$@"; do
+  echo "== gpu $gpu: $step ($(date +%T))"
+  case "$step" in
+    tests)
+      python3 -m pytest -q -m gpu tests/models/test_nf4_gpu.py tests/models/test_learner_memory_gpu.py -p no:cacheprovider -s 2>&1 \
+        | grep -v -e "Loading weights" > "$out/nf4_gpu_tests.log"
+      tail -5 "$out/nf4_gpu_tests.log" ;;
+    cell-*)
+      IFS=- read -r _ obj quant backend <<< "$step"
+      models
+      case " $HEADLINE " in *" $step "*) default_steps=52 ;; *) default_steps=12 ;; esac
+      extra=("objective=$obj" "rollout=$backend")
+      [ "$quant" = nf4 ] && extra+=(model.student.quantization=nf4 model.teacher.quantization=nf4)
+      miniverl "$step" "${STEPS:-$default_steps}" "${extra[@]}" ;;
+    compare)
+      models
+      miniverl compare-miniverl 12 data.prompts_per_step=16 rollout.n=1 trainer.micro_batch_size=16
+      nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/compare-trl_smi.csv" &
+      smi=$!
+      timeout 400 python3 scripts/trl_gkd_compare.py --student /tmp/m/student --teacher /tmp/m/teacher \
+        --out "$out/compare-trl.json" --prompts 16 --samples 1 --max-new-tokens 512 --micro-batch 16 \
+        --steps 3 --lora-rank 32 --beta 0.5 2>&1 | grep -v "Loading weights" > "$out/compare-trl.log"
+      sleep 3; kill $smi
+      tail -3 "$out/compare-trl.log"; echo "trl smi peak MiB: $(sort -n "$out/compare-trl_smi.csv" | tail -1)" ;;
+    report)
+      python3 -m miniverl.bench.e2e_report "$out" | tee "$out/e2e_report.md" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

@@ -1,0 +1,46 @@
+"""The end-to-end report's arithmetic: slope, medians after warm-up, peak, and the conformance gate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from miniverl.bench.e2e_report import memory_slope, read_cell, summarize, table
+
+
+def step(k: int, mem: float, gap: float = 0.1, clipped: float = 0.0, t: float = 1.0) -> dict:
+    phases = {"time/refresh": 0.1 * t, "time/generate": 0.5 * t, "time/score": 0.1 * t, "time/update": 0.3 * t}
+    return {"step": k, "time/step": t, **phases, "gpu/device_used_gib": mem, "sampler_gap_mean": gap,
+            "clipped_ratio_frac": clipped}  # fmt: skip
+
+
+def test_memory_slope_by_hand():
+    assert memory_slope([1, 2, 3], [5.0, 5.5, 6.0]) == pytest.approx(0.5)
+    assert memory_slope([1, 2, 3, 4], [7.0, 7.0, 7.0, 7.0]) == 0.0
+    assert memory_slope([3], [1.0]) == 0.0
+
+
+def test_summary_skips_warmup_and_eval_rows_and_passes_a_flat_close_run():
+    rows = [{"step": 0, "eval/accuracy": 0.1}, step(1, 9.0, t=30.0), step(2, 8.0, t=20.0)]
+    rows += [step(k, 8.2) for k in range(3, 53)]
+    s = summarize(rows, [7000.0, 9216.0, 8000.0])
+    assert s["steps"] == 52 and s["step_s"] == 1.0 and s["generate_s"] == 0.5
+    assert s["memory_slope_gib_per_step"] == pytest.approx(0.0) and s["memory_flat"]
+    assert s["smi_peak_gib"] == 9.0 and s["gate_passed"]
+
+
+def test_a_leak_and_a_wrong_base_are_reported():
+    rows = [step(k, 8.0 + 0.02 * k, gap=1.66, clipped=0.4) for k in range(1, 53)]
+    s = summarize(rows, [])
+    assert s["memory_slope_gib_per_step"] == pytest.approx(0.02) and not s["memory_flat"]
+    assert s["sampler_gap_mean"] == pytest.approx(1.66) and s["gate_passed"] is False
+
+
+def test_a_cell_that_never_ran_is_reported_not_dropped(tmp_path):
+    (tmp_path / "ok_metrics.jsonl").write_text("\n".join(json.dumps(step(k, 8.0)) for k in range(1, 6)))
+    (tmp_path / "ok_smi.csv").write_text("8000\n8100\n")
+    cells = [read_cell(tmp_path, "ok"), read_cell(tmp_path, "missing")]
+    assert cells[1] == {"cell": "missing", "steps": 0, "smi_peak_gib": 0.0}
+    text = table(cells)
+    assert "| ok | 5 | 1 |" in text and "| missing | 0 | - |" in text

@@ -1,0 +1,67 @@
+"""The vocabulary-memory estimate (pure arithmetic) and the refusals built on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from miniverl.models.memory import GIB, check_vocab_memory, learner_logits_bytes, teacher_support_bytes
+from miniverl.protocol import ConfigError
+
+QWEN_VOCAB = 151_936  # Qwen2.5-0.5B/1.5B logits
+
+
+def test_teacher_support_bytes_by_hand():
+    # Sampled-token log-probs only: rows x tokens x 4 B.
+    assert teacher_support_bytes(2, 3, 100, None) == 24
+    # Full vocabulary: + rows x tokens x V x 4 B.
+    assert teacher_support_bytes(2, 3, 100, 0) == 24 + 2 * 3 * 100 * 4
+    assert teacher_support_bytes(2, 3, 100, 100) == teacher_support_bytes(2, 3, 100, 0)  # K >= V is full
+    # Top-K: + rows x tokens x (K x (4 B log-prob + 8 B id) + 4 B tail).
+    assert teacher_support_bytes(2, 3, 100, 8) == 24 + 2 * 3 * (8 * 12 + 4)
+
+
+def test_reference_workload_full_support_is_74_gib_and_top64_a_tenth_of_one():
+    """64 prompts x 4 samples x 512 tokens at a 152k vocabulary: full support is 74 GiB, top-64 0.09 GiB."""
+    full = teacher_support_bytes(256, 512, QWEN_VOCAB, 0)
+    assert full / GIB == pytest.approx(256 * 512 * (QWEN_VOCAB + 1) * 4 / GIB)
+    assert 74 < full / GIB < 75
+    assert teacher_support_bytes(256, 512, QWEN_VOCAB, 64) / GIB == pytest.approx(256 * 512 * (64 * 12 + 4 + 4) / GIB)
+
+
+def test_learner_logits_bytes_direct_and_chunked():
+    assert learner_logits_bytes(16, 512, QWEN_VOCAB, 0) == 16 * 512 * QWEN_VOCAB * 4 * 3  # 13.9 GiB
+    assert learner_logits_bytes(16, 512, QWEN_VOCAB, 64) == 16 * 64 * QWEN_VOCAB * 4 * 3  # 1.7 GiB
+    assert learner_logits_bytes(2, 10, 50, 64) == learner_logits_bytes(2, 10, 50, 0)  # a chunk longer than T
+
+
+def test_full_vocabulary_support_at_qwen_scale_is_refused_with_the_arithmetic():
+    with pytest.raises(ConfigError) as err:
+        check_vocab_memory(256, 512, QWEN_VOCAB, 0, 16, 64, 4.0)
+    msg = str(err.value)
+    assert "74.2 GiB: 256 rows x 512 tokens x 151936 x 4 B (full vocabulary)" in msg
+    assert "trainer.vocab_memory_budget_gib=4" in msg and "objective.teacher_topk" in msg
+
+
+def test_direct_learner_logits_at_qwen_scale_are_refused_and_chunking_fits():
+    with pytest.raises(ConfigError) as err:
+        check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 0, 4.0)
+    msg = str(err.value)
+    assert "13.9 GiB per micro-batch: 16 rows x all of 512 positions x 151936 x 4 B x 3" in msg
+    assert "trainer.logprob_chunk_tokens" in msg
+    check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 64, 4.0)  # the gkd_4080 settings fit
+    check_vocab_memory(256, 512, QWEN_VOCAB, None, 16, 64, 4.0)  # PG-k1: sampled tokens only
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.logprob_chunk_tokens=-1", r"trainer.logprob_chunk_tokens=-1: use 0 \(direct\) or a token count"),
+        ("trainer.vocab_memory_budget_gib=0", r"trainer.vocab_memory_budget_gib=0.0: must be > 0"),
+    ],
+)
+def test_bad_memory_settings_name_the_key(override, message):
+    from miniverl.config import validate
+    from tests.test_config import load
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load(override))
