@@ -6,7 +6,9 @@
 #   e2e-BACKEND    GKD through Ray at real sizes (random Qwen2.5-0.5B student, 1.5B teacher) with
 #                  rollout=BACKEND under 16 GB caps, $STEPS steps (default 48: with the conformance gate and the start and end evaluations, 51 refreshes);
 #                  nvidia-smi sampled every 200 ms, and the run's metrics.jsonl (gpu/device_used_gib per step)
-# Run two step lists at once on an x2 machine with GPU=0 / GPU=1 (one GPU each):
+# Only 8 files come back from a device call's $OUT, and only what is there when the call ends: every step
+# writes straight into $OUT (e2e: log, metrics.jsonl, summary.json per backend; the log ends with the
+# nvidia-smi peak). Run two step lists at once on an x2 machine with GPU=0 / GPU=1 (one GPU each):
 #   GPU=0 bash scripts/gpu_vllm.sh tests bench-rollout-rl-sizes-hf & GPU=1 bash scripts/gpu_vllm.sh bench-rollout-rl-sizes-vllm
 set -uo pipefail
 out=${OUT:?set OUT}
@@ -37,7 +39,7 @@ for step in "$@"; do
     e2e-*)
       backend=${step#e2e-}
       models
-      nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/e2e_${backend}_smi.csv" &
+      nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "/tmp/e2e_${backend}_smi.csv" &
       smi=$!
       timeout ${E2E_TIMEOUT:-420} python3 -m miniverl.main +experiment=gkd model.student.path=$m/student \
         model.teacher.path=$m/teacher rollout=$backend resources.emulate_gpu_gib=16 resources.dashboard=false \
@@ -49,7 +51,8 @@ for step in "$@"; do
       echo "after teardown: $(nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader)" >> "$out/e2e_$backend.log"
       cp /tmp/runs/e2e-$backend/metrics.jsonl "$out/e2e_${backend}_metrics.jsonl" 2>/dev/null
       cp /tmp/runs/e2e-$backend/summary.json "$out/e2e_${backend}_summary.json" 2>/dev/null
-      tail -6 "$out/e2e_$backend.log"; echo "smi peak MiB: $(sort -n "$out/e2e_${backend}_smi.csv" | tail -1)" ;;
+      echo "nvidia-smi peak MiB while running: $(sort -n "/tmp/e2e_${backend}_smi.csv" | tail -1)" >> "$out/e2e_$backend.log"
+      tail -6 "$out/e2e_$backend.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done
