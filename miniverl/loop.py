@@ -53,8 +53,7 @@ class TrainingLoop:
         self.checkpoint = checkpoint  # the newest checkpoint written (or resumed from)
         self.first_eval: dict[str, float] = {}  # the step-0 evaluation, stored in every checkpoint
         self.current = 0  # the step in progress (0: the evaluation before training)
-        r = cfg.rollout
-        self.params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
+        self.params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
         self.names = actor_names(actors)
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -325,9 +325,9 @@ def train(
             objective.teacher_support_k,
             objective.loss_temperature,
         )
-        r = cfg.rollout
-        params = SamplingParams(r.n, r.max_new_tokens, r.temperature, r.top_k, r.top_p, setup.stop_token_ids)
-        gate = conformance_gate(controller, setup.eval_batch, params, objective, (cfg.objective.name, r.backend), log)
+        params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
+        names = (cfg.objective.name, cfg.rollout.backend)
+        gate = conformance_gate(controller, setup.eval_batch, params, objective, names, log)
         tr, t = cfg.tracking, cfg.trainer
         tracker = Tracker(
             run_dir, config_dict, tr.wandb_mode, tr.project, tr.run_name, t.total_steps, tr.progress_bar, start

@@ -32,6 +32,11 @@ class SamplingParams:
                 f"need temperature >= 0, top_k >= 0, 0 < top_p <= 1; got {self.temperature}, {self.top_k}, {self.top_p}"
             )
 
+    @classmethod
+    def from_config(cls, cfg, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+        """The training steps' sampling settings from the rollout config (seed 0: each step sets its own)."""
+        return cls(cfg.n, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, stop_token_ids)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
