@@ -165,8 +165,6 @@ class GkdObjective:
     def prepare(self, batch, scores, rewards, ref_log_prob) -> torch.Tensor | None:
         return None  # GKD needs no batch-level advantages
 
-    needs_logits = True  # the divergence needs the student's whole distribution at every position
-
     def token_terms(self, logits, scores) -> torch.Tensor:
         """Per-token generalized JSD against the teacher's support, for any slice of positions.
 

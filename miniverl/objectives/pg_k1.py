@@ -150,8 +150,7 @@ class PgK1Objective:
             adv = adv + self.reward_coef * grpo_advantages(rewards, batch.uid).unsqueeze(1) * mask
         return adv.detach()
 
-    needs_logits = False  # only the sampled tokens' log-probs: the learner never builds [b, Tr, V] for it
-    token_terms = None
+    token_terms = None  # the loss needs only the sampled tokens' log-probs, no per-token term from the logits
 
     def loss_from_terms(self, logprobs, terms, batch, scores, advantages, num_step_tokens):
         """Shapes: logprobs [b, Tr], advantages [b, Tr] -> (scalar loss, metrics); `terms` is unused (None)."""
