@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from miniverl.config import check_quantized_rollout
 from miniverl.protocol import ConfigError
 
 # LoRA ranks vLLM 0.26 can be started with (vllm/config/lora.py, MaxLoRARanks).
@@ -88,12 +89,7 @@ def check_settings(s: VllmSettings) -> None:
             "rollout.vllm.refresh=merged loads weights into the engine's model in place, which needs"
             " rollout.vllm.engine_process=inprocess"
         )
-    if s.quantization == "nf4" and s.refresh == "merged":
-        raise ConfigError(
-            "model.student.quantization=nf4 with rollout.vllm.refresh=merged: merging the adapter into 4-bit"
-            " weights re-quantizes them, so the engine would serve another base than the learner's; use"
-            " rollout.vllm.refresh=adapter"
-        )
+    check_quantized_rollout(s.quantization, "vllm", s.refresh)  # nf4 is never merged (re-quantized)
     if s.kv_cache_gib is not None and s.kv_cache_gib <= 0:
         raise ConfigError(f"rollout.vllm.kv_cache_gib={s.kv_cache_gib}: use a positive size or null (derived)")
 
