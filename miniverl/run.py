@@ -184,10 +184,14 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
     check_cluster_resources(plan.totals(), ray.cluster_resources())
     pg = gpu_placement_group(plan.bundle_cpus) if plan.bundle_cpus else None
 
+    def gpu_cap_gib(actor: str) -> float | None:
+        """The actor's share of the emulated GPU (resources.emulate_gpu_gib), or None without emulation."""
+        emulated = setup.device == "cuda" and res.emulate_gpu_gib
+        return res.emulate_gpu_gib * plan.num_gpus[actor] if emulated else None
+
     def start(cls, actor: str, i: int, *args, **kwargs):
         share = plan.num_gpus[actor]
-        cap = res.emulate_gpu_gib * share if (setup.device == "cuda" and res.emulate_gpu_gib) else None
-        process = ProcessSettings(setup.device, res.torch_threads, cap)
+        process = ProcessSettings(setup.device, res.torch_threads, gpu_cap_gib(actor))
         place = (pg, plan.bundle[actor][i]) if pg else None
         return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
 
@@ -206,9 +210,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
     )
     options = {}
     if cfg.rollout.backend == "vllm":
-        share = plan.num_gpus["rollout"]
-        cap = res.emulate_gpu_gib * share if res.emulate_gpu_gib else None
-        options = {"settings": settings_from_config(cfg, share, cap)}
+        options = {"settings": settings_from_config(cfg, plan.num_gpus["rollout"], gpu_cap_gib("rollout"))}
     elif m.student.quantization != "none":  # hf_reference serves the 4-bit base as the learner loads it
         options = {"quantization": m.student.quantization}
     rollouts = [
