@@ -202,10 +202,10 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
             cudagraph_capture_size=capture,
             max_model_len=context,
             gpu_cap_gib=None,
-            kv_cache_gib=None,
-            adapter_root="/dev/shm",
-            sleep_between_steps=False,
-            enable_prefix_caching=True,
+            kv_cache_gib=product.kv_cache_gib,
+            adapter_root=product.adapter_root,
+            sleep_between_steps=product.sleep_between_steps,
+            enable_prefix_caching=product.enable_prefix_caching,
             **a,
         )
         return {"settings": settings}, {}
