@@ -51,9 +51,9 @@ class PolicySnapshot:
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     """SHA-256 over sorted names, dtypes, shapes and raw bytes of `weights`.
 
-    The policy's name, computed once by the learner when it publishes. It proves nothing about what a
-    rollout engine serves (merged or fused copies, the base model): the strict-sync probe does that
-    (miniverl/probe.py).
+    The policy's name, computed only by the learner (when it publishes, saves or restores a checkpoint;
+    never by a rollout engine). It proves nothing about what a rollout engine serves (merged or fused
+    copies, the base model): the strict-sync probe does that (miniverl/probe.py).
     """
     h = hashlib.sha256()
     for name in sorted(weights):

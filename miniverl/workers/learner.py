@@ -91,8 +91,8 @@ class LearnerWorker:
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size)
 
     def publish_policy(self, include_weights: bool = True) -> PolicySnapshot:
-        """The policy's identity (its name: version and the one digest of the weights, computed here), and
-        its weights unless only the identity is needed (ranks > 0)."""
+        """The policy's identity (its name: version and the digest of the weights, computed by the learner
+        alone), and its weights unless only the identity is needed (ranks > 0)."""
         weights = adapter_state(self.model)
         self.published = PolicyIdentity(self.version, weights_digest(weights))
         return PolicySnapshot(self.published, weights if include_weights else {})
