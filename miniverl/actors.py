@@ -42,12 +42,7 @@ def gpu_placement_group(cpus_per_bundle: list[float], timeout_s: float = 120.0):
 
 def call(actor: Any, method: str, *args: Any) -> Any:
     """Call `method` on a Ray actor handle (and wait) or on a plain in-process object."""
-    fn = getattr(actor, method)
-    if hasattr(fn, "remote"):
-        import ray
-
-        return ray.get(fn.remote(*args))
-    return fn(*args)
+    return fetch([submit(actor, method, *args)])[0]
 
 
 def submit(actor: Any, method: str, *args: Any) -> Any:
@@ -82,12 +77,7 @@ def call_all(actors: list[Any], method: str, args: list[tuple]) -> list[Any]:
     """Call `method` on every actor with its own arguments, concurrently for Ray actors, and wait."""
     if len(actors) != len(args):
         raise ValueError(f"{len(actors)} actors but {len(args)} argument tuples")
-    fns = [getattr(a, method) for a in actors]
-    if fns and hasattr(fns[0], "remote"):
-        import ray
-
-        return ray.get([fn.remote(*a) for fn, a in zip(fns, args)])
-    return [fn(*a) for fn, a in zip(fns, args)]
+    return fetch([submit(actor, method, *a) for actor, a in zip(actors, args)])
 
 
 def check_cluster_resources(requested: dict[str, dict[str, float]], available: dict[str, float]) -> None:
