@@ -401,3 +401,7 @@ def validate(cfg: MiniVerlConfig) -> None:
     check_reward_config(cfg.reward)
     BACKENDS.require(r.backend)
     OBJECTIVES.require(o.name)
+    if r.backend == "vllm":  # the rollout.vllm options, before Ray starts (the engine is sized later)
+        from miniverl.rollout.vllm_settings import settings_from_config
+
+        settings_from_config(cfg, cfg.resources.rollout.num_gpus, None)

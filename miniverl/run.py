@@ -305,7 +305,8 @@ def train(
     check_device_settings(cfg, setup.device)
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume is not None:
-        trim_metrics(run_dir / "metrics.jsonl", resume.step)  # the steps after it are done again
+        for name in ("metrics.jsonl", "samples.jsonl"):  # the steps after it are done again
+            trim_metrics(run_dir / name, resume.step)
     objective = build_objective(cfg.objective)
     started_ray = start_ray(cfg, log)
     tracker, actors, pg, status = None, {}, None, {"status": "failed"}

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 PROGRESS_KEYS = ("reverse_kl", "accuracy", "loss", "time/step")  # shown on the progress bar
-REPLACED_METRICS = "metrics.replaced.jsonl"  # lines of steps a resumed run did again
+REPLACED_SUFFIX = ".replaced.jsonl"  # <name>.replaced.jsonl: lines of steps a resumed run did again
+REPLACED_METRICS = "metrics" + REPLACED_SUFFIX
 
 
 class Tracker:
@@ -91,7 +92,8 @@ class Tracker:
 def trim_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
     """Keep the lines of steps <= last_step (a resumed run redoes the later ones) and return them.
 
-    The later lines are not lost: they are appended to metrics.replaced.jsonl next to the file.
+    The later lines are not lost: they are appended to <name>.replaced.jsonl next to the file (for
+    metrics.jsonl and samples.jsonl, whose lines both carry their step).
     """
     if not path.exists():
         return []
@@ -100,7 +102,7 @@ def trim_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
     keep = [line for line, r in zip(lines, records) if r["step"] <= last_step]
     drop = [line for line, r in zip(lines, records) if r["step"] > last_step]
     if drop:
-        with path.with_name(REPLACED_METRICS).open("a") as f:
+        with path.with_name(path.stem + REPLACED_SUFFIX).open("a") as f:
             f.write("\n".join(drop) + "\n")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))

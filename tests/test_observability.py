@@ -99,3 +99,8 @@ def test_trim_metrics_keeps_steps_up_to_the_checkpoint_and_loses_nothing(tmp_pat
     assert path.read_text().splitlines() == original[:3]
     assert (tmp_path / REPLACED_METRICS).read_text().splitlines() == original[3:]
     assert trim_metrics(tmp_path / "absent.jsonl", 2) == []
+    samples = tmp_path / "samples.jsonl"  # evaluation rows of redone steps are set aside the same way
+    write_metrics(samples, steps=(0, 2, 4))
+    trim_metrics(samples, 2)
+    assert [json.loads(x)["step"] for x in samples.read_text().splitlines()] == [0, 2]
+    assert [json.loads(x)["step"] for x in (tmp_path / "samples.replaced.jsonl").read_text().splitlines()] == [4]

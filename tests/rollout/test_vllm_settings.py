@@ -164,3 +164,13 @@ def test_nf4_student_is_served_quantized_and_never_merged():
     with pytest.raises(ConfigError, match="refresh=merged: merging the adapter into 4-bit weights"):
         settings_from_config(cfg, 0.4, None)
     assert settings_from_config(MiniVerlConfig(), 0.4, None).quantization == "none"
+
+
+@pytest.mark.parametrize("override", ["rollout.vllm.refresh=copy", "rollout.vllm.seeding=batch"])
+def test_a_misspelled_vllm_option_fails_in_validate_before_ray(override):
+    from miniverl.config import validate
+    from tests.test_config import load
+
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        validate(load("rollout=vllm", override))
+    validate(load("rollout=hf_cached", override))  # another backend ignores the vllm section
