@@ -9,6 +9,7 @@ import torch
 
 from miniverl.models.lora import LoraSettings, build_lora_model
 from miniverl.models.memory import GIB, learner_logits_bytes
+from tests.random_models import save_random_qwen2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 VOCAB, ROWS, PROMPT, TOKENS, CHUNK, K = 151_936, 8, 32, 512, 64, 64
@@ -20,21 +21,8 @@ CHUNKED_BOUND_GIB = 2.0
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-    )
     path = tmp_path_factory.mktemp("wide-vocab")
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path))
+    save_random_qwen2(path, hidden_size=64, intermediate_size=128, vocab_size=VOCAB)
     return path
 
 

@@ -13,6 +13,7 @@ from miniverl.bench.e2e_report import GATE_MAX_GAP_MEAN
 from miniverl.models.lora import LoraSettings, build_lora_model
 from miniverl.rollout.hf_reference import HFReferenceBackend
 from miniverl.rollout.sampling import SamplingParams, row_seeds
+from tests.random_models import save_random_qwen2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,21 +26,8 @@ LORA = LoraSettings(16, 32.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gat
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The vLLM GPU tests' tiny random Qwen2 (2048 ids, 2 layers), bf16 on disk."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        vocab_size=2048,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-    )
     path = tmp_path_factory.mktemp("nf4-model")
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path))
+    save_random_qwen2(path, hidden_size=256, intermediate_size=512, vocab_size=2048)
     return path
 
 

@@ -18,6 +18,7 @@ from miniverl.models.lora import LoraSettings
 from miniverl.rollout.hf_reference import HFReferenceBackend
 from miniverl.rollout.sampling import SamplingParams, row_seeds
 from miniverl.rollout.vllm_settings import VllmSettings
+from tests.random_models import save_random_qwen2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,21 +33,8 @@ STOPS = tuple(range(100, 300))  # ~10% of the vocabulary: most rows stop within 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-    )
     path = tmp_path_factory.mktemp("vllm-model")
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path))
+    save_random_qwen2(path, hidden_size=256, intermediate_size=512, vocab_size=VOCAB)
     return path
 
 
