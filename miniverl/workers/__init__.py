@@ -14,6 +14,14 @@ class ProcessSettings:
     device: str  # "cpu" or "cuda"
     torch_threads: int = 0  # 0 = all cores
     gpu_memory_gib: float | None = None  # cap this process at this much GPU memory (16 GB card emulation)
+    gpu_fraction: float = 1.0  # this actor's Ray share of its GPU (its memory budget when nothing caps it)
+
+
+def memory_share_bytes(settings: ProcessSettings) -> int:
+    """The GPU memory this actor may plan for: its emulated cap, else its Ray fraction of the device."""
+    if settings.gpu_memory_gib is not None:
+        return int(settings.gpu_memory_gib * 2**30)
+    return int(settings.gpu_fraction * torch.cuda.get_device_properties(0).total_memory)
 
 
 def setup_process(settings: ProcessSettings) -> str:
