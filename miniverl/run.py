@@ -48,7 +48,7 @@ from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm, settings_from_config
 from miniverl.tracking import Tracker, trim_metrics
-from miniverl.workers import ProcessSettings
+from miniverl.workers import ProcessSettings, emulated_cap_gib
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
@@ -189,9 +189,9 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
     pg = gpu_placement_group(plan.bundle_cpus) if plan.bundle_cpus else None
 
     def gpu_cap_gib(actor: str) -> float | None:
-        """The actor's share of the emulated GPU (resources.emulate_gpu_gib), or None without emulation."""
+        """The actor's torch cap on the emulated GPU (resources.emulate_gpu_gib), or None without emulation."""
         emulated = setup.device == "cuda" and res.emulate_gpu_gib
-        return res.emulate_gpu_gib * plan.num_gpus[actor] if emulated else None
+        return emulated_cap_gib(res.emulate_gpu_gib, plan.num_gpus[actor], f"{actor} share") if emulated else None
 
     def start(cls, actor: str, i: int, *args, **kwargs):
         share = plan.num_gpus[actor]
