@@ -134,7 +134,7 @@ def test_prune_keeps_the_newest_and_removes_partial_writes(tmp_path):
 
 
 class PoisonedObjective:
-    """The real objective, except that its loss is NaN from the `at`-th call on (fault injection)."""
+    """The real objective, except that its per-token loss is NaN from the `at`-th update on (fault injection)."""
 
     def __init__(self, inner, at: int) -> None:
         self.inner, self.at, self.calls = inner, at, 0
@@ -144,10 +144,13 @@ class PoisonedObjective:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def loss_from_terms(self, *args):  # what the learner calls for each micro-batch's loss
+    def prepare(self, *args):  # called once per update, before any micro-batch
         self.calls += 1
-        loss, metrics = self.inner.loss_from_terms(*args)
-        return (loss * float("nan") if self.calls >= self.at else loss), metrics
+        return self.inner.prepare(*args)
+
+    def token_loss(self, *args):  # each token's share of the loss the learner backpropagates
+        loss = self.inner.token_loss(*args)
+        return loss * float("nan") if self.calls >= self.at else loss
 
 
 @pytest.mark.parametrize("mode", ["skip", "stop"])
