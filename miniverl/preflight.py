@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miniverl.checkpoints.compat import check_resumable
+from miniverl.checkpoints.files import CheckpointError
 from miniverl.checkpoints.store import CHECKPOINTS_DIR, holds_run, list_checkpoints, load_valid_state, newest_valid
 from miniverl.config import MiniVerlConfig
 from miniverl.protocol import ConfigError
@@ -63,6 +64,19 @@ def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
     """GPU-only settings on a CPU run would be silently ignored; refuse them instead."""
     if device != "cpu":
         return
+    res = cfg.resources
+    why = "resources.device=cpu" if res.device == "cpu" else "this machine has no usable CUDA GPU"
+    if res.gpus:
+        raise ConfigError(
+            f"resources.gpus={res.gpus} places actors on GPUs, but the run computes on the CPU ({why}); drop"
+            " resources.gpus (or set resources.gpus=0), or run on a machine with that many GPUs"
+            " (resources.device=auto)"
+        )
+    if res.scorer_gpus:
+        raise ConfigError(
+            f"resources.scorer_gpus={res.scorer_gpus} gives the teacher GPUs of its own, but the run computes on"
+            f" the CPU ({why}); drop resources.scorer_gpus (or set it to 0), or run on a GPU machine"
+        )
     if cfg.resources.emulate_gpu_gib is not None:
         raise ConfigError(
             f"resources.emulate_gpu_gib={cfg.resources.emulate_gpu_gib} caps GPU memory, but this run computes on"
@@ -82,6 +96,20 @@ class ResumePoint:
     path: Path
     step: int
     first_eval: dict[str, float]
+
+
+def resume_source(resume: str, run_dir: Path) -> tuple[Path, dict] | None:
+    """(checkpoint, its saved config) that trainer.resume points at, or None when there is none to read
+    (resolve_resume then starts fresh or refuses, with the reason)."""
+    if resume == "none":
+        return None
+    path = newest_valid(run_dir, lambda *_: None) if resume == "auto" else Path(resume).expanduser()
+    if path is None or not path.is_dir():
+        return None
+    try:
+        return path, load_valid_state(path)["config"]
+    except CheckpointError:
+        return None
 
 
 def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) -> ResumePoint | None:

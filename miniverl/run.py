@@ -191,7 +191,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
 
     def start(cls, actor: str, i: int, *args, **kwargs):
         share = plan.num_gpus[actor]
-        process = ProcessSettings(setup.device, res.torch_threads, gpu_cap_gib(actor))
+        process = ProcessSettings(setup.device, res.torch_threads, gpu_cap_gib(actor), actor=True)
         place = (pg, plan.bundle[actor][i]) if pg else None
         return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
 
@@ -287,11 +287,13 @@ def train(
     config_dict: dict[str, Any],
     log=print,
     after_step: Callable[[int, dict[str, list[Any]]], None] | None = None,
+    run_files: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole run; returns the summary (also written to run_dir/summary.json).
 
     Everything that can be checked is checked before Ray starts. `after_step(step, actors)` runs after
-    each completed step (tests use it to inject faults).
+    each completed step (tests use it to inject faults). `run_files` (path in run_dir -> text: main's
+    .hydra/*.yaml) are written once every check has passed, so a refused run touches nothing.
     """
     import ray
 
@@ -299,11 +301,14 @@ def train(
     validate(cfg)
     typed_config = dataclasses.asdict(cfg)
     resume = resolve_resume(cfg, run_dir, typed_config, log)  # first: a used run directory costs nothing
+    check_device_settings(cfg, resolve_device(cfg.resources.device))  # before models are built or loaded
     setup = prepare(cfg, log)
     check_lora_targets(setup.paths["student"], cfg.model.lora.target_modules)
     check_tracking(cfg.tracking.wandb_mode)
-    check_device_settings(cfg, setup.device)
     run_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (run_files or {}).items():  # written only now: a refused run leaves the directory as it was
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
     if resume is not None:
         for name in ("metrics.jsonl", "samples.jsonl"):  # the steps after it are done again
             trim_metrics(run_dir / name, resume.step)
