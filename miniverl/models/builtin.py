@@ -183,10 +183,8 @@ def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> Non
         now = time.monotonic()
         if now - last >= BUILD_REPORT_SECONDS or step + 1 == sft.steps:
             last, done = now, step + 1
-            left = (now - started) / done * (sft.steps - done)
-            log(
-                f"[miniverl]   sft step {done}/{sft.steps} loss {loss.item():.3f} ({now - started:.0f}s, ~{left:.0f}s left)"
-            )
+            took, left = now - started, (now - started) / done * (sft.steps - done)
+            log(f"[miniverl]   sft step {done}/{sft.steps} loss {loss.item():.3f} ({took:.0f}s, ~{left:.0f}s left)")
     model.eval()
 
 
