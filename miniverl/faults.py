@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 import select
 import signal
 import stat
@@ -97,6 +99,22 @@ def guard_output() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _GuardedStream):
             setattr(sys, name, _GuardedStream(stream))
+
+
+@contextmanager
+def shielded_children() -> Iterator[None]:
+    """Processes started inside (Ray's raylet, GCS and dashboard: they stay in the driver's process group) start
+    with SIGINT and SIGTERM blocked, so a signal to the whole group (a terminal's Ctrl-C, `timeout`, a scheduler)
+    leaves them running while the driver checkpoints; measured: a group SIGTERM killed the raylet and with it
+    the actors. ray.shutdown still stops them (SIGKILL after Ray's one-second grace)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(StopRequests.SIGNALS))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class StartupInterrupted(BaseException):

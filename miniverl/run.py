@@ -17,7 +17,7 @@ from miniverl.conformance import conformance_gate
 from miniverl.controller import StrictSyncController
 from miniverl.dashboard import RunGauges
 from miniverl.data.build import PromptStream, build_prompt_source
-from miniverl.faults import RunInterrupted, StopRequests
+from miniverl.faults import RunInterrupted, StopRequests, shielded_children
 from miniverl.loop import TrainingLoop
 from miniverl.models.builtin import (
     BUILTIN_PREFIX,
@@ -156,7 +156,8 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
     if cfg.resources.ray_address is None:
         # None lets Ray start the dashboard only when its packages (ray[default]) are installed.
         kwargs["include_dashboard"] = None if cfg.resources.dashboard else False
-    ctx = ray.init(**kwargs)
+    with shielded_children():  # a signal to the whole process group must not kill Ray under the driver
+        ctx = ray.init(**kwargs)
     url = getattr(ctx, "dashboard_url", None)
     log(f"[miniverl] Ray dashboard: http://{url}" if url else "[miniverl] Ray dashboard: not running")
     return True
