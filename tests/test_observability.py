@@ -130,12 +130,12 @@ def test_matplotlib_is_a_dependency_so_plots_work_after_pip_install():
 
 def test_building_a_model_reports_progress_every_few_seconds(monkeypatch, tmp_path):
     """Issue 17: on a busy 2-core box the first run printed one line every ~5 minutes and looked hung."""
+    import itertools
+
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from miniverl.models import builtin
     from miniverl.models.tokenizer import save_char_tokenizer
-
-    import itertools
 
     clock = itertools.count(0, 6)  # every call 6 s later: each step takes longer than BUILD_REPORT_SECONDS
     monkeypatch.setattr(builtin.time, "monotonic", lambda: float(next(clock)))
