@@ -72,10 +72,10 @@ def continue_saved_run(cfg: DictConfig, run_dir: Path, overrides: list[str], log
     changed = [k for k in keys if k != "trainer.resume"]
     log(f"[miniverl] resuming {path} under its run's config; set now: {', '.join(changed) or 'nothing'}")
     if groups and kept:
+        more = f" and {len(kept) - 5} more" if len(kept) > 5 else ""
         log(
-            f"[miniverl] config-group choices on the command line ({' '.join(groups)}) are not applied to a resumed"
-            f" run; the saved values stay for {', '.join(kept[:5])}{' and more' if len(kept) > 5 else ''}"
-            " (set a key as key=value to change it)"
+            f"[miniverl] not applied to a resumed run: config-group choices ({' '.join(groups)}); it keeps its saved"
+            f" values where this command's config differs: {', '.join(kept[:5])}{more} (set key=value to change one)"
         )
     return merged
 
