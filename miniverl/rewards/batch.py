@@ -119,5 +119,5 @@ def check_custom_signature(fn: Callable, spec: str) -> None:
     except TypeError as e:
         raise ConfigError(
             f"reward.custom_function={spec!r}: the function's signature {fn.__name__}{signature} cannot take the"
-            f" four arguments it is called with ({e}); define it as def {fn.__name__}({', '.join(CUSTOM_ARGS)}) -> float"
+            f" four arguments it is called with ({e}); define it as def {fn.__name__}({', '.join(CUSTOM_ARGS)})"
         ) from e
