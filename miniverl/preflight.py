@@ -60,23 +60,32 @@ def check_tracking(mode: str) -> None:
         )
 
 
+def check_gpu_request(cfg: MiniVerlConfig, device: str, cuda_devices: int, ray_running: bool) -> None:
+    """GPUs asked for (resources.gpus, scorer_gpus) must exist: a local Ray cluster started by this run gets the
+    machine's CUDA devices (`cuda_devices`), so more fails now, not after Ray started; an existing cluster
+    (`ray_running`, resources.ray_address) may have logical GPUs and is checked once connected."""
+    res = cfg.resources
+    gpus = res.gpus if res.gpus is not None else (1 if device == "cuda" else 0)  # as run.resolve_gpus
+    if res.scorer_gpus and not gpus:
+        raise ConfigError(
+            f"resources.scorer_gpus={res.scorer_gpus} gives the teacher GPUs of its own, but this run places no"
+            f" actor on a GPU (resources.gpus={res.gpus} resolves to 0 on the CPU), so it would be ignored; drop"
+            " resources.scorer_gpus, or run on a GPU machine"
+        )
+    need = gpus + res.scorer_gpus
+    if need > cuda_devices and res.ray_address is None and not ray_running:
+        cpu = " (on the CPU: drop resources.gpus and resources.scorer_gpus)" if device == "cpu" else ""
+        raise ConfigError(
+            f"resources.gpus={res.gpus} and resources.scorer_gpus={res.scorer_gpus} ask for {need} GPUs, but this"
+            f" machine has {cuda_devices} CUDA devices, and so would the local Ray cluster this run starts; ask for"
+            f" at most {cuda_devices}{cpu}, or connect to a Ray cluster that has them (resources.ray_address=...)"
+        )
+
+
 def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
     """GPU-only settings on a CPU run would be silently ignored; refuse them instead."""
     if device != "cpu":
         return
-    res = cfg.resources
-    why = "resources.device=cpu" if res.device == "cpu" else "this machine has no usable CUDA GPU"
-    if res.gpus:
-        raise ConfigError(
-            f"resources.gpus={res.gpus} places actors on GPUs, but the run computes on the CPU ({why}); drop"
-            " resources.gpus (or set resources.gpus=0), or run on a machine with that many GPUs"
-            " (resources.device=auto)"
-        )
-    if res.scorer_gpus:
-        raise ConfigError(
-            f"resources.scorer_gpus={res.scorer_gpus} gives the teacher GPUs of its own, but the run computes on"
-            f" the CPU ({why}); drop resources.scorer_gpus (or set it to 0), or run on a GPU machine"
-        )
     if cfg.resources.emulate_gpu_gib is not None:
         raise ConfigError(
             f"resources.emulate_gpu_gib={cfg.resources.emulate_gpu_gib} caps GPU memory, but this run computes on"

@@ -41,7 +41,13 @@ from miniverl.models.stops import resolve_stop_ids
 from miniverl.objectives import build_objective
 from miniverl.placement import plan_placement
 from miniverl.plots import write_plots
-from miniverl.preflight import check_device_settings, check_lora_targets, check_tracking, resolve_resume
+from miniverl.preflight import (
+    check_device_settings,
+    check_gpu_request,
+    check_lora_targets,
+    check_tracking,
+    resolve_resume,
+)
 from miniverl.protocol import ConfigError, MiniVerlError, PromptBatch
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.sampling import SamplingParams
@@ -161,6 +167,12 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
     url = getattr(ctx, "dashboard_url", None)
     log(f"[miniverl] Ray dashboard: http://{url}" if url else "[miniverl] Ray dashboard: not running")
     return True
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def resolve_gpus(cfg: MiniVerlConfig, device: str) -> int:
@@ -302,7 +314,9 @@ def train(
     validate(cfg)
     typed_config = dataclasses.asdict(cfg)
     resume = resolve_resume(cfg, run_dir, typed_config, log)  # first: a used run directory costs nothing
-    check_device_settings(cfg, resolve_device(cfg.resources.device))  # before models are built or loaded
+    device = resolve_device(cfg.resources.device)  # the device checks come before models are built or loaded
+    check_device_settings(cfg, device)
+    check_gpu_request(cfg, device, cuda_device_count(), ray.is_initialized())
     setup = prepare(cfg, log)
     check_lora_targets(setup.paths["student"], cfg.model.lora.target_modules)
     check_tracking(cfg.tracking.wandb_mode)

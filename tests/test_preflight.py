@@ -65,7 +65,10 @@ def test_wandb_credentials_come_from_the_environment_or_netrc(tmp_path, monkeypa
         (("resources.device=cpu", "resources.emulate_gpu_gib=16"), "resources.emulate_gpu_gib=16.0 caps GPU memory"),
         (("resources.device=cpu", "model.student.dtype=float16"), "model.student.dtype=float16 is a GPU dtype"),
         # issue 17: gpus on the CPU failed after Ray suggesting resources.device=cpu; scorer_gpus was ignored
-        (("resources.device=cpu", "resources.gpus=4"), r"resources.gpus=4 places actors on GPUs, but .*device=cpu"),
+        (
+            ("resources.device=cpu", "resources.gpus=4"),
+            r"resources.gpus=4 and .* ask for 4 GPUs, but this machine has 0",
+        ),
         (("resources.device=cpu", "resources.scorer_gpus=2"), r"resources.scorer_gpus=2 gives the teacher GPUs"),
     ],
 )
@@ -120,3 +123,18 @@ def test_prompt_files_accept_a_string_or_a_list():
     cfg = load("data.train_files=data/train.parquet", "data.val_files=[a.jsonl,b.jsonl]")
     assert cfg.data.train_files == ["data/train.parquet"] and cfg.data.val_files == ["a.jsonl", "b.jsonl"]
     assert load().data.train_files == []
+
+
+def test_gpus_asked_for_must_exist_unless_an_existing_ray_cluster_has_them():
+    """Issue 17: resources.gpus=4 resources.device=cpu failed after Ray started, suggesting resources.device=cpu."""
+    from miniverl.preflight import check_gpu_request
+
+    cpu_two = load("resources.device=cpu", "resources.gpus=2", "resources.scorer_gpus=1")
+    with pytest.raises(ConfigError, match=r"ask for 3 GPUs, but this machine has 0 .* drop resources.gpus"):
+        check_gpu_request(cpu_two, "cpu", cuda_devices=0, ray_running=False)
+    check_gpu_request(cpu_two, "cpu", cuda_devices=0, ray_running=True)  # a cluster with logical GPUs (tests)
+    check_gpu_request(load("resources.gpus=2", "resources.ray_address=auto"), "cuda", 0, False)  # checked there
+    with pytest.raises(ConfigError, match=r"ask for 2 GPUs, but this machine has 1 CUDA devices"):
+        check_gpu_request(load("resources.gpus=2"), "cuda", cuda_devices=1, ray_running=False)
+    check_gpu_request(load(), "cuda", cuda_devices=1, ray_running=False)  # the default: one GPU
+    check_gpu_request(load(), "cpu", cuda_devices=0, ray_running=False)
