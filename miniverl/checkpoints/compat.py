@@ -65,7 +65,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], where: str) 
     """Raise ConfigError when `saved` (the checkpoint's config) cannot continue under `current`;
     otherwise return one message per class of allowed difference (empty when the configs are equal)."""
     old, new = flatten(saved), flatten(current)
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    # A key the checkpoint's config lacks came with a newer miniverl; the saved run ran without it.
+    changed = sorted(k for k in old if old[k] != new.get(k))
     fixed = [k for k in changed if k.startswith(FIXED_PREFIXES)]
     if fixed:
         raise ConfigError(

@@ -65,6 +65,13 @@ def test_harmless_and_other_changes_are_allowed_and_said():
     assert identity_hash(saved) == identity_hash(as_dict("trainer.lr=0.001"))
 
 
+def test_keys_newer_than_the_checkpoint_are_not_changes():
+    """A checkpoint written before data.max_unencodable_rows existed still resumes."""
+    saved = as_dict()
+    del saved["data"]["max_unencodable_rows"], saved["trainer"]["resume_allow_changes"]
+    assert check_resumable(saved, as_dict(), "ckpt") == []
+
+
 def test_command_line_keys_split_keys_from_group_choices():
     keys, groups = command_line_keys(
         [
