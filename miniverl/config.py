@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from miniverl.protocol import ConfigError
 
@@ -25,14 +26,27 @@ class DataConfig:
     max_prompt_length: int = 32  # tokens, after the chat template; a longer prompt is never cut (data.overlong)
     seed: int = 0
     # Prompt files (jsonl or verl-schema parquet). Empty: prompts come from the built-in data.task.
-    train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)  # empty: hold out data.eval_prompts training rows
+    # A path or a list of paths (verl's docs write data.train_files=train.parquet); typed Any because
+    # OmegaConf has no str-or-list type, normalized to a list in __post_init__ and checked in validate.
+    train_files: Any = field(default_factory=list)
+    val_files: Any = field(default_factory=list)  # empty: hold out data.eval_prompts training rows
     prompt_key: str = "prompt"  # plain jsonl: the column with the prompt (text, or a list of chat messages)
     answer_key: str = "answer"  # plain jsonl: the column with the ground truth
     default_data_source: str = "jsonl"  # plain jsonl rows without a data_source column (picks the reward)
     chat_template: bool = True  # wrap prompts with the tokenizer's chat template; false = raw text prompts
     overlong: str = "filter"  # a prompt over max_prompt_length: filter (skip and count) | error (stop)
     shuffle: bool = True  # seeded reshuffle every epoch; false = file order
+    # Prompt rows allowed to hold characters the student's tokenizer cannot encode (dropped, or turned into
+    # its unknown token); they are skipped and counted. More such rows than this refuses the run, naming them.
+    max_unencodable_rows: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("train_files", "val_files"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, [value] if value else [])
+            elif isinstance(value, list | tuple):
+                setattr(self, name, list(value))
 
 
 @dataclass
@@ -155,6 +169,9 @@ class TrainerConfig:
     # none: start fresh (a run directory that already holds a run is refused); auto: continue the newest
     # valid checkpoint in the run directory, or start fresh if it holds none; a path: continue that checkpoint.
     resume: str = "none"
+    # A resumed run continues under its saved config plus what the command line sets now; a change of data,
+    # model, objective, reward or sampling (rollout.*) is refused unless this is true (checkpoints/compat.py).
+    resume_allow_changes: bool = False
     # A non-finite loss or gradient: skip (drop this optimizer step, the policy stays as it was) or stop
     # (end the run with an error). Either way the poisoned update is never applied, published or saved.
     on_nonfinite: str = "stop"
@@ -350,11 +367,25 @@ def validate(cfg: MiniVerlConfig) -> None:
         "data.val_files is set but data.train_files is empty; give the training file too (data.train_files=[...])",
     )
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        _require(
+            isinstance(files, list) and all(isinstance(f, str) and f for f in files),
+            f"{key}={files!r}: give a file path or a list of them ({key}=train.jsonl or {key}=[a.jsonl,b.jsonl])",
+        )
         missing = [f for f in files if not Path(f).expanduser().is_file()]
         _require(
             not missing, f"{key}: {missing[:1]} does not exist; pass existing .jsonl or .parquet files ({key}=[...])"
         )
+    _require(
+        d.max_unencodable_rows >= 0,
+        f"data.max_unencodable_rows={d.max_unencodable_rows}: use 0 (refuse any) or a row count to skip",
+    )
     _require(t.eval_samples >= 0, f"trainer.eval_samples={t.eval_samples}: must be >= 0")
+    cache = Path(cfg.model.cache_dir).expanduser()
+    _require(
+        not cache.exists() or cache.is_dir(),
+        f"model.cache_dir={cfg.model.cache_dir!r} is a file, not a directory; point it at a directory (it is"
+        " created when missing), e.g. model.cache_dir=~/.cache/miniverl",
+    )
     _require(
         0 <= cfg.model.builtin_min_teacher_accuracy <= 1,
         f"model.builtin_min_teacher_accuracy={cfg.model.builtin_min_teacher_accuracy}: must be in [0, 1]",
@@ -363,7 +394,8 @@ def validate(cfg: MiniVerlConfig) -> None:
     _require(r.n >= 1, f"rollout.n={r.n}: need at least one sample per prompt")
     _require(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens}: must be >= 1")
     _require(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples need temperature > 0")
-    _require(r.top_k >= 0 and 0 < r.top_p <= 1, "rollout.top_k must be >= 0 and rollout.top_p in (0, 1]")
+    _require(r.top_k >= 0, f"rollout.top_k={r.top_k}: use 0 (off) or a token count >= 1")
+    _require(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: use a value in (0, 1] (1 = off)")
     _require(0 <= o.beta <= 1, f"objective.beta={o.beta}: must be in [0, 1]")
     _require(o.loss_temperature > 0, f"objective.loss_temperature={o.loss_temperature}: must be > 0")
     _require(o.teacher_topk >= 0, f"objective.teacher_topk={o.teacher_topk}: use 0 (full vocabulary) or K >= 1")
@@ -388,6 +420,8 @@ def validate(cfg: MiniVerlConfig) -> None:
         cfg.tracking.wandb_mode in ("offline", "online", "disabled"),
         f"tracking.wandb_mode={cfg.tracking.wandb_mode!r}: use offline, online or disabled",
     )
+    threads = cfg.resources.torch_threads
+    _require(threads >= 0, f"resources.torch_threads={threads}: use 0 (all cores) or a thread count >= 1")
     g = cfg.resources.gpus
     _require(g is None or g >= 0, f"resources.gpus={g}: use null (auto), 0 (CPU only) or a GPU count")
     _require(

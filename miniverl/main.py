@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from miniverl.config import register_configs, to_config
 
 ERROR_EXIT_CODE = 2  # a problem the message explains (config, fault); 128+N after signal N (130 = Ctrl-C)
+HYDRA_DIR = ".hydra"  # the run's record, as Hydra would write it (conf/config.yaml turns Hydra's own off)
 
 register_configs()
 
@@ -23,13 +24,27 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from miniverl.faults import RunInterrupted
+    from miniverl.faults import RunInterrupted, StartupInterrupted, StartupSignals, guard_output
     from miniverl.protocol import MiniVerlError
     from miniverl.run import train
+    from miniverl.workers import quiet_library_notes
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    guard_output()  # `| tee log` whose reader died: the run stops with a checkpoint instead of crashing
+    quiet_library_notes()
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    overrides = list(hydra_cfg.overrides.task)
     try:
-        summary = train(to_config(cfg), run_dir, OmegaConf.to_container(cfg, resolve=True))
+        with StartupSignals():
+            cfg = continue_saved_run(cfg, run_dir, overrides)
+            files = run_record(cfg, hydra_cfg, overrides, run_dir)
+            summary = train(to_config(cfg), run_dir, OmegaConf.to_container(cfg, resolve=True), run_files=files)
+    except StartupInterrupted as e:
+        print(f"\nminiverl: {e} while starting: stopped before the first step, nothing to save", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # a second signal while a step ran: stopped at once
+        print("\nminiverl: stopped at once by a second signal; the last checkpoint is as it was", file=sys.stderr)
+        sys.exit(130)
     except RunInterrupted as e:
         print(f"\nminiverl: interrupted: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
@@ -39,16 +54,70 @@ def main(cfg: DictConfig) -> None:
     print_summary(summary, run_dir)
 
 
+def continue_saved_run(cfg: DictConfig, run_dir: Path, overrides: list[str], log=print) -> DictConfig:
+    """With trainer.resume=auto|<checkpoint>: the saved run's config plus what this command sets as key=value.
+
+    Without it the README's resume command would silently revert every setting the first command gave
+    (data.train_files back to the built-in task). Whether the keys set now may change is compat's call.
+    """
+    from miniverl.checkpoints.compat import command_line_keys, resumed_config
+    from miniverl.preflight import resume_source
+
+    saved = resume_source(cfg.trainer.resume, run_dir)
+    if saved is None:
+        return cfg  # a fresh start, or a resume that train's checks refuse with the reason
+    path, saved_config = saved
+    keys, groups = command_line_keys(overrides)
+    merged, kept = resumed_config(cfg, saved_config, keys)
+    changed = [k for k in keys if k != "trainer.resume"]
+    log(f"[miniverl] resuming {path} under its run's config; set now: {', '.join(changed) or 'nothing'}")
+    if groups and kept:
+        more = f" and {len(kept) - 5} more" if len(kept) > 5 else ""
+        log(
+            f"[miniverl] not applied to a resumed run: config-group choices ({' '.join(groups)}); it keeps its saved"
+            f" values where this command's config differs: {', '.join(kept[:5])}{more} (set key=value to change one)"
+        )
+    return merged
+
+
+def run_record(cfg: DictConfig, hydra_cfg, overrides: list[str], run_dir: Path) -> dict[str, str]:
+    """.hydra/config.yaml (the config this run trains under), hydra.yaml and overrides.yaml (this command's,
+    after the earlier commands' of a resumed run), written by train once every check has passed."""
+    old = run_dir / HYDRA_DIR / "overrides.yaml"
+    earlier = list(OmegaConf.load(old)) if cfg.trainer.resume != "none" and old.is_file() else []
+    return {
+        f"{HYDRA_DIR}/config.yaml": OmegaConf.to_yaml(cfg),
+        f"{HYDRA_DIR}/hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
+        f"{HYDRA_DIR}/overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(earlier + overrides)),
+    }
+
+
 def print_summary(summary: dict, run_dir: Path) -> None:
     print(
         "\n[miniverl] done: {steps} steps of {objective} on {device} in {wall_seconds:.0f}s\n"
         "  reverse KL to teacher (nats/token): {start_reverse_kl:.4f} -> {end_reverse_kl:.4f}\n"
         "  greedy task accuracy:               {start_accuracy:.3f} -> {end_accuracy:.3f}".format(**summary)
     )
-    print(f"  run directory: {run_dir} (config, metrics.jsonl, summary.json, checkpoints/, plots, wandb/)")
+    print(f"  run directory: {run_dir} ({', '.join(written(run_dir))})")
     memory = {k: v for k, v in summary["memory"].items() if v}
     if memory:
         print(f"  peak GPU memory per actor (GiB): {json.dumps(memory)}")
+
+
+RUN_OUTPUTS = (  # (what is listed, the path that shows it was written)
+    ("config", f"{HYDRA_DIR}/config.yaml"),
+    ("metrics.jsonl", "metrics.jsonl"),
+    ("samples.jsonl", "samples.jsonl"),
+    ("summary.json", "summary.json"),
+    ("checkpoints/", "checkpoints"),
+    ("plots", "reverse_kl.png"),
+    ("wandb/", "wandb"),
+)
+
+
+def written(run_dir: Path) -> list[str]:
+    """What the run left in its directory, in the README's order (wandb/ only when tracking wrote it)."""
+    return [name for name, path in RUN_OUTPUTS if (run_dir / path).exists()]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """PNG curves of a finished run, drawn from metrics.jsonl, so a user without wandb still sees them.
 
-matplotlib is optional (the `plot` and `dev` extras): without it the run says so and writes no PNGs.
+matplotlib is a dependency; in an environment without it the run says how to install it and writes no PNGs.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from pathlib import Path
 
 PHASES = ("refresh", "generate", "score", "update")
 FIGURE_SIZE = (6.0, 4.0)  # inches; 100 dpi gives 600x400 PNGs
-MISSING_MATPLOTLIB = "[miniverl] no PNG plots: matplotlib is not installed (pip install 'miniverl[plot]')"
+MISSING_MATPLOTLIB = (
+    "[miniverl] no PNG plots: matplotlib is not installed (pip install matplotlib), or set tracking.plots=false"
+)
 
 
 def read_metrics(path: Path) -> list[dict]:

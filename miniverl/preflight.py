@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miniverl.checkpoints.compat import check_resumable
+from miniverl.checkpoints.files import CheckpointError
 from miniverl.checkpoints.store import CHECKPOINTS_DIR, holds_run, list_checkpoints, load_valid_state, newest_valid
 from miniverl.config import MiniVerlConfig
 from miniverl.protocol import ConfigError
@@ -59,6 +60,28 @@ def check_tracking(mode: str) -> None:
         )
 
 
+def check_gpu_request(cfg: MiniVerlConfig, device: str, cuda_devices: int, ray_running: bool) -> None:
+    """GPUs asked for (resources.gpus, scorer_gpus) must exist: a local Ray cluster started by this run gets the
+    machine's CUDA devices (`cuda_devices`), so more fails now, not after Ray started; an existing cluster
+    (`ray_running`, resources.ray_address) may have logical GPUs and is checked once connected."""
+    res = cfg.resources
+    gpus = res.gpus if res.gpus is not None else (1 if device == "cuda" else 0)  # as run.resolve_gpus
+    if res.scorer_gpus and not gpus:
+        raise ConfigError(
+            f"resources.scorer_gpus={res.scorer_gpus} gives the teacher GPUs of its own, but this run places no"
+            f" actor on a GPU (resources.gpus={res.gpus} resolves to 0 on the CPU), so it would be ignored; drop"
+            " resources.scorer_gpus, or run on a GPU machine"
+        )
+    need = gpus + res.scorer_gpus
+    if need > cuda_devices and res.ray_address is None and not ray_running:
+        cpu = " (on the CPU: drop resources.gpus and resources.scorer_gpus)" if device == "cpu" else ""
+        raise ConfigError(
+            f"resources.gpus={res.gpus} and resources.scorer_gpus={res.scorer_gpus} ask for {need} GPUs, but this"
+            f" machine has {cuda_devices} CUDA devices, and so would the local Ray cluster this run starts; ask for"
+            f" at most {cuda_devices}{cpu}, or connect to a Ray cluster that has them (resources.ray_address=...)"
+        )
+
+
 def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
     """GPU-only settings on a CPU run would be silently ignored; refuse them instead. On a GPU, every actor's
     share of an emulated card must leave room beyond its CUDA context."""
@@ -90,6 +113,20 @@ class ResumePoint:
     path: Path
     step: int
     first_eval: dict[str, float]
+
+
+def resume_source(resume: str, run_dir: Path) -> tuple[Path, dict] | None:
+    """(checkpoint, its saved config) that trainer.resume points at, or None when there is none to read
+    (resolve_resume then starts fresh or refuses, with the reason)."""
+    if resume == "none":
+        return None
+    path = newest_valid(run_dir, lambda *_: None) if resume == "auto" else Path(resume).expanduser()
+    if path is None or not path.is_dir():
+        return None
+    try:
+        return path, load_valid_state(path)["config"]
+    except CheckpointError:
+        return None
 
 
 def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) -> ResumePoint | None:

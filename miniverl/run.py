@@ -17,7 +17,7 @@ from miniverl.conformance import conformance_gate
 from miniverl.controller import StrictSyncController
 from miniverl.dashboard import RunGauges
 from miniverl.data.build import PromptStream, build_prompt_source
-from miniverl.faults import RunInterrupted, StopRequests
+from miniverl.faults import RunInterrupted, StopRequests, shielded_children
 from miniverl.loop import TrainingLoop
 from miniverl.models.builtin import (
     BUILTIN_PREFIX,
@@ -42,7 +42,13 @@ from miniverl.models.stops import resolve_stop_ids
 from miniverl.objectives import build_objective
 from miniverl.placement import plan_placement
 from miniverl.plots import write_plots
-from miniverl.preflight import check_device_settings, check_lora_targets, check_tracking, resolve_resume
+from miniverl.preflight import (
+    check_device_settings,
+    check_gpu_request,
+    check_lora_targets,
+    check_tracking,
+    resolve_resume,
+)
 from miniverl.protocol import ConfigError, MiniVerlError, PromptBatch
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.sampling import SamplingParams
@@ -160,10 +166,17 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
     if cfg.resources.ray_address is None:
         # None lets Ray start the dashboard only when its packages (ray[default]) are installed.
         kwargs["include_dashboard"] = None if cfg.resources.dashboard else False
-    ctx = ray.init(**kwargs)
+    with shielded_children():  # a signal to the whole process group must not kill Ray under the driver
+        ctx = ray.init(**kwargs)
     url = getattr(ctx, "dashboard_url", None)
     log(f"[miniverl] Ray dashboard: http://{url}" if url else "[miniverl] Ray dashboard: not running")
     return True
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def resolve_gpus(cfg: MiniVerlConfig, device: str) -> int:
@@ -195,7 +208,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
 
     def start(cls, actor: str, i: int, *args, **kwargs):
         share = plan.num_gpus[actor]
-        process = ProcessSettings(setup.device, res.torch_threads, gpu_cap_gib(actor), share)
+        process = ProcessSettings(setup.device, res.torch_threads, gpu_cap_gib(actor), share, actor=True)
         place = (pg, plan.bundle[actor][i]) if pg else None
         return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
 
@@ -294,11 +307,13 @@ def train(
     config_dict: dict[str, Any],
     log=print,
     after_step: Callable[[int, dict[str, list[Any]]], None] | None = None,
+    run_files: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole run; returns the summary (also written to run_dir/summary.json).
 
     Everything that can be checked is checked before Ray starts. `after_step(step, actors)` runs after
-    each completed step (tests use it to inject faults).
+    each completed step (tests use it to inject faults). `run_files` (path in run_dir -> text: main's
+    .hydra/*.yaml) are written once every check has passed, so a refused run touches nothing.
     """
     import ray
 
@@ -306,11 +321,16 @@ def train(
     validate(cfg)
     typed_config = dataclasses.asdict(cfg)
     resume = resolve_resume(cfg, run_dir, typed_config, log)  # first: a used run directory costs nothing
+    device = resolve_device(cfg.resources.device)  # the device checks come before models are built or loaded
+    check_device_settings(cfg, device)
+    check_gpu_request(cfg, device, cuda_device_count(), ray.is_initialized())
     setup = prepare(cfg, log)
     check_lora_targets(setup.paths["student"], cfg.model.lora.target_modules)
     check_tracking(cfg.tracking.wandb_mode)
-    check_device_settings(cfg, setup.device)
     run_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (run_files or {}).items():  # written only now: a refused run leaves the directory as it was
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
     if resume is not None:
         for name in ("metrics.jsonl", "samples.jsonl"):  # the steps after it are done again
             trim_metrics(run_dir / name, resume.step)

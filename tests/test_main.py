@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,6 +104,10 @@ def test_bad_values_fail_before_anything_starts(tmp_path):
 def test_a_second_run_into_the_same_directory_is_refused_at_start(tmp_path, student_dir, teacher_dir):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     (tmp_path / "summary.json").write_text('{"status": "finished"}')
+    (tmp_path / ".hydra").mkdir()  # the old run's record, which export-verl reads
+    record = {name: f"the old run's {name}\n" for name in ("config.yaml", "hydra.yaml", "overrides.yaml")}
+    for name, text in record.items():
+        (tmp_path / ".hydra" / name).write_text(text)
     proc = run_main(
         f"model.student.path={student_dir}", f"model.teacher.path={teacher_dir}", *TINY, f"hydra.run.dir={tmp_path}"
     )
@@ -111,35 +116,105 @@ def test_a_second_run_into_the_same_directory_is_refused_at_start(tmp_path, stud
     assert "trainer.resume=auto" in proc.stderr and "Ray dashboard" not in proc.stdout  # before Ray started
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0}\n'  # the old run's files are untouched
     assert (tmp_path / "summary.json").read_text() == '{"status": "finished"}'
+    # Hydra wrote the refused command's .hydra/*.yaml before main ran (issue 17); now nothing is written
+    assert {p.name: p.read_text() for p in (tmp_path / ".hydra").iterdir()} == record
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "metrics.jsonl", "summary.json"]  # no main.log
 
 
-@pytest.mark.slow
-def test_ctrl_c_checkpoints_the_last_completed_step_and_exits_130(tmp_path, student_dir, teacher_dir):
-    import signal
-    import time
-
-    run_dir = tmp_path / "run"
-    args = [f"model.student.path={student_dir}", f"model.teacher.path={teacher_dir}", *TINY]
-    args += ["trainer.total_steps=200", "trainer.eval_every=0", "trainer.save_every=1000", "tracking=disabled"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "miniverl.main", *args, "tracking.plots=false", f"hydra.run.dir={run_dir}"],
+def start_main(*args: str) -> subprocess.Popen:
+    """The driver as a shell job: its own process group, stdout and stderr into one pipe (`2>&1 | tee log`)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "miniverl.main", *args],
         cwd=ROOT,
         env=ENV,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,
     )
-    metrics = run_dir / "metrics.jsonl"
+
+
+def wait_for_steps(proc: subprocess.Popen, metrics: Path, lines: int) -> None:
+    import time
+
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # step 0 eval + 2 steps
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= lines):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the driver
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
-    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
-    assert 2 <= last < 200
-    assert f"SIGINT after step {last}" in err and "trainer.resume=auto" in err
+
+
+LONG_RUN = ("trainer.total_steps=200", "trainer.eval_every=0", "trainer.save_every=1000", "tracking=disabled")
+
+
+@pytest.mark.slow
+def test_a_group_signal_with_a_dead_tee_checkpoints_and_the_readme_resume_continues(tmp_path, student_dir, teacher_dir):
+    """Issue 17, one run for four cases (each run through Ray costs ~30 s on 2 cores):
+    - a signal to the whole process group (`timeout`, a scheduler; a terminal's Ctrl-C likewise) killed Ray's
+      raylet, which shares the driver's group: "Attempting to recover lost objects", exit 1, no checkpoint;
+    - `... 2>&1 | tee log` whose tee died with it: the next print raised BrokenPipeError, no summary.json;
+    - the README's resume command then trained on the built-in task (data.train_files, chat_template reverted);
+    - a refused command rewrote the run's .hydra/*.yaml."""
+    import random
+    import signal
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcd") for _ in range(rng.randint(2, 4))) for _ in range(40)]
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{w}>", "answer": w[::-1]}) + "\n" for w in words))
+    run_dir = tmp_path / "run"
+    first = [f"model.student.path={student_dir}", f"model.teacher.path={teacher_dir}", *TINY, *LONG_RUN]
+    first += [f"data.train_files={prompts}", "data.chat_template=false", "tracking.plots=false"]
+    proc = start_main(*first, f"hydra.run.dir={run_dir}")
+    wait_for_steps(proc, run_dir / "metrics.jsonl", 3)  # step 0 eval + 2 steps
+    os.killpg(proc.pid, signal.SIGTERM)  # the driver, Ray's raylet and GCS (the actors have groups of their own)
+    proc.stdout.close()  # and tee is gone
+    assert proc.wait(timeout=300) == 128 + signal.SIGTERM
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["error"].startswith(f"SIGTERM after step {last}")
+    assert 2 <= last < 200 and summary["checkpoint"] == str(run_dir / "checkpoints" / f"step_{last:08d}")
     state = json.loads((run_dir / "checkpoints" / f"step_{last:08d}" / "state.json").read_text())
-    assert state["step"] == last == state["policy_version"]
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert state["step"] == last == state["policy_version"]  # saved by the learner after the signal
+
+    resumed = run_main(f"hydra.run.dir={run_dir}", "trainer.resume=auto", f"trainer.total_steps={last + 1}")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "under its run's config; set now: trainer.total_steps" in resumed.stdout
+    assert "32 training and 8 evaluation prompts (columns prompt/answer, raw text)" in resumed.stdout
+    record = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
+    saved = yaml.safe_load(record["config.yaml"])
+    assert saved["data"]["train_files"] == [str(prompts)] and saved["data"]["chat_template"] is False
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+    refused = run_main(f"hydra.run.dir={run_dir}", "trainer.resume=auto", "data.chat_template=true", timeout=120)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert (
+        "data.chat_template: False -> True" in refused.stderr and "trainer.resume_allow_changes=true" in refused.stderr
+    )
+    assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == record  # nothing touched
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_actors_start_is_one_line(tmp_path, student_dir, teacher_dir):
+    """Issue 17: Ctrl-C during actor start-up printed a 50-line KeyboardInterrupt traceback."""
+    import signal
+
+    args = [f"model.student.path={student_dir}", f"model.teacher.path={teacher_dir}", *TINY, "tracking=disabled"]
+    proc = start_main(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "Ray dashboard" in line:  # Ray is up; the actors are starting
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    out = "".join(seen) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
+    assert "miniverl: SIGINT while starting: stopped before the first step, nothing to save" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+
+
+def test_help_shows_miniverls_groups_and_the_first_commands():
+    """Issue 17: --help printed Hydra's generic text."""
+    proc = run_main("--help", timeout=120)
+    assert proc.returncode == 0
+    assert "python -m miniverl.main +experiment=gkd " in proc.stdout and "trainer.resume=auto" in proc.stdout
+    assert "experiment: gkd, gkd_4080" in proc.stdout and "rollout: hf_cached, hf_reference, vllm" in proc.stdout

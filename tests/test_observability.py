@@ -104,3 +104,54 @@ def test_trim_metrics_keeps_steps_up_to_the_checkpoint_and_loses_nothing(tmp_pat
     trim_metrics(samples, 2)
     assert [json.loads(x)["step"] for x in samples.read_text().splitlines()] == [0, 2]
     assert [json.loads(x)["step"] for x in (tmp_path / "samples.replaced.jsonl").read_text().splitlines()] == [4]
+
+
+def test_the_final_summary_lists_only_what_the_run_wrote(tmp_path, capsys):
+    """Issue 17: the last line listed wandb/ (and plots) with tracking disabled."""
+    from miniverl.main import print_summary
+
+    (tmp_path / ".hydra").mkdir()
+    for name in (".hydra/config.yaml", "metrics.jsonl", "summary.json"):
+        (tmp_path / name).write_text("{}")
+    summary = {"steps": 1, "objective": "gkd", "device": "cpu", "wall_seconds": 1.0, "memory": {}}
+    summary |= {"start_reverse_kl": 1.0, "end_reverse_kl": 0.5, "start_accuracy": 0.1, "end_accuracy": 0.2}
+    print_summary(summary, tmp_path)
+    assert f"run directory: {tmp_path} (config, metrics.jsonl, summary.json)\n" in capsys.readouterr().out
+
+
+def test_matplotlib_is_a_dependency_so_plots_work_after_pip_install():
+    """Issue 17: `pip install -e .` brought no matplotlib, so a first run drew no plots (tracking.plots is on)."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("matplotlib") for d in project["dependencies"])
+
+
+def test_building_a_model_reports_progress_every_few_seconds(monkeypatch, tmp_path):
+    """Issue 17: on a busy 2-core box the first run printed one line every ~5 minutes and looked hung."""
+    import itertools
+
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from miniverl.models import builtin
+    from miniverl.models.tokenizer import save_char_tokenizer
+
+    clock = itertools.count(0, 6)  # every call 6 s later: each step takes longer than BUILD_REPORT_SECONDS
+    monkeypatch.setattr(builtin.time, "monotonic", lambda: float(next(clock)))
+    save_char_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    lines = []
+    recipe = builtin.BuiltinRecipe("reverse", 2, 3)
+    builtin.sft_train(Qwen2ForCausalLM(config), tok, recipe, builtin.SftSpec(20, 4, 1e-3, 0), lines.append)
+    assert len(lines) == 20, lines  # one per step here; before: one per 20% of the steps
+    assert lines[-1].startswith("[miniverl]   sft step 20/20") and "s left)" in lines[-1]

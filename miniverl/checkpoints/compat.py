@@ -1,10 +1,13 @@
 """Whether a checkpoint can continue under the current config, and what changed.
 
-A config key falls in one of three classes:
-- identity: what is trained and how (the models, the LoRA shape, the objective). A checkpoint made under
-  another identity cannot continue: the adapter or optimizer would not fit, or would mean something else.
+A resumed run starts from the saved run's config and applies only what the command line sets now
+(`resumed_config`), so a difference is always something the user asked for. A config key falls in one
+of four classes:
+- the LoRA shape: refused, the adapter and its optimizer state would not fit.
+- guarded: what is trained on and toward what (models, objective, data, reward, sampling: rollout.*).
+  Refused unless trainer.resume_allow_changes=true, then allowed with a warning.
 - harmless: how long, how often to evaluate/save/log, where actors run. Said, then allowed.
-- everything else (learning rate, data, sampling): allowed and said, with the warning that the run no
+- everything else (learning rate, micro-batch, ...): allowed and said, with the warning that the run no
   longer matches the uninterrupted one.
 """
 
@@ -16,14 +19,17 @@ from typing import Any
 
 from miniverl.protocol import ConfigError
 
-IDENTITY_PREFIXES = ("model.student.", "model.teacher.", "model.lora.", "objective.")
+IDENTITY_PREFIXES = ("model.student.", "model.teacher.", "model.lora.", "objective.")  # hashed into config_hash
+FIXED_PREFIXES = ("model.lora.",)
+GUARDED_PREFIXES = ("model.student.", "model.teacher.", "objective.", "data.", "reward.", "rollout.")
+ALLOW_CHANGES = "trainer.resume_allow_changes"
 HARMLESS_PREFIXES = (
     "trainer.total_steps",
     "trainer.eval_every",
     "trainer.eval_samples",
     "trainer.save_every",
     "trainer.keep_checkpoints",
-    "trainer.resume",
+    "trainer.resume",  # also trainer.resume_allow_changes
     "trainer.on_nonfinite",
     "tracking.",
     "resources.",
@@ -59,13 +65,22 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], where: str) 
     """Raise ConfigError when `saved` (the checkpoint's config) cannot continue under `current`;
     otherwise return one message per class of allowed difference (empty when the configs are equal)."""
     old, new = flatten(saved), flatten(current)
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-    identity = [k for k in changed if k.startswith(IDENTITY_PREFIXES)]
-    if identity:
+    # A key the checkpoint's config lacks came with a newer miniverl; the saved run ran without it.
+    changed = sorted(k for k in old if old[k] != new.get(k))
+    fixed = [k for k in changed if k.startswith(FIXED_PREFIXES)]
+    if fixed:
         raise ConfigError(
-            f"checkpoint {where} was made under another model, LoRA shape or objective"
-            f" ({_describe(identity, old, new)}); resume it with its own settings, or start a fresh run"
+            f"checkpoint {where} was made under another LoRA shape ({_describe(fixed, old, new)}): its adapter"
+            " and optimizer state do not fit; resume it with its own settings, or start a fresh run"
             " (trainer.resume=none in a new run directory)"
+        )
+    guarded = [k for k in changed if k.startswith(GUARDED_PREFIXES)]
+    if guarded and not new.get(ALLOW_CHANGES):
+        raise ConfigError(
+            f"resuming checkpoint {where} with another model, objective, data, reward or sampling"
+            f" ({_describe(guarded, old, new)}): the resumed run would train something else than the run it"
+            f" continues. Drop those overrides to continue it as it was, add {ALLOW_CHANGES}=true to change them"
+            " anyway, or start a fresh run (trainer.resume=none in a new run directory)"
         )
     harmless = [k for k in changed if k.startswith(HARMLESS_PREFIXES)]
     other = [k for k in changed if k not in harmless]
@@ -78,3 +93,44 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], where: str) 
             " longer matches an uninterrupted run"
         )
     return notes
+
+
+def command_line_keys(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(config keys set as key=value, config-group choices) among Hydra's command-line overrides.
+
+    `data.train_files=[a]` and `+reward.by_source={...}` set keys; `+experiment=gkd`, `rollout=vllm` and
+    `model/student=builtin` choose config groups (no dot, or a slash). `hydra.*` is left out.
+    """
+    keys, groups = [], []
+    for override in overrides:
+        name = override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+        if name == "hydra" or name.startswith("hydra."):
+            continue
+        if "." in name and "/" not in name:
+            keys.append(name)
+        else:
+            groups.append(override)
+    return keys, groups
+
+
+def resumed_config(current, saved: dict[str, Any], keys: list[str]):
+    """The config a resumed run continues under: the saved run's, with the keys set now (`keys`) taken from
+    `current` (the composed DictConfig of this command). Returns (config, keys that differ from `current`
+    only because the saved value was kept)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(current, saved)  # current's schema and types, the saved run's values
+    except OmegaConfBaseException as e:
+        raise ConfigError(
+            f"the checkpoint's saved config does not fit this miniverl's schema ({e.__class__.__name__}:"
+            f" {str(e).splitlines()[0]}); resume it with the miniverl version that wrote it, or start a fresh run"
+        ) from e
+    for key in keys:
+        OmegaConf.update(merged, key, OmegaConf.select(current, key), merge=False)
+    now = flatten(OmegaConf.to_container(current, resolve=True))
+    kept = flatten(OmegaConf.to_container(merged, resolve=True))
+    set_now = tuple(keys) + tuple(f"{k}." for k in keys)
+    differ = sorted(k for k in now if now[k] != kept.get(k) and not k.startswith(set_now))
+    return merged, differ

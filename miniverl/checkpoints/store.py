@@ -11,7 +11,8 @@ from miniverl.checkpoints.files import PARTIAL_SUFFIX, CheckpointError, read_sta
 CHECKPOINTS_DIR = "checkpoints"
 STEP_PATTERN = re.compile(r"^step_(\d+)$")
 REQUIRED_STATE_KEYS = ("step", "policy_version", "policy_digest", "config", "config_hash", "first_eval", "files")
-# What marks a directory as holding a run (Hydra's .hydra/ alone does not: Hydra writes it before main).
+# What marks a directory as holding a run (.hydra/ alone does not: main writes it once the checks pass, so a
+# run stopped while its actors started leaves only .hydra/, and nothing was trained).
 RUN_MARKERS = ("metrics.jsonl", "summary.json", CHECKPOINTS_DIR)
 
 

@@ -44,6 +44,7 @@ def build_prompt_source(d, tokenizer, total_steps: int, log=print) -> PromptStre
             d.shuffle,
             d.eval_prompts,
             d.seed,
+            d.max_unencodable_rows,
         )
         source.batch(0, d.prompts_per_step)
     source.eval_batch(d.eval_prompts)  # counts over-long held-out prompts; an all-over-long set fails here

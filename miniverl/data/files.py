@@ -44,6 +44,8 @@ def load_table(paths: list[str], field: str):
             f"{field}={paths}: use files of one format, ending in {', '.join(LOADERS)}"
             f" (found {sorted({f.suffix for f in files})})"
         )
+    for f in files:
+        check_file_text(f, field)
     datasets.disable_progress_bars()
     try:
         table = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
@@ -52,6 +54,28 @@ def load_table(paths: list[str], field: str):
     if len(table) == 0:
         raise ConfigError(f"{field}={paths}: the files hold no rows")
     return table
+
+
+def check_file_text(file: Path, field: str) -> None:
+    """An empty file, or a JSON file that is not UTF-8, named with its line, before `datasets` reads it
+    (it would fail with a bare StopIteration, or accept the bytes and raise UnicodeDecodeError mid-run)."""
+    if file.stat().st_size == 0:
+        raise ConfigError(f"{field}: {file} is empty (0 bytes); pass a file with prompt rows")
+    if LOADERS.get(file.suffix) != "json":
+        return
+    blank = True
+    with file.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{field}: {file} line {number} is not UTF-8 text (byte 0x{line[e.start]:02x} at column"
+                    f" {e.start + 1}: {e.reason}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 {file.name})"
+                ) from e
+            blank = blank and not text.strip()
+    if blank:
+        raise ConfigError(f"{field}: {file} holds only blank lines; pass a file with one JSON object per line")
 
 
 def is_verl_table(table) -> bool:

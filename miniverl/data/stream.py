@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from miniverl.data.charset import check_encodable
 from miniverl.data.files import Columns, check_columns, is_verl_table, load_table, verl_row
 from miniverl.data.templates import encode_prompt
 from miniverl.protocol import ConfigError, PromptBatch
 
 UNKNOWN, VALID, OVERLONG = 0, 1, 2  # per-row length status, filled in as the stream reaches a row
+UNENCODABLE = 3  # set before training: the row holds characters the tokenizer cannot encode (data/charset.py)
 HOLDOUT_STREAM = 1  # seed-sequence tag of the held-out split, apart from every epoch's order (tag 0)
 
 
@@ -39,6 +41,7 @@ class FilePromptSource:
         shuffle: bool,
         eval_prompts: int,
         seed: int,
+        max_unencodable_rows: int = 0,
     ) -> None:
         self.columns, self.tokenizer, self.use_template = columns, tokenizer, use_template
         self.max_prompt_length, self.overlong, self.shuffle, self.seed = max_prompt_length, overlong, shuffle, seed
@@ -62,6 +65,18 @@ class FilePromptSource:
             id(self.train): np.zeros(len(self.train), np.int8),
             id(self.val): np.zeros(len(self.val), np.int8),
         }
+        # Every prompt's characters are checked now, before training (silently mangled prompts are worse
+        # than a refusal); rows within data.max_unencodable_rows are skipped like over-long ones.
+        self.unencodable_count = 0
+        tables = [(self.train, train_files, "data.train_files")]
+        if val_files:
+            tables.append((self.val, val_files, "data.val_files"))
+        for table, files, key in tables:
+            column = "prompt" if is_verl_table(table) else columns.prompt_key
+            allowed = max_unencodable_rows - self.unencodable_count
+            rows = check_encodable(table, column, tokenizer, list(files), key, allowed)
+            self.status[id(table)][rows] = UNENCODABLE
+            self.unencodable_count += len(rows)
         self.valid: list[int] = []  # table rows of the training stream, in stream order
         self.scanned = 0  # stream positions examined so far (epoch * len(train_idx) + offset)
         self.overlong_count = 0  # distinct over-long rows met so far (train and eval)
@@ -74,7 +89,10 @@ class FilePromptSource:
             else f"columns {self.columns.prompt_key}/{self.columns.answer_key}"
         )
         template = "chat template" if self.use_template else "raw text"
-        return f"{len(self.train_idx)} training and {len(self.eval_idx)} evaluation prompts ({kind}, {template})"
+        skipped = f", {self.unencodable_count} unencodable rows skipped" if self.unencodable_count else ""
+        return (
+            f"{len(self.train_idx)} training and {len(self.eval_idx)} evaluation prompts ({kind}, {template}{skipped})"
+        )
 
     def order(self, epoch: int) -> np.ndarray:
         """Training rows in the order of `epoch`: a fresh seeded permutation per epoch (or file order)."""
@@ -89,7 +107,7 @@ class FilePromptSource:
         """The verl row and its ids, or None for ids when it is over-long and filtered."""
         row = verl_row(table[int(index)], self.columns, int(index))
         status = self.status[id(table)]
-        if status[index] == OVERLONG:
+        if status[index] in (OVERLONG, UNENCODABLE):
             return row, None
         ids = encode_prompt(self.tokenizer, row["prompt"], self.use_template)
         if len(ids) <= self.max_prompt_length:

@@ -68,6 +68,7 @@ class BuiltinRecipe:
         return f"{self.task}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
+BUILD_REPORT_SECONDS = 5.0  # a progress line at least this often while a model builds (a busy box took 30 min)
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_ROLES = ("teacher", "student")
 
@@ -170,7 +171,7 @@ def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> Non
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     model.train()
-    report_every = max(1, sft.steps // 5)
+    started = last = time.monotonic()
     for step in range(sft.steps):
         ids, mask, lab = _sft_batch(tok, _examples(recipe, rng, sft.batch_size))
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
@@ -179,8 +180,11 @@ def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> Non
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if (step + 1) % report_every == 0:
-            log(f"[miniverl]   sft step {step + 1}/{sft.steps} loss {loss.item():.3f}")
+        now = time.monotonic()
+        if now - last >= BUILD_REPORT_SECONDS or step + 1 == sft.steps:
+            last, done = now, step + 1
+            took, left = now - started, (now - started) / done * (sft.steps - done)
+            log(f"[miniverl]   sft step {done}/{sft.steps} loss {loss.item():.3f} ({took:.0f}s, ~{left:.0f}s left)")
     model.eval()
 
 

@@ -32,8 +32,13 @@ def resolve_model_ref(path: str, field: str, fix: str) -> str:
     if p.is_dir():
         check_model_dir(p, field, fix)
         return str(p)
+    if p.exists():
+        raise ConfigError(
+            f"{field}={path!r} is a file, not a model directory; pass the directory that holds its config.json and"
+            " weights (the folder save_pretrained wrote), a hub id, or builtin:student / builtin:teacher"
+        )
     looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or not HUB_ID.match(path)
-    if looks_local or p.exists():
+    if looks_local:
         raise ConfigError(
             f"{field}={path!r} does not exist; pass a saved model directory, a hub id such as"
             f" Qwen/Qwen2.5-0.5B-Instruct, or builtin:student / builtin:teacher"
@@ -46,8 +51,8 @@ def resolve_model_ref(path: str, field: str, fix: str) -> str:
         return cached
     raise ConfigError(
         f"{field}={path!r} is a hub id, but the hub is unreachable ({reason}) and the model is not in the local"
-        f" Hugging Face cache; download it where the hub is reachable (huggingface-cli download {path}"
-        f" --local-dir DIR) and pass {field}=DIR"
+        f" Hugging Face cache; download it where the hub is reachable (hf download {path} --local-dir DIR;"
+        f" older huggingface-hub: huggingface-cli download) and pass {field}=DIR"
     )
 
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from miniverl.data.tasks import TASKS
 from miniverl.registry import Registry
-from miniverl.rewards.batch import ExactMatchReward, RewardError, SourceReward, load_custom_function
+from miniverl.rewards.batch import (
+    ExactMatchReward,
+    RewardError,
+    SourceReward,
+    check_custom_signature,
+    load_custom_function,
+)
 from miniverl.rewards.scoring import boxed, exact_match, gsm8k
 
 REWARDS = Registry("reward", "reward.name")
@@ -61,6 +67,7 @@ def build_reward(cfg, tokenizer) -> SourceReward:
     """The batch reward from RewardConfig: custom function > by_source > name (auto: SOURCE_REWARDS)."""
     if cfg.custom_function is not None:
         fn = load_custom_function(cfg.custom_function)
+        check_custom_signature(fn, cfg.custom_function)  # now, before Ray, not at the first scored row
         return SourceReward(tokenizer, lambda source: (cfg.custom_function, fn), custom=True)
     table = {**(SOURCE_REWARDS if cfg.name == AUTO else {}), **cfg.by_source}
 

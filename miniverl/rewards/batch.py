@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -101,3 +102,22 @@ def load_custom_function(spec: str, check_only: bool = False) -> Callable | None
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise ConfigError(f"{key}: {file} defines no function {name!r} (it defines: {', '.join(defined) or 'none'})")
     return fn
+
+
+CUSTOM_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")  # verl's compute_score arguments
+
+
+def check_custom_signature(fn: Callable, spec: str) -> None:
+    """A custom reward is called as fn(data_source, solution_str, ground_truth, extra_info): check that it
+    accepts those four arguments now, before Ray starts, instead of failing at the first scored row."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function without a signature: it is tried when called
+        return
+    try:
+        signature.bind(*CUSTOM_ARGS)
+    except TypeError as e:
+        raise ConfigError(
+            f"reward.custom_function={spec!r}: the function's signature {fn.__name__}{signature} cannot take the"
+            f" four arguments it is called with ({e}); define it as def {fn.__name__}({', '.join(CUSTOM_ARGS)})"
+        ) from e

@@ -17,6 +17,9 @@ class ProcessSettings:
     # less its CUDA context, emulated_cap_gib).
     gpu_memory_gib: float | None = None
     gpu_fraction: float = 1.0  # this actor's Ray share of its GPU (its memory budget when nothing caps it)
+    # An actor process (run.build_actors): SIGINT/SIGTERM are ignored, because a terminal's Ctrl-C, `timeout`
+    # or a scheduler signal the whole process group, and stopping (checkpoint first) is the driver's job.
+    actor: bool = False
 
 
 # What every actor process holds on the GPU outside torch's allocator (its CUDA context, cuBLAS and NCCL
@@ -48,10 +51,35 @@ def memory_share_bytes(settings: ProcessSettings) -> int:
     return int(settings.gpu_fraction * total - CUDA_CONTEXT_GIB * 2**30)
 
 
+# Loggers whose notes only alarm a user: bitsandbytes' CPU backend asks every process to
+# `pip install kernels`, an optional faster 4-bit CPU kernel that miniVERL never uses (NF4 is CUDA-only here).
+QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+
+
+def quiet_library_notes() -> None:
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def ignore_stop_signals() -> None:
+    """Leave SIGINT/SIGTERM to the driver (only in the main thread, where handlers can be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+
+
 def setup_process(settings: ProcessSettings) -> str:
     """Apply thread and memory settings; return the torch device string for this actor."""
     import os
 
+    quiet_library_notes()
+    if settings.actor:
+        ignore_stop_signals()
     torch.set_num_threads(settings.torch_threads or os.cpu_count() or 1)
     if settings.device != "cuda":
         return "cpu"

@@ -11,8 +11,23 @@ from miniverl.data.prompts import PromptSource
 from miniverl.protocol import ConfigError
 
 
-def _char_tokenizer(text):
-    return {"input_ids": [ord(ch) for ch in text]}
+class _CharTokenizer:
+    """One id per character (its code point): the parts of a Hugging Face tokenizer the prompt stream uses,
+    including the round-trip check of every prompt character (miniverl/data/charset.py)."""
+
+    unk_token_id = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(ch) for ch in text]}
+
+    def decode(self, ids, **_kwargs):
+        return "".join(map(chr, ids))
+
+    def get_vocab(self):
+        return {chr(i): i for i in range(1024)}  # large: a refusal does not list it
+
+
+_char_tokenizer = _CharTokenizer()
 
 
 def test_task_rows_are_the_prompts_the_run_trains_on():

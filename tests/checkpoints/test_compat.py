@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from miniverl.checkpoints.compat import check_resumable, identity_hash
+from miniverl.checkpoints.compat import check_resumable, command_line_keys, identity_hash, resumed_config
 from miniverl.checkpoints.store import step_dir
+from miniverl.config import to_config
 from miniverl.preflight import resolve_resume
 from miniverl.protocol import ConfigError
 from tests.test_config import load
@@ -21,18 +22,36 @@ def as_dict(*overrides: str) -> dict:
 @pytest.mark.parametrize(
     ("override", "named"),
     [
-        ("model.student.path=/elsewhere", "model.student.path"),
         ("model.lora.rank=8", "model.lora.rank: 32 -> 8"),
         ("model.lora.target_modules=[q_proj]", "model.lora.target_modules"),
-        ("objective=pg_k1", "objective.name: 'gkd' -> 'pg_k1'"),
-        ("objective.beta=1.0", "objective.beta"),
     ],
 )
-def test_another_model_lora_shape_or_objective_is_refused_naming_the_key(override, named):
-    with pytest.raises(ConfigError, match="another model, LoRA shape or objective") as info:
-        check_resumable(as_dict(), as_dict(override), "ckpt")
-    assert named in str(info.value)
+def test_another_lora_shape_is_refused_naming_the_key_even_with_the_opt_in(override, named):
+    for allow in ("false", "true"):
+        with pytest.raises(ConfigError, match="another LoRA shape") as info:
+            check_resumable(as_dict(), as_dict(override, f"trainer.resume_allow_changes={allow}"), "ckpt")
+        assert named in str(info.value)
     assert identity_hash(as_dict()) != identity_hash(as_dict(override))
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("model.student.path=/elsewhere", "model.student.path"),
+        ("objective=pg_k1", "objective.name: 'gkd' -> 'pg_k1'"),
+        ("objective.beta=1.0", "objective.beta"),
+        ("data.train_files=[a.jsonl]", "data.train_files: [] -> ['a.jsonl']"),
+        ("data.chat_template=false", "data.chat_template: True -> False"),
+        ("rollout.temperature=0.7", "rollout.temperature: 1.0 -> 0.7"),
+        ("reward.name=gsm8k", "reward.name"),
+    ],
+)
+def test_changed_model_objective_data_or_sampling_needs_the_opt_in(override, named):
+    with pytest.raises(ConfigError, match="another model, objective, data, reward or sampling") as info:
+        check_resumable(as_dict(), as_dict(override), "ckpt")
+    assert named in str(info.value) and "trainer.resume_allow_changes=true" in str(info.value)
+    notes = check_resumable(as_dict(), as_dict(override, "trainer.resume_allow_changes=true"), "ckpt")
+    assert any(named in n and "no longer matches an uninterrupted run" in n for n in notes), notes
 
 
 def test_harmless_and_other_changes_are_allowed_and_said():
@@ -44,6 +63,55 @@ def test_harmless_and_other_changes_are_allowed_and_said():
     assert len(notes) == 2 and "trainer.eval_every" in notes[0]
     assert "trainer.lr" in notes[1] and "no longer matches an uninterrupted run" in notes[1]
     assert identity_hash(saved) == identity_hash(as_dict("trainer.lr=0.001"))
+
+
+def test_keys_newer_than_the_checkpoint_are_not_changes():
+    """A checkpoint written before data.max_unencodable_rows existed still resumes."""
+    saved = as_dict()
+    del saved["data"]["max_unencodable_rows"], saved["trainer"]["resume_allow_changes"]
+    assert check_resumable(saved, as_dict(), "ckpt") == []
+
+
+def test_command_line_keys_split_keys_from_group_choices():
+    keys, groups = command_line_keys(
+        [
+            "+experiment=gkd",
+            "data.train_files=[a.jsonl]",
+            "+reward.by_source={x: boxed}",
+            "rollout=hf_cached",
+            "model/student=builtin",
+            "hydra.run.dir=out",
+            "trainer.resume=auto",
+            "~tracking.run_name",
+        ]
+    )
+    assert keys == ["data.train_files", "reward.by_source", "trainer.resume", "tracking.run_name"]
+    assert groups == ["+experiment=gkd", "rollout=hf_cached", "model/student=builtin"]
+
+
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from miniverl.config import register_configs
+    from tests.test_config import CONF
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def test_a_resumed_run_keeps_its_saved_config_and_applies_only_the_keys_set_now():
+    """Issue 17: the README's resume command reverted data.train_files and data.chat_template to defaults."""
+    saved = as_dict("+experiment=gkd", "data.train_files=[my.jsonl]", "data.chat_template=false", "objective.beta=1.0")
+    now = ["+experiment=gkd", "trainer.resume=auto", "trainer.total_steps=600"]
+    keys, _ = command_line_keys(now)
+    merged, kept = resumed_config(compose(*now), saved, keys)
+    cfg = to_config(merged)
+    assert cfg.data.train_files == ["my.jsonl"] and cfg.data.chat_template is False and cfg.objective.beta == 1.0
+    assert cfg.trainer.resume == "auto" and cfg.trainer.total_steps == 600
+    assert {"data.train_files", "data.chat_template", "objective.beta"} <= set(kept)  # said, not applied
+    assert check_resumable(saved, dataclasses.asdict(cfg), "ckpt")[0].startswith("resuming with changed run")
 
 
 def fake_checkpoint(run_dir, step: int, config: dict) -> None:

@@ -60,11 +60,18 @@ def test_missing_prompt_column_names_the_columns_and_the_key(tmp_path):
     [
         ("p.csv", "a,b\n", "ending in .jsonl"),
         ("p.jsonl", "{not json\n", "cannot read it"),
-        ("p.jsonl", "", "cannot read it|no rows"),
+        ("p.jsonl", "", r"data.train_files: .*p.jsonl is empty \(0 bytes\)"),  # was a bare "StopIteration: "
+        ("p.jsonl", "\n\n", r"p.jsonl holds only blank lines"),
+        ("p.parquet", "", r"p.parquet is empty"),
+        # latin-1 bytes: datasets accepted the file and raised UnicodeDecodeError at the first read of the row
+        ("p.jsonl", b'{"prompt": "ok>"}\n{"prompt": "caf\xe9>"}\n', r"p.jsonl line 2 is not UTF-8 text \(byte 0xe9"),
     ],
 )
 def test_bad_files_name_the_key(tmp_path, name, content, message):
-    (tmp_path / name).write_text(content)
+    if isinstance(content, bytes):
+        (tmp_path / name).write_bytes(content)
+    else:
+        (tmp_path / name).write_text(content)
     with pytest.raises(ConfigError, match=message):
         list(verl_rows([str(tmp_path / name)]))
 

@@ -32,6 +32,7 @@ def test_hub_id_with_a_dot_is_not_a_missing_path_and_fails_fast_offline(offline)
     msg = str(err.value)
     assert "is a hub id, but the hub is unreachable (HF_HUB_OFFLINE is set)" in msg
     assert "does not exist" not in msg and "pass model.student.path=DIR" in msg
+    assert f"hf download {QWEN} --local-dir DIR" in msg  # current huggingface-hub ships `hf`, not huggingface-cli
 
 
 def test_unreachable_hub_is_probed_once_and_briefly(monkeypatch, tmp_path):
