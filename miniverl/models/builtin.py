@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from miniverl.data.tasks import TASKS, Example
+from miniverl.data.tasks import Example, draw_examples
 
 BUILD_RECIPE_VERSION = 1  # bump when the training code changes what it produces
 MAX_POSITIONS = 64  # longest prompt + answer of the built-in tasks is far below this
@@ -70,21 +70,42 @@ class BuiltinRecipe:
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_ROLES = ("teacher", "student")
+TASK_SEPARATOR = "/"  # builtin:teacher/sort = the built-in teacher of data.task=sort (several teachers per run)
+
+
+def parse_builtin_ref(path: str, default_task: str) -> tuple[str, str] | None:
+    """`builtin:<role>[/<task>]` -> (role, task), the task defaulting to data.task; None for any other path."""
+    from miniverl.data.tasks import TASKS, task_names
+    from miniverl.protocol import ConfigError
+
+    if not path.startswith(BUILTIN_PREFIX):
+        return None
+    role, _, task = path[len(BUILTIN_PREFIX) :].partition(TASK_SEPARATOR)
+    if role not in BUILTIN_ROLES or (TASK_SEPARATOR in path and not task):
+        raise ConfigError(
+            f"{path!r}: built-in models are builtin:student and builtin:teacher (of data.task), or"
+            f" builtin:<role>/<task> for another task's model (e.g. builtin:teacher/sort)"
+        )
+    for name in task_names(task or default_task):
+        TASKS.require(name)
+    return role, task or default_task
 
 
 def builtin_dir(cache_dir: str | Path, recipe: BuiltinRecipe) -> Path:
     return Path(cache_dir).expanduser() / "builtin" / recipe.key()
 
 
-def ensure_builtin_models(cache_dir: str | Path, recipe: BuiltinRecipe, log=print) -> dict[str, Path]:
-    """Return {"teacher": dir, "student": dir}, building (and caching) whatever is missing."""
+def ensure_builtin_models(
+    cache_dir: str | Path, recipe: BuiltinRecipe, log=print, roles: tuple[str, ...] = BUILTIN_ROLES
+) -> dict[str, Path]:
+    """Return {"teacher": dir, "student": dir}, building (and caching) whatever of `roles` is missing."""
     root = builtin_dir(cache_dir, recipe)
     paths = {role: root / role for role in BUILTIN_ROLES}
     for role, arch, sft in (
         ("teacher", recipe.teacher_arch, recipe.teacher_sft),
         ("student", recipe.student_arch, recipe.student_sft),
     ):
-        if (paths[role] / "build.json").exists():
+        if role not in roles or (paths[role] / "build.json").exists():
             continue
         log(f"[miniverl] building the built-in {role} for task {recipe.task!r} (cached in {paths[role]})")
         build_model(paths[role], recipe, arch, sft, log)
@@ -134,8 +155,8 @@ def build_model(target: Path, recipe: BuiltinRecipe, arch: ArchSpec, sft: SftSpe
 
 
 def _examples(recipe: BuiltinRecipe, rng: random.Random, n: int) -> list[Example]:
-    task = TASKS.get(recipe.task)
-    return [task(rng, recipe.min_len, recipe.max_len) for _ in range(n)]
+    """A mixed recipe (task `reverse+sort`) trains on its tasks in turn, as the run's prompts come."""
+    return [ex for _, ex in draw_examples(recipe.task, rng, recipe.min_len, recipe.max_len, n)]
 
 
 def _sft_batch(tok, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
