@@ -236,3 +236,25 @@ def test_one_named_teacher_trains_like_the_single_teacher_config_and_two_teacher
     assert two[1]["by_teacher/rev/rows"] == 4 and "by_teacher/srt/reverse_kl" in two[1]
     assert set(summaries["two"]["by_source"]) == {"reverse", "sort"}
     assert "eval/reverse_kl/sort" in two[0] and "eval/accuracy/reverse" in two[-1]
+
+
+def test_a_checkpoint_does_not_resume_under_other_teachers_or_routes():
+    import dataclasses
+
+    from miniverl.checkpoints.compat import check_resumable
+
+    base = load("+model.teachers={rev:{path:/r},srt:{path:/s}}", "+model.teacher_by_source.reverse=rev")
+    saved = dataclasses.asdict(dataclasses.replace(base, model=dataclasses.replace(base.model, default_teacher="srt")))
+    for change in (
+        "model.default_teacher=rev",
+        "model.teachers.srt.path=/other",
+        "model.teacher_by_source.reverse=srt",
+    ):
+        cfg = load(
+            "+model.teachers={rev:{path:/r},srt:{path:/s}}",
+            "+model.teacher_by_source.reverse=rev",
+            "model.default_teacher=srt",
+            change,
+        )
+        with pytest.raises(ConfigError, match="another model"):
+            check_resumable(saved, dataclasses.asdict(cfg), "ckpt")

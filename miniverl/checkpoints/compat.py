@@ -16,7 +16,15 @@ from typing import Any
 
 from miniverl.protocol import ConfigError
 
-IDENTITY_PREFIXES = ("model.student.", "model.teacher.", "model.lora.", "objective.")
+IDENTITY_PREFIXES = (
+    "model.student.",
+    "model.teacher.",
+    "model.teachers.",  # several teachers: which ones, and which rows each scores
+    "model.teacher_by_source.",
+    "model.default_teacher",
+    "model.lora.",
+    "objective.",
+)
 HARMLESS_PREFIXES = (
     "trainer.total_steps",
     "trainer.eval_every",
