@@ -228,7 +228,13 @@ def test_one_named_teacher_trains_like_the_single_teacher_config_and_two_teacher
             summaries[name] = train(load(*common, *extra), tmp_path / name, {}, log=lambda *_: None)
     finally:
         ray.shutdown()
-    assert _numbers(tmp_path / "named") == _numbers(tmp_path / "single")
+    single, named = _numbers(tmp_path / "single"), _numbers(tmp_path / "named")
+    assert [{k: r[k] for k in s} for r, s in zip(named, single)] == single  # every number the same
+    assert {k for r in named for k in r} - {k for r in single for k in r} == {
+        f"{prefix}/{what}"
+        for prefix in ("by_source/reverse", "by_teacher/only")
+        for what in ("reverse_kl", "accuracy", "rows")
+    }
     assert summaries["named"]["end_reverse_kl"] == summaries["single"]["end_reverse_kl"]
     assert summaries["named"]["teachers"] == {"only": str(teacher_dir)}
     two = _numbers(tmp_path / "two")
@@ -258,3 +264,43 @@ def test_a_checkpoint_does_not_resume_under_other_teachers_or_routes():
         )
         with pytest.raises(ConfigError, match="another model"):
             check_resumable(saved, dataclasses.asdict(cfg), "ckpt")
+
+
+def test_mopd_experiments_compose_and_validate():
+    from miniverl.teachers import routing_of, teacher_specs
+
+    mopd = load("+experiment=mopd")
+    validate(mopd)
+    assert mopd.data.task == "reverse+sort" and mopd.model.teacher_by_source == {"reverse": "reverse", "sort": "sort"}
+    assert {r: s.path for r, s in teacher_specs(mopd.model).items()} == {
+        "teachers.reverse": "builtin:teacher/reverse",
+        "teachers.sort": "builtin:teacher/sort",
+    }
+    single = load("+experiment=mopd_single")
+    validate(single)
+    assert routing_of(single.model) is None and single.data.task == mopd.data.task
+
+
+def test_builtin_refs_name_a_task_and_mixtures_alternate_sources():
+    import random
+
+    from miniverl.data.tasks import draw_examples
+    from miniverl.models.builtin import parse_builtin_ref
+
+    assert parse_builtin_ref("builtin:teacher", "reverse+sort") == ("teacher", "reverse+sort")
+    assert parse_builtin_ref("builtin:teacher/sort", "reverse") == ("teacher", "sort")
+    assert parse_builtin_ref("/models/x", "reverse") is None
+    for bad in ("builtin:teacher/", "builtin:coach/sort", "builtin:teacher/juggling"):
+        with pytest.raises(ConfigError):
+            parse_builtin_ref(bad, "reverse")
+    drawn = draw_examples("reverse+sort", random.Random(0), 3, 8, 4)
+    assert [s for s, _ in drawn] == ["reverse", "sort", "reverse", "sort"]
+    _, ex = drawn[1]
+    assert ex.prompt.endswith("=") and ex.answer == "".join(sorted(ex.prompt[:-1]))
+    # one task draws exactly what the task itself draws (the default run's prompts are unchanged)
+    from miniverl.data.tasks import reverse_task
+
+    rng = random.Random(5)
+    assert [ex for _, ex in draw_examples("reverse", random.Random(5), 3, 8, 6)] == [
+        reverse_task(rng, 3, 8) for _ in range(6)
+    ]

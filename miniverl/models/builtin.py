@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from miniverl.data.tasks import Example, draw_examples
+from miniverl.data.tasks import Example, draw_examples, task_names
 
 BUILD_RECIPE_VERSION = 1  # bump when the training code changes what it produces
 MAX_POSITIONS = 64  # longest prompt + answer of the built-in tasks is far below this
@@ -39,7 +39,7 @@ class ArchSpec:
 
 @dataclass(frozen=True)
 class SftSpec:
-    steps: int
+    steps: int  # per task: a mixture of k tasks (data.task=reverse+sort) trains k x steps, so each task sees as much
     batch_size: int
     lr: float
     seed: int
@@ -181,18 +181,19 @@ def _sft_batch(tok, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor
 def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> None:
     """Supervised training on fresh task examples with AdamW and a cosine schedule with warm-up."""
     rng = random.Random(sft.seed)
+    steps = sft.steps * len(task_names(recipe.task))  # each task of a mixture gets the single-task budget
     opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.01)
-    warmup = max(1, sft.steps // 20)
+    warmup = max(1, steps // 20)
 
     def lr_at(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, sft.steps - warmup)))
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     model.train()
-    report_every = max(1, sft.steps // 5)
-    for step in range(sft.steps):
+    report_every = max(1, steps // 5)
+    for step in range(steps):
         ids, mask, lab = _sft_batch(tok, _examples(recipe, rng, sft.batch_size))
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         loss.backward()
@@ -201,7 +202,7 @@ def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> Non
         sched.step()
         opt.zero_grad(set_to_none=True)
         if (step + 1) % report_every == 0:
-            log(f"[miniverl]   sft step {step + 1}/{sft.steps} loss {loss.item():.3f}")
+            log(f"[miniverl]   sft step {step + 1}/{steps} loss {loss.item():.3f}")
     model.eval()
 
 
