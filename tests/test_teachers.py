@@ -278,7 +278,8 @@ def test_mopd_experiments_compose_and_validate():
     }
     single = load("+experiment=mopd_single")
     validate(single)
-    assert routing_of(single.model) is None and single.data.task == mopd.data.task
+    assert routing_of(single.model) is None and single.model.teacher.path == "builtin:teacher/reverse"
+    assert (single.data, single.objective, single.trainer) == (mopd.data, mopd.objective, mopd.trainer)
 
 
 def test_builtin_refs_name_a_task_and_mixtures_alternate_sources():
