@@ -305,3 +305,12 @@ def test_builtin_refs_name_a_task_and_mixtures_alternate_sources():
     assert [ex for _, ex in draw_examples("reverse", random.Random(5), 3, 8, 6)] == [
         reverse_task(rng, 3, 8) for _ in range(6)
     ]
+
+
+def test_a_builtin_mixture_trains_each_task_with_the_single_task_budget(tmp_path):
+    from miniverl.models.builtin import BuiltinRecipe, SftSpec, build_model
+    from tests.conftest import TINY_ARCH
+
+    lines: list[str] = []
+    build_model(tmp_path / "m", BuiltinRecipe("reverse+sort", 2, 4), TINY_ARCH, SftSpec(5, 4, 1e-3, 0), lines.append)
+    assert any("sft step 10/10" in line for line in lines)  # 2 tasks x 5 steps
