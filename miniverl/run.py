@@ -79,7 +79,7 @@ def resolve_model_paths(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
     specs = {"student": cfg.model.student.path, **{r: s.path for r, s in teacher_specs(cfg.model).items()}}
     out, builtin = {}, {}
     for role, path in specs.items():
-        ref = parse_builtin_ref(path, cfg.data.task)
+        ref = parse_builtin_ref(path, cfg.data.task, f"model.{role}.path")
         if ref is not None:
             builtin[role] = ref
         else:

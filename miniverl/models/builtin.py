@@ -73,7 +73,7 @@ BUILTIN_ROLES = ("teacher", "student")
 TASK_SEPARATOR = "/"  # builtin:teacher/sort = the built-in teacher of data.task=sort (several teachers per run)
 
 
-def parse_builtin_ref(path: str, default_task: str) -> tuple[str, str] | None:
+def parse_builtin_ref(path: str, default_task: str, field: str = "model path") -> tuple[str, str] | None:
     """`builtin:<role>[/<task>]` -> (role, task), the task defaulting to data.task; None for any other path."""
     from miniverl.data.tasks import TASKS, task_names
     from miniverl.protocol import ConfigError
@@ -83,11 +83,12 @@ def parse_builtin_ref(path: str, default_task: str) -> tuple[str, str] | None:
     role, _, task = path[len(BUILTIN_PREFIX) :].partition(TASK_SEPARATOR)
     if role not in BUILTIN_ROLES or (TASK_SEPARATOR in path and not task):
         raise ConfigError(
-            f"{path!r}: built-in models are builtin:student and builtin:teacher (of data.task), or"
+            f"{field}={path!r}: built-in models are builtin:student and builtin:teacher (of data.task), or"
             f" builtin:<role>/<task> for another task's model (e.g. builtin:teacher/sort)"
         )
     for name in task_names(task or default_task):
-        TASKS.require(name)
+        if name not in TASKS:
+            raise ConfigError(f"{field}={path!r}: no built-in task {name!r}; known: {', '.join(TASKS.names())}")
     return role, task or default_task
 
 
