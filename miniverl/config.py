@@ -18,7 +18,7 @@ NONFINITE_POLICIES = ("skip", "stop")
 
 @dataclass
 class DataConfig:
-    task: str = "reverse"  # a name in miniverl.data.tasks.TASKS
+    task: str = "reverse"  # a name in miniverl.data.tasks.TASKS, or several joined by + (mixed row by row)
     min_len: int = 3  # problem size bounds (characters to reverse, digits to add)
     max_len: int = 8
     prompts_per_step: int = 32  # G: prompt groups per step (each sampled rollout.n times)
@@ -79,6 +79,12 @@ class ModelConfig:
     # A built-in teacher below this greedy accuracy on its task stops the run: distilling from a teacher
     # that cannot do the task teaches nothing (data.task=addition built one with accuracy 0.000).
     builtin_min_teacher_accuracy: float = 0.8
+    # Several teachers, one per data source (docs/multi_teacher.md). Empty: model.teacher scores every row,
+    # as it always has. Non-empty: named teachers replace model.teacher (leave it at its default), each row is
+    # scored by teacher_by_source[its data_source], else by default_teacher; every teacher must get a route.
+    teachers: dict[str, ModelSpec] = field(default_factory=dict)
+    teacher_by_source: dict[str, str] = field(default_factory=dict)  # data_source -> a name in model.teachers
+    default_teacher: str | None = None  # the teacher of sources teacher_by_source does not name (None: none)
 
 
 @dataclass
@@ -289,12 +295,13 @@ def check_quantized_rollout(quantization: str, backend: str, refresh: str) -> No
 
 def validate(cfg: MiniVerlConfig) -> None:
     """Range and combination checks that run before any model is loaded or actor started."""
-    from miniverl.data.tasks import TASKS
+    from miniverl.data.tasks import TASKS, task_names
     from miniverl.models.loading import DTYPES, QUANTIZATIONS
     from miniverl.objectives import OBJECTIVES
     from miniverl.objectives.kl import KL_KINDS
     from miniverl.rewards import check_reward_config
     from miniverl.rollout import BACKENDS
+    from miniverl.teachers import check_teacher_routes
 
     t, d, r, o = cfg.trainer, cfg.data, cfg.rollout, cfg.objective
     _require(
@@ -335,6 +342,7 @@ def validate(cfg: MiniVerlConfig) -> None:
             f"model.{role}.quantization={spec.quantization!r}: use one of {', '.join(QUANTIZATIONS)}",
         )
     check_quantized_rollout(cfg.model.student.quantization, r.backend, r.vllm.refresh)
+    check_teacher_routes(cfg.model)
     _require(
         t.logprob_chunk_tokens >= 0,
         f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens}: use 0 (a micro-batch at once) or a token count"
@@ -445,7 +453,8 @@ def validate(cfg: MiniVerlConfig) -> None:
         ("learner", cfg.resources.learner),
     ):
         _require(res.num_gpus >= 0 and res.num_cpus >= 0, f"resources.{name}: num_gpus and num_cpus must be >= 0")
-    TASKS.require(d.task)
+    for task in task_names(d.task):
+        TASKS.require(task)
     check_reward_config(cfg.reward)
     BACKENDS.require(r.backend)
     OBJECTIVES.require(o.name)

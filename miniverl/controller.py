@@ -31,6 +31,7 @@ from miniverl.protocol import (
     group_bounds,
 )
 from miniverl.rollout.sampling import SamplingParams
+from miniverl.teachers import TeacherRouting, source_metrics
 
 # How per-rank learner metrics combine: most are sums over the step's tokens (each rank divides by the
 # whole step's token count); these are equal on every rank, or a maximum.
@@ -54,9 +55,12 @@ class StrictSyncController:
         teacher_support_k: int | None,
         loss_temperature: float,
         probe: list[list[int]] | None = None,
+        routing: TeacherRouting | None = None,
     ) -> None:
         """`probe`: the token sequences every refresh is verified on; None draws them from the learner's
-        vocabulary at the first refresh (miniverl.probe.draw_probe). Fixed for the controller's life."""
+        vocabulary at the first refresh (miniverl.probe.draw_probe). Fixed for the controller's life.
+        `routing`: several teachers (miniverl/teachers.py): each step also logs metrics per source and teacher."""
+        self.routing = routing
         self.rollouts, self.scorers, self.learners = _as_list(rollout), _as_list(scorer), _as_list(learner)
         self.reward_fn = reward_fn
         self.teacher_support_k = teacher_support_k
@@ -154,6 +158,7 @@ class StrictSyncController:
         return {
             **metrics,
             **rollout_metrics(rollouts, scores, rewards),
+            **self.routed_metrics(rollouts, scores, rewards),
             **self.last_probe,
             "policy_version": identity.version,
             "time/refresh": t1 - t0,
@@ -163,6 +168,18 @@ class StrictSyncController:
             "time/step": t4 - t0,
             "rollout_tokens_per_s": float(rollouts.response_mask.sum()) / max(t2 - t1, 1e-9),
         }
+
+    def routed_metrics(self, rollouts: RolloutBatch, scores: TeacherScores, rewards: torch.Tensor) -> dict[str, float]:
+        if self.routing is None:
+            return {}
+        return source_metrics(
+            rollouts.data_source,
+            self.routing,
+            rollouts.response_mask,
+            rollouts.rollout_log_probs,
+            scores.teacher_log_probs,
+            rewards,
+        )
 
 
 def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miniverl.controller import StrictSyncController, rollout_metrics
+from miniverl.objectives.aggregation import masked_mean
 from miniverl.protocol import PromptBatch, RolloutBatch
 from miniverl.rollout.sampling import SamplingParams
 
@@ -43,7 +44,8 @@ def evaluate(
         SamplingParams(1, max_new_tokens, 1.0, stop_token_ids=stop_ids, seed=seed + EVAL_SAMPLE_SEED_OFFSET),
         identity,
     )
-    m = rollout_metrics(sampled, controller.score(sampled, None), reward_fn(sampled))
+    teacher = controller.score(sampled, None)
+    m = rollout_metrics(sampled, teacher, reward_fn(sampled))
     rewards = reward_fn(greedy)  # [G]
     metrics = {
         "eval/accuracy": float((rewards > 0.5).float().mean()),
@@ -52,6 +54,7 @@ def evaluate(
         "eval/finished_frac": float(greedy.finished.float().mean()),
         "eval/sampled_accuracy": m["accuracy"],
         "eval/reverse_kl": m["reverse_kl"],
+        **reverse_kl_by_source(sampled, teacher.teacher_log_probs),
     }
     return EvalResult(metrics, sample_rows(greedy, rewards, tokenizer, num_samples))
 
@@ -62,6 +65,18 @@ def accuracy_by_source(rewards: torch.Tensor, data_source: list[str]) -> dict[st
     for source in sorted(set(data_source)):
         rows = torch.tensor([s == source for s in data_source])
         out[f"eval/accuracy/{source}"] = float((rewards[rows] > 0.5).float().mean())
+    return out
+
+
+def reverse_kl_by_source(sampled: RolloutBatch, teacher_log_probs: torch.Tensor) -> dict[str, float]:
+    """`eval/reverse_kl/<data_source>`: the k1 reverse KL of the temperature-1 samples of each source (tokens
+    of its rows pooled, as eval/reverse_kl). Shapes: teacher_log_probs [B, Tr]."""
+    k1 = sampled.rollout_log_probs - teacher_log_probs  # [B, Tr]
+    mask = sampled.response_mask.float()
+    out = {}
+    for source in sorted(set(sampled.data_source)):
+        rows = torch.tensor([s == source for s in sampled.data_source])
+        out[f"eval/reverse_kl/{source}"] = float(masked_mean(k1[rows], mask[rows]))
     return out
 
 
@@ -82,6 +97,19 @@ def sample_rows(batch: RolloutBatch, rewards: torch.Tensor, tokenizer, count: in
             }
         )
     return rows
+
+
+def summary_by_source(first: dict[str, float], last: dict[str, float]) -> dict[str, dict[str, float]]:
+    """{source: start/end greedy accuracy and reverse KL} from two evaluations' per-source metrics."""
+    sources = sorted(k.split("/", 2)[2] for k in last if k.startswith("eval/accuracy/"))
+    return {
+        s: {
+            f"{when}_{name}": ev.get(f"eval/{name}/{s}", float("nan"))
+            for when, ev in (("start", first), ("end", last))
+            for name in ("accuracy", "reverse_kl")
+        }
+        for s in sources
+    }
 
 
 def eval_line(step: int, m: dict[str, float]) -> str:

@@ -17,14 +17,14 @@ from miniverl.conformance import conformance_gate
 from miniverl.controller import StrictSyncController
 from miniverl.dashboard import RunGauges
 from miniverl.data.build import PromptStream, build_prompt_source
+from miniverl.evaluation import summary_by_source
 from miniverl.faults import RunInterrupted, StopRequests, shielded_children
 from miniverl.loop import TrainingLoop
 from miniverl.models.builtin import (
-    BUILTIN_PREFIX,
-    BUILTIN_ROLES,
     BuiltinRecipe,
     built_accuracy,
     ensure_builtin_models,
+    parse_builtin_ref,
     require_competent_teacher,
 )
 from miniverl.models.hub import check_model_dir, resolve_model_ref
@@ -53,11 +53,13 @@ from miniverl.protocol import ConfigError, MiniVerlError, PromptBatch
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm, settings_from_config
+from miniverl.teachers import TeacherRouting, check_sources_routed, routing_of, teacher_name, teacher_specs
 from miniverl.tracking import Tracker, trim_metrics
 from miniverl.workers import ProcessSettings, emulated_cap_gib
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
+from miniverl.workers.teachers import TeacherLoad, TeachersScorerWorker
 
 
 def resolve_device(requested: str) -> str:
@@ -74,31 +76,30 @@ USER_MODEL_FIX = "re-save the model (save_pretrained) or download it again"
 
 
 def resolve_model_paths(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
-    """Model directories or hub ids for student and teacher; built-in models are built on first use.
+    """Model directories or hub ids for the student and every teacher; built-in models are built on first use.
 
-    Each role resolves on its own, so a local model for one role and a built-in one for the other works.
-    A built-in teacher below model.builtin_min_teacher_accuracy stops the run.
+    Keys: "student", and "teacher" (model.teacher) or "teachers.<name>" (model.teachers.<name>). Each role
+    resolves on its own, so a local model for one role and a built-in one for another works; a built-in ref
+    `builtin:teacher/<task>` names another task's teacher. A built-in teacher below
+    model.builtin_min_teacher_accuracy stops the run.
     """
-    specs = {"student": cfg.model.student.path, "teacher": cfg.model.teacher.path}
+    specs = {"student": cfg.model.student.path, **{r: s.path for r, s in teacher_specs(cfg.model).items()}}
     out, builtin = {}, {}
     for role, path in specs.items():
-        if path.startswith(BUILTIN_PREFIX):
-            which = path[len(BUILTIN_PREFIX) :]
-            if which not in BUILTIN_ROLES:
-                raise ConfigError(
-                    f"model.{role}.path={path!r}: built-in models are builtin:student and builtin:teacher"
-                )
-            builtin[role] = which
+        ref = parse_builtin_ref(path, cfg.data.task, f"model.{role}.path")
+        if ref is not None:
+            builtin[role] = ref
         else:
             out[role] = resolve_model_ref(path, f"model.{role}.path", USER_MODEL_FIX)
-    if builtin:
-        recipe = BuiltinRecipe(cfg.data.task, cfg.data.min_len, cfg.data.max_len)
-        built = ensure_builtin_models(cfg.model.cache_dir, recipe, log)
-        for role, which in builtin.items():
+    for task in dict.fromkeys(task for _, task in builtin.values()):  # each recipe built once, in order
+        recipe = BuiltinRecipe(task, cfg.data.min_len, cfg.data.max_len)
+        roles = tuple(which for which, t in builtin.values() if t == task)
+        built = ensure_builtin_models(cfg.model.cache_dir, recipe, log, roles)
+        for role, (which, _) in ((r, ref) for r, ref in builtin.items() if ref[1] == task):
             fix = f"delete {built[which].parent} so the built-in models are rebuilt (scripts/build_models.py)"
-            check_model_dir(built[which], f"model.{role}.path={BUILTIN_PREFIX}{which} (cached)", fix)
+            check_model_dir(built[which], f"model.{role}.path={specs[role]} (cached)", fix)
             out[role] = str(built[which])
-        if "teacher" in builtin.values():
+        if "teacher" in roles:
             accuracy = built_accuracy(built["teacher"])
             log(f"[miniverl] built-in teacher for task {recipe.task!r}: greedy accuracy {accuracy:.3f}")
             require_competent_teacher(accuracy, cfg.model.builtin_min_teacher_accuracy, recipe, built["teacher"])
@@ -117,6 +118,7 @@ class Setup:
     stop_token_ids: tuple[int, ...]
     vocab_size: int  # logits compared by distillation (the student's; the scorer drops a teacher's extra)
     reward_fn: SourceReward
+    routing: TeacherRouting | None = None  # several teachers (model.teachers); None: model.teacher scores all
 
 
 def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
@@ -125,17 +127,19 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
     device = resolve_device(cfg.resources.device)
     if cfg.rollout.backend == "vllm":
         require_vllm(device)
-    for role, spec in (("student", cfg.model.student), ("teacher", cfg.model.teacher)):
+    teachers = teacher_specs(cfg.model)
+    for role, spec in (("student", cfg.model.student), *teachers.items()):
         require_quantization(spec.quantization, device, f"model.{role}.quantization")
     paths = resolve_model_paths(cfg, log)
     student_tok = load_tokenizer(paths["student"], "model.student.path", USER_MODEL_FIX)
-    teacher_tok = load_tokenizer(paths["teacher"], "model.teacher.path", USER_MODEL_FIX)
-    check_same_vocabulary(student_tok, teacher_tok, paths["student"], paths["teacher"])
     configs = {role: load_model_config(paths[role], f"model.{role}.path", USER_MODEL_FIX) for role in paths}
     for role, config in configs.items():
         check_plain_logits(config, f"model.{role}.path={paths[role]!r}")
-    v_student, v_teacher = configs["student"].vocab_size, configs["teacher"].vocab_size
-    vocab_size = shared_vocab_size(v_student, v_teacher, len(student_tok))
+    v_student = configs["student"].vocab_size
+    for role in teachers:  # every teacher meets the vocabulary rules on its own
+        teacher_tok = load_tokenizer(paths[role], f"model.{role}.path", USER_MODEL_FIX)
+        check_same_vocabulary(student_tok, teacher_tok, paths["student"], paths[role])
+        vocab_size = shared_vocab_size(v_student, configs[role].vocab_size, len(student_tok))
     t, r = cfg.trainer, cfg.rollout
     check_vocab_memory(
         cfg.data.prompts_per_step * r.n,
@@ -152,8 +156,11 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)
     eval_batch = source.eval_batch(d.eval_prompts)
     reward_fn = build_reward(cfg.reward, student_tok)
-    reward_fn.check_sources(eval_batch.data_source + source.batch(0, d.prompts_per_step).data_source)
-    return Setup(device, paths, student_tok, source, eval_batch, stops, vocab_size, reward_fn)
+    seen_sources = eval_batch.data_source + source.batch(0, d.prompts_per_step).data_source
+    reward_fn.check_sources(seen_sources)
+    routing = routing_of(cfg.model)
+    check_sources_routed(routing, seen_sources)
+    return Setup(device, paths, student_tok, source, eval_batch, stops, vocab_size, reward_fn, routing)
 
 
 def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
@@ -214,7 +221,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
 
     lora = LoraSettings.from_config(cfg.model.lora)
     t, m = cfg.trainer, cfg.model
-    student, teacher = setup.paths["student"], setup.paths["teacher"]
+    student, teacher = setup.paths["student"], setup.paths.get("teacher")
     learner_args = (
         student,
         lora,
@@ -235,9 +242,29 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
         for i in range(plan.count["rollout"])
     ]
     _wait_ready("rollout", rollouts)  # before the others claim memory
+    if setup.routing is not None:  # several teachers: one scorer actor holds them all (workers/teachers.py)
+        loads = {
+            teacher_name(role): TeacherLoad(setup.paths[role], spec.dtype, spec.quantization)
+            for role, spec in teacher_specs(m).items()
+        }
+        scorers = [
+            start(
+                TeachersScorerWorker,
+                "scorer",
+                i,
+                loads,
+                setup.routing,
+                t.micro_batch_size,
+                vocab_size=setup.vocab_size,
+                chunk_tokens=t.logprob_chunk_tokens,
+            )
+            for i in range(plan.count["scorer"])
+        ]
     actors = {
         "rollout": rollouts,
-        "scorer": [
+        "scorer": scorers
+        if setup.routing is not None
+        else [
             start(
                 ScorerWorker,
                 "scorer",
@@ -354,6 +381,7 @@ def train(
             setup.reward_fn,
             objective.teacher_support_k,
             objective.loss_temperature,
+            routing=setup.routing,
         )
         params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
         names = (cfg.objective.name, cfg.rollout.backend)
@@ -398,6 +426,8 @@ def train(
             "end_reverse_kl": result.last_eval["eval/reverse_kl"],
             "start_accuracy": result.first_eval["eval/accuracy"],
             "end_accuracy": result.last_eval["eval/accuracy"],
+            "by_source": summary_by_source(result.first_eval, result.last_eval),
+            "teachers": {teacher_name(r): setup.paths[r] for r in teacher_specs(cfg.model)},
             "wall_seconds": time.perf_counter() - started,
             "checkpoint": result.checkpoint,
             "metrics_file": str(tracker.metrics_path),

@@ -16,6 +16,8 @@ run, prints them all and writes nothing. It refuses:
   rollout_backend       rollout.backend other than {", ".join(VERL_ROLLOUT_ENGINES)} (hf_reference, hf_cached)
   quantized_student     an NF4/QLoRA student (model.student.quantization)
   teacher_colocated     resources.scorer_gpus=0: verl runs the teacher in its own GPU pool
+  multi_teacher         model.teachers (a teacher per data source): verl 0.9.1 routes one source per teacher
+                        entry, with no default and GPUs per teacher; this bridge does not translate it yet
   no_gpus               resources.gpus=0 (a CPU-only run)
   gkd_loss              gkd with beta > 0: verl has no generalized JSD or full reverse KL
   gkd_support           gkd with a top-K teacher support (verl drops the tail) or an unknown vocabulary size

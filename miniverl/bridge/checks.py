@@ -48,6 +48,22 @@ def _teacher_colocated(s: RunSpec) -> str | None:
     )
 
 
+def _multi_teacher(s: RunSpec) -> str | None:
+    m = s.cfg.model
+    if not m.teachers:
+        return None
+    # verl 0.9.1 does have multi-teacher distillation (distillation.teacher_models.<entry>.key, routed by
+    # distillation.teacher_key=data_source), but with other semantics than miniVERL's: one data_source per
+    # entry (a teacher serving two sources is two entries, two servers), no default teacher (an unmatched
+    # row raises), and every entry its own whole-GPU replicas summing to the teacher pool.
+    return (
+        f"model.teachers ({', '.join(sorted(m.teachers))}): a multi-teacher run is not exported. verl 0.9.1 routes"
+        " by data_source too (distillation.teacher_models.<entry>.key), but one source per entry, with no default"
+        " teacher and each teacher on GPUs of its own, and this bridge does not translate the routing yet;"
+        " export a single-teacher run (model.teachers empty, model.teacher.path=...), one per teacher if needed"
+    )
+
+
 def _no_gpus(s: RunSpec) -> str | None:
     if s.cfg.resources.gpus != 0:
         return None
@@ -235,6 +251,7 @@ CHECKS: tuple[Callable[[RunSpec], str | None], ...] = (
     _rollout_backend,
     _quantized_student,
     _teacher_colocated,
+    _multi_teacher,
     _no_gpus,
     _gkd_loss,
     _gkd_support,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from miniverl.data.prompts import EVAL_SEED_OFFSET
 from miniverl.data.stream import VALID as VALID_PROMPT
-from miniverl.data.tasks import TASKS
+from miniverl.data.tasks import draw_examples
 from miniverl.protocol import ConfigError
 
 TRAIN_SEED_STRIDE = 7919  # PromptSource.batch seeds step `s` with `seed * 7919 + s` (tested to agree)
@@ -75,25 +75,19 @@ def task_rows(task: str, min_len: int, max_len: int, seed: int, steps: int, grou
 
     Same seeds and uids as miniverl.data.prompts.PromptSource.batch, so verl sees the run's prompts.
     """
-    sample = TASKS.get(task)
     rows = []
     for step in range(steps):
         rng = random.Random(seed * TRAIN_SEED_STRIDE + step)
-        for i in range(groups):
-            ex = sample(rng, min_len, max_len)
-            rows.append(make_row(task, ex.prompt, ex.answer, task, len(rows), "train", f"s{step}-{i}"))
+        for i, (source, ex) in enumerate(draw_examples(task, rng, min_len, max_len, groups)):
+            rows.append(make_row(source, ex.prompt, ex.answer, source, len(rows), "train", f"s{step}-{i}"))
     return rows
 
 
 def task_eval_rows(task: str, min_len: int, max_len: int, seed: int, count: int) -> list[dict]:
     """The held-out evaluation prompts (PromptSource.eval_batch), as verl's validation split."""
-    sample = TASKS.get(task)
     rng = random.Random(seed + EVAL_SEED_OFFSET)
-    rows = []
-    for i in range(count):
-        ex = sample(rng, min_len, max_len)
-        rows.append(make_row(task, ex.prompt, ex.answer, task, i, "test", f"eval-{i}"))
-    return rows
+    examples = draw_examples(task, rng, min_len, max_len, count)
+    return [make_row(s, ex.prompt, ex.answer, s, i, "test", f"eval-{i}") for i, (s, ex) in enumerate(examples)]
 
 
 def prompt_rows(cfg, tokenizer=None) -> dict[str, list[dict]]:

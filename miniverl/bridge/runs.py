@@ -11,7 +11,7 @@ from miniverl.bridge.data import prompt_rows
 from miniverl.bridge.spec import RunSpec
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION
 from miniverl.config import MiniVerlConfig, to_config, validate
-from miniverl.models.builtin import BUILTIN_PREFIX, BuiltinRecipe, builtin_dir
+from miniverl.models.builtin import BuiltinRecipe, builtin_dir, parse_builtin_ref
 from miniverl.protocol import ConfigError
 
 RUN_CONFIG = Path(".hydra") / "config.yaml"
@@ -65,12 +65,13 @@ def load_run(source: str | Path, verl_version: str = DEFAULT_VERL_VERSION) -> Ru
 
 def model_paths(cfg: MiniVerlConfig) -> tuple[str, str]:
     """Student and teacher as verl loads them: built-in models resolve to their cache directories."""
-    recipe = BuiltinRecipe(cfg.data.task, cfg.data.min_len, cfg.data.max_len)
 
     def resolve(path: str) -> str:
-        if path.startswith(BUILTIN_PREFIX):
-            return str(builtin_dir(cfg.model.cache_dir, recipe) / path[len(BUILTIN_PREFIX) :])
-        return path
+        ref = parse_builtin_ref(path, cfg.data.task)  # builtin:<role>[/<task>]
+        if ref is None:
+            return path
+        role, task = ref
+        return str(builtin_dir(cfg.model.cache_dir, BuiltinRecipe(task, cfg.data.min_len, cfg.data.max_len)) / role)
 
     return resolve(cfg.model.student.path), resolve(cfg.model.teacher.path)
 

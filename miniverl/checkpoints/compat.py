@@ -19,9 +19,27 @@ from typing import Any
 
 from miniverl.protocol import ConfigError
 
-IDENTITY_PREFIXES = ("model.student.", "model.teacher.", "model.lora.", "objective.")  # hashed into config_hash
+IDENTITY_PREFIXES = (
+    "model.student.",
+    "model.teacher.",
+    "model.teachers.",  # several teachers: which ones, and which rows each scores
+    "model.teacher_by_source.",
+    "model.default_teacher",
+    "model.lora.",
+    "objective.",
+)
 FIXED_PREFIXES = ("model.lora.",)
-GUARDED_PREFIXES = ("model.student.", "model.teacher.", "objective.", "data.", "reward.", "rollout.")
+GUARDED_PREFIXES = (
+    "model.student.",
+    "model.teacher.",
+    "model.teachers.",
+    "model.teacher_by_source.",
+    "model.default_teacher",
+    "objective.",
+    "data.",
+    "reward.",
+    "rollout.",
+)
 ALLOW_CHANGES = "trainer.resume_allow_changes"
 HARMLESS_PREFIXES = (
     "trainer.total_steps",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from miniverl.data.tasks import TASKS
+from miniverl.data.tasks import TASKS, draw_examples, task_names
 from miniverl.protocol import ConfigError, PromptBatch
 
 EVAL_SEED_OFFSET = 1_000_000  # eval prompts come from a stream disjoint from every training step's
@@ -18,7 +18,8 @@ class PromptSource:
 
     def __init__(self, task: str, min_len: int, max_len: int, tokenizer, max_prompt_length: int, seed: int) -> None:
         self.name = task
-        self.task = TASKS.get(task)
+        for name in task_names(task):  # a mixture (reverse+sort) draws its tasks in turn: data_source per row
+            TASKS.require(name)
         self.overlong_count = 0  # an over-long built-in prompt is always an error (the task is the fix)
         self.min_len, self.max_len = min_len, max_len
         self.tokenizer = tokenizer
@@ -26,9 +27,8 @@ class PromptSource:
         self.seed = seed
 
     def _make(self, rng: random.Random, count: int, prefix: str) -> PromptBatch:
-        ids, uids, answers = [], [], []
-        for i in range(count):
-            ex = self.task(rng, self.min_len, self.max_len)
+        ids, uids, answers, sources = [], [], [], []
+        for i, (source, ex) in enumerate(draw_examples(self.name, rng, self.min_len, self.max_len, count)):
             tokens = self.tokenizer(ex.prompt)["input_ids"]
             if len(tokens) > self.max_prompt_length:
                 raise ConfigError(
@@ -39,7 +39,8 @@ class PromptSource:
             ids.append(tokens)
             uids.append(f"{prefix}-{i}")
             answers.append(ex.answer)
-        return PromptBatch(ids, uids, answers, [self.name] * len(ids))
+            sources.append(source)
+        return PromptBatch(ids, uids, answers, sources)
 
     def describe(self) -> str:
         return f"built-in task {self.name!r} ({self.min_len}-{self.max_len} characters, raw text)"

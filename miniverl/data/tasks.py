@@ -36,9 +36,32 @@ def addition_task(rng: random.Random, min_len: int, max_len: int) -> Example:
     return Example(prompt=f"{a}+{b}=", answer=str(a + b))
 
 
+def sort_task(rng: random.Random, min_len: int, max_len: int) -> Example:
+    """`cab=` -> `abc`: sort a random lowercase string (letters then `=`; addition's prompts are digits)."""
+    s = "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
+    return Example(prompt=f"{s}=", answer="".join(sorted(s)))
+
+
 TASKS = Registry("task", "data.task")
 TASKS.register("reverse", reverse_task)
 TASKS.register("addition", addition_task)
+TASKS.register("sort", sort_task)
+
+MIX_SEPARATOR = "+"  # data.task=reverse+sort mixes built-in tasks row by row (each row's data_source: its task)
+
+
+def task_names(task: str) -> list[str]:
+    """The built-in tasks of a data.task value: `reverse` -> [reverse], `reverse+sort` -> [reverse, sort]."""
+    return task.split(MIX_SEPARATOR)
+
+
+def draw_examples(task: str, rng: random.Random, min_len: int, max_len: int, count: int) -> list[tuple[str, Example]]:
+    """`count` examples of `task` as (task name, example); a mixture takes its tasks in turn (row i: task i mod k),
+    so every batch holds each task equally. One task draws exactly as `TASKS.get(task)` called `count` times."""
+    names = task_names(task)
+    samplers = [TASKS.get(name) for name in names]
+    return [(names[i % len(names)], samplers[i % len(names)](rng, min_len, max_len)) for i in range(count)]
+
 
 # Every character any built-in task can produce; the built-in tokenizer covers exactly these.
 TASK_ALPHABET = LETTERS + DIGITS + "+=>"

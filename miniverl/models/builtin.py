@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from miniverl.data.tasks import TASKS, Example
+from miniverl.data.tasks import Example, draw_examples, task_names
 
 BUILD_RECIPE_VERSION = 1  # bump when the training code changes what it produces
 MAX_POSITIONS = 64  # longest prompt + answer of the built-in tasks is far below this
@@ -39,7 +39,7 @@ class ArchSpec:
 
 @dataclass(frozen=True)
 class SftSpec:
-    steps: int
+    steps: int  # per task: a mixture of k tasks (data.task=reverse+sort) trains k x steps, so each task sees as much
     batch_size: int
     lr: float
     seed: int
@@ -71,21 +71,43 @@ class BuiltinRecipe:
 BUILD_REPORT_SECONDS = 5.0  # a progress line at least this often while a model builds (a busy box took 30 min)
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_ROLES = ("teacher", "student")
+TASK_SEPARATOR = "/"  # builtin:teacher/sort = the built-in teacher of data.task=sort (several teachers per run)
+
+
+def parse_builtin_ref(path: str, default_task: str, field: str = "model path") -> tuple[str, str] | None:
+    """`builtin:<role>[/<task>]` -> (role, task), the task defaulting to data.task; None for any other path."""
+    from miniverl.data.tasks import TASKS, task_names
+    from miniverl.protocol import ConfigError
+
+    if not path.startswith(BUILTIN_PREFIX):
+        return None
+    role, _, task = path[len(BUILTIN_PREFIX) :].partition(TASK_SEPARATOR)
+    if role not in BUILTIN_ROLES or (TASK_SEPARATOR in path and not task):
+        raise ConfigError(
+            f"{field}={path!r}: built-in models are builtin:student and builtin:teacher (of data.task), or"
+            f" builtin:<role>/<task> for another task's model (e.g. builtin:teacher/sort)"
+        )
+    for name in task_names(task or default_task):
+        if name not in TASKS:
+            raise ConfigError(f"{field}={path!r}: no built-in task {name!r}; known: {', '.join(TASKS.names())}")
+    return role, task or default_task
 
 
 def builtin_dir(cache_dir: str | Path, recipe: BuiltinRecipe) -> Path:
     return Path(cache_dir).expanduser() / "builtin" / recipe.key()
 
 
-def ensure_builtin_models(cache_dir: str | Path, recipe: BuiltinRecipe, log=print) -> dict[str, Path]:
-    """Return {"teacher": dir, "student": dir}, building (and caching) whatever is missing."""
+def ensure_builtin_models(
+    cache_dir: str | Path, recipe: BuiltinRecipe, log=print, roles: tuple[str, ...] = BUILTIN_ROLES
+) -> dict[str, Path]:
+    """Return {"teacher": dir, "student": dir}, building (and caching) whatever of `roles` is missing."""
     root = builtin_dir(cache_dir, recipe)
     paths = {role: root / role for role in BUILTIN_ROLES}
     for role, arch, sft in (
         ("teacher", recipe.teacher_arch, recipe.teacher_sft),
         ("student", recipe.student_arch, recipe.student_sft),
     ):
-        if (paths[role] / "build.json").exists():
+        if role not in roles or (paths[role] / "build.json").exists():
             continue
         log(f"[miniverl] building the built-in {role} for task {recipe.task!r} (cached in {paths[role]})")
         build_model(paths[role], recipe, arch, sft, log)
@@ -135,8 +157,8 @@ def build_model(target: Path, recipe: BuiltinRecipe, arch: ArchSpec, sft: SftSpe
 
 
 def _examples(recipe: BuiltinRecipe, rng: random.Random, n: int) -> list[Example]:
-    task = TASKS.get(recipe.task)
-    return [task(rng, recipe.min_len, recipe.max_len) for _ in range(n)]
+    """A mixed recipe (task `reverse+sort`) trains on its tasks in turn, as the run's prompts come."""
+    return [ex for _, ex in draw_examples(recipe.task, rng, recipe.min_len, recipe.max_len, n)]
 
 
 def _sft_batch(tok, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,18 +183,19 @@ def _sft_batch(tok, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor
 def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> None:
     """Supervised training on fresh task examples with AdamW and a cosine schedule with warm-up."""
     rng = random.Random(sft.seed)
+    steps = sft.steps * len(task_names(recipe.task))  # each task of a mixture gets the single-task budget
     opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.01)
-    warmup = max(1, sft.steps // 20)
+    warmup = max(1, steps // 20)
 
     def lr_at(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, sft.steps - warmup)))
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     model.train()
     started = last = time.monotonic()
-    for step in range(sft.steps):
+    for step in range(steps):
         ids, mask, lab = _sft_batch(tok, _examples(recipe, rng, sft.batch_size))
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         loss.backward()
@@ -181,10 +204,10 @@ def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> Non
         sched.step()
         opt.zero_grad(set_to_none=True)
         now = time.monotonic()
-        if now - last >= BUILD_REPORT_SECONDS or step + 1 == sft.steps:
+        if now - last >= BUILD_REPORT_SECONDS or step + 1 == steps:
             last, done = now, step + 1
-            took, left = now - started, (now - started) / done * (sft.steps - done)
-            log(f"[miniverl]   sft step {done}/{sft.steps} loss {loss.item():.3f} ({took:.0f}s, ~{left:.0f}s left)")
+            took, left = now - started, (now - started) / done * (steps - done)
+            log(f"[miniverl]   sft step {done}/{steps} loss {loss.item():.3f} ({took:.0f}s, ~{left:.0f}s left)")
     model.eval()
 
 

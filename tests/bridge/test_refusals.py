@@ -16,6 +16,11 @@ CASES = {
     "rollout_backend": {"rollout.backend": "hf_reference"},
     "quantized_student": {"model.student.quantization": "nf4"},
     "teacher_colocated": {"resources.scorer_gpus": 0},
+    "multi_teacher": {  # named teachers replace model.teacher, which goes back to its default
+        "model.teacher.path": "builtin:teacher",
+        "model.teachers": {"rev": {"path": "/models/rev", "dtype": "auto", "quantization": "none"}},
+        "model.default_teacher": "rev",
+    },
     "no_gpus": {"resources.gpus": 0, "resources.scorer_gpus": 0, "resources.device": "cpu"},
     "gkd_loss": {"objective.name": "gkd", "objective.beta": 0.5},
     "gkd_support": {"objective.name": "gkd", "objective.beta": 0.0, "objective.teacher_topk": 64},

@@ -78,7 +78,13 @@ def test_prepare_refuses_a_full_vocabulary_support_over_the_budget(student_dir, 
         match=r"teacher's support of one step would take 0.2 MiB: 64 rows x 16 tokens x 43 x 4 B \(full vocabulary\)",
     ):
         prepare(cfg, log=lambda *_: None)
-    fits = with_models(student_dir, teacher_dir, "objective.teacher_topk=4", "trainer.vocab_memory_budget_gib=1.5e-4")
-    # 64 rows x 16 tokens x (4 x 12 + 8) B = 56 KiB of top-4 support; the learner's direct logits: 16 rows x
-    # 16 positions x 43 x 4 B x 3 = 129 KiB, both under the budget.
+    fits = with_models(
+        student_dir,
+        teacher_dir,
+        "objective.teacher_topk=4",
+        "trainer.vocab_memory_budget_gib=1.5e-4",
+        "trainer.logprob_chunk_tokens=64",
+    )
+    # 64 rows x 16 tokens x (4 x 12 + 8) B = 56 KiB of top-4 support; one LM-head chunk of the learner: 64 tokens
+    # x 43 x 4 B x 6 buffers = 65 KiB, both under the budget (a whole 16 x 16-token micro-batch would be 258 KiB).
     prepare(fits, log=lambda *_: None)

@@ -1,0 +1,109 @@
+"""TeachersScorerWorker: one scorer actor holding every teacher of a multi-teacher run (docs/multi_teacher.md).
+
+Why one actor and not one per teacher: on one GPU each extra actor process brings its own CUDA context
+(~0.5 GiB that no model uses) and its own fractional GPU share to size; teachers also never score at the
+same time under strict sync (the controller waits for the scorer before the update), so separate processes
+would buy no overlap. Each teacher is an ordinary ScorerWorker inside this one process; the rows of a batch
+are split by their teacher, each teacher scores its rows in its own micro-batches, and the scores are put
+back in row order, so the learner receives one TeacherScores exactly as from a single teacher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miniverl.protocol import RolloutBatch, TeacherScores, concat_scores
+from miniverl.teachers import TeacherRouting
+from miniverl.workers import ProcessSettings, memory_report, setup_process
+from miniverl.workers.scorer import ScorerWorker
+
+
+@dataclass(frozen=True)
+class TeacherLoad:
+    """How to load one named teacher (model.teachers.<name>, resolved to a directory or hub id)."""
+
+    path: str
+    dtype: str
+    quantization: str = "none"
+
+
+class TeachersScorerWorker:
+    def __init__(
+        self,
+        teachers: dict[str, TeacherLoad],
+        routing: TeacherRouting,
+        micro_batch_size: int,
+        process: ProcessSettings,
+        vocab_size: int | None = None,
+        chunk_tokens: int = 0,
+    ) -> None:
+        """Loads every teacher once, in this process (see the module docstring for why)."""
+        self.device = setup_process(process)
+        self.routing = routing
+        self.scorers = {
+            name: ScorerWorker(
+                t.path,
+                t.dtype,
+                micro_batch_size,
+                process,
+                vocab_size=vocab_size,
+                quantization=t.quantization,
+                chunk_tokens=chunk_tokens,
+            )
+            for name, t in teachers.items()
+        }
+
+    def score(self, batch: RolloutBatch, support_k: int | None, temperature: float = 1.0) -> TeacherScores:
+        """ScorerWorker.score, each row by its data_source's teacher; rows come back in batch order."""
+        parts, order = [], []
+        for name, rows in self.routing.split(batch.data_source).items():
+            parts.append(self.scorers[name].score(select_rows(batch, rows), support_k, temperature))
+            order += rows
+        scores = concat_scores(parts)
+        if order == list(range(len(batch))):
+            return scores
+        return take_scores(scores, torch.tensor(order).argsort())
+
+    def memory(self) -> dict[str, float]:
+        return memory_report(self.device)
+
+
+def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """The batch's `rows`, in that order, at the same padded widths (Tp, Tr); the batch itself for all rows.
+
+    Rows of one teacher are whole uid groups (every sample of a prompt shares its data_source), so the
+    selection keeps groups contiguous as RolloutBatch requires.
+    """
+    if rows == list(range(len(batch))):
+        return batch
+    idx = torch.tensor(rows, dtype=torch.long)
+    return RolloutBatch(
+        prompts=batch.prompts[idx],
+        prompt_mask=batch.prompt_mask[idx],
+        responses=batch.responses[idx],
+        response_mask=batch.response_mask[idx],
+        rollout_log_probs=batch.rollout_log_probs[idx],
+        uid=[batch.uid[i] for i in rows],
+        ground_truth=[batch.ground_truth[i] for i in rows],
+        policy_version=batch.policy_version,
+        finished=batch.finished[idx],
+        data_source=[batch.data_source[i] for i in rows],
+        extra_info=[batch.extra_info[i] for i in rows],
+    )
+
+
+def take_scores(scores: TeacherScores, idx: torch.Tensor) -> TeacherScores:
+    """Rows `idx` of `scores` (a permutation puts them back in batch order). Shapes: idx [B]."""
+
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[idx]
+
+    return TeacherScores(
+        scores.teacher_log_probs[idx],
+        take(scores.teacher_topk_logprobs),
+        take(scores.teacher_topk_ids),
+        take(scores.teacher_tail_logprob),
+        scores.loss_temperature,
+    )
