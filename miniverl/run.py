@@ -257,6 +257,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
                 t.micro_batch_size,
                 vocab_size=setup.vocab_size,
                 chunk_tokens=t.logprob_chunk_tokens,
+                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
             )
             for i in range(plan.count["scorer"])
         ]

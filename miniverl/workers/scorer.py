@@ -81,9 +81,13 @@ class ScorerWorker:
 
         return TeacherScores(sampled.cpu(), cpu(top_lp), cpu(top_ids), cpu(tail), temperature)
 
-    def _size_micro_batches(self, process: ProcessSettings) -> int:
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _size_micro_batches(self, process: ProcessSettings, other_bytes: int = 0) -> int:
         """Tokens per teacher forward on a GPU: what this actor's memory share holds (models/sizing.py), at most
-        the run's trainer.max_tokens_per_micro_batch when that is set; printed with its numbers."""
+        the run's trainer.max_tokens_per_micro_batch when that is set; printed with its numbers. `other_bytes`:
+        what other models in this process hold (several teachers in one scorer, workers/teachers.py)."""
         from miniverl.models.memory import human
         from miniverl.models.sizing import LearnerShape, scorer_tokens
 
@@ -93,7 +97,7 @@ class ScorerWorker:
             hidden=config.hidden_size,
             intermediate=config.intermediate_size,
             vocab=self.vocab_size or config.vocab_size,
-            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            weight_bytes=self.weight_bytes() + other_bytes,
             adapter_params=0,
         )
         share = memory_share_bytes(process)

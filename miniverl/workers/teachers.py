@@ -38,8 +38,10 @@ class TeachersScorerWorker:
         process: ProcessSettings,
         vocab_size: int | None = None,
         chunk_tokens: int = 0,
+        max_tokens_per_micro_batch: int = 0,
     ) -> None:
-        """Loads every teacher once, in this process (see the module docstring for why)."""
+        """Loads every teacher once, in this process (see the module docstring for why); on a GPU each teacher's
+        forwards are then sized for the share left beside all of them."""
         self.device = setup_process(process)
         self.routing = routing
         self.scorers = {
@@ -51,9 +53,15 @@ class TeachersScorerWorker:
                 vocab_size=vocab_size,
                 quantization=t.quantization,
                 chunk_tokens=chunk_tokens,
+                max_tokens_per_micro_batch=max_tokens_per_micro_batch,
             )
             for name, t in teachers.items()
         }
+        if self.device == "cuda":
+            total = sum(s.weight_bytes() for s in self.scorers.values())
+            for scorer in self.scorers.values():
+                scorer.max_tokens = max_tokens_per_micro_batch
+                scorer.max_tokens = scorer._size_micro_batches(process, total - scorer.weight_bytes())
 
     def score(self, batch: RolloutBatch, support_k: int | None, temperature: float = 1.0) -> TeacherScores:
         """ScorerWorker.score, each row by its data_source's teacher; rows come back in batch order."""
