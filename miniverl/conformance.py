@@ -4,8 +4,9 @@ Rollouts are sampled through the backend with the run's sampling settings, the l
 log-prob of every sampled token, and the gaps (mean and p99 |gap|, the fraction of importance ratios
 outside [1/cap, cap]) are held against the tolerance the objective declares
 (`objective.sampler_tolerance`, miniverl/objectives/). Within it: "pass". Outside it: "pass_with_tis"
-when the objective truncates its importance ratios (PG-k1 with a finite objective.is_cap), else the run
-stops with the numbers and the fix. The numbers go into summary.json; every step still logs the gap.
+when the objective truncates its importance ratios (PG-k1 with a finite objective.is_cap) and the gap is
+one truncation can correct (objectives/ratios.py: TIS_MAX_*), else the run stops with the numbers and
+the fix. The numbers go into summary.json; every step still logs the gap.
 """
 
 from __future__ import annotations
@@ -61,8 +62,19 @@ def decide(stats: GapStats, tolerance: SamplerTolerance, objective: str, backend
     )
     if within:
         return "pass"
-    if tolerance.truncated:
+    correctable = stats.mean_gap <= tolerance.max_mean_gap and stats.outside_frac <= tolerance.max_outside_frac
+    if tolerance.truncated and correctable:
         return "pass_with_tis"
+    if tolerance.truncated:
+        raise ConfigError(
+            f"rollout backend {backend} fails objective {objective}'s log-prob conformance gate even with"
+            f" truncated importance sampling: over {stats.tokens} sampled tokens its log-probs sit mean"
+            f" {stats.mean_gap:.3g} nats from the learner's and {stats.outside_frac:.2%} of importance ratios lie"
+            f" outside [1/{stats.cap:g}, {stats.cap:g}]; truncation corrects at most mean"
+            f" {tolerance.max_mean_gap:g} and {tolerance.max_outside_frac:.2%} (beyond, the capped gradient is"
+            " another objective). Fix: make the sampler compute what the learner computes (the same"
+            " model.student.dtype and quantization on both sides, or rollout=hf_reference)"
+        )
     fix = (
         "set objective.is_cap to a finite cap (e.g. 2, as verl) so truncated importance sampling corrects"
         " the gap, or make the sampler compute what the learner computes"
@@ -101,7 +113,7 @@ def conformance_gate(
     configured. Returns the numbers summary.json keeps."""
     objective_name, backend = names
     prompts = prompts.select(list(range(min(GATE_PROMPTS, len(prompts)))))
-    identity = controller.refresh()
+    identity = controller.ensure_served()
     batch = controller.sample(prompts, dataclasses.replace(params, seed=GATE_SEED), identity)
     tolerance = objective.sampler_tolerance
     learner = learner_logprobs(controller.learners[0], batch)

@@ -1,8 +1,9 @@
 """The strict-sync step (DESIGN.md): publish, load and verify, generate, score, reward, update.
 
-Verification is by probe (miniverl/probe.py): each rollout replica's served log-probs of a fixed probe
-must match the learner's. The adapter goes from the learner to the replicas once, never through the
-driver: the driver reads only the policy's identity (its version and the learner's digest).
+Publishing and verifying belong to miniverl/sync.py (PolicySync), which proves by probe that each rollout
+replica serves the learner's policy, at most once per learner version. The adapter goes from the learner
+to the replicas once, never through the driver: the driver reads only the policy's identity (its version
+and the learner's digest).
 
 Each role may have several replicas (one per GPU when scaled out): rollout and scorer replicas take
 contiguous shards of whole prompt groups, learner ranks take shards of the batch and sum their
@@ -17,9 +18,8 @@ from typing import Any
 
 import torch
 
-from miniverl.actors import call, call_all, fetch, submit
+from miniverl.actors import call_all
 from miniverl.objectives.aggregation import masked_mean
-from miniverl.probe import check_served
 from miniverl.protocol import (
     PolicyIdentity,
     PolicyMismatchError,
@@ -31,6 +31,7 @@ from miniverl.protocol import (
     group_bounds,
 )
 from miniverl.rollout.sampling import SamplingParams
+from miniverl.sync import PolicySync
 
 # How per-rank learner metrics combine: most are sums over the step's tokens (each rank divides by the
 # whole step's token count); these are equal on every rank, or a maximum.
@@ -55,58 +56,22 @@ class StrictSyncController:
         loss_temperature: float,
         probe: list[list[int]] | None = None,
     ) -> None:
-        """`probe`: the token sequences every refresh is verified on; None draws them from the learner's
-        vocabulary at the first refresh (miniverl.probe.draw_probe). Fixed for the controller's life."""
+        """`probe`: the fixed token sequences every refresh is verified on; None draws them from the learner's
+        vocabulary at the first refresh (miniverl.probe.draw_probe)."""
         self.rollouts, self.scorers, self.learners = _as_list(rollout), _as_list(scorer), _as_list(learner)
         self.reward_fn = reward_fn
         self.teacher_support_k = teacher_support_k
         self.loss_temperature = loss_temperature
-        self.probe = probe
-        self.tolerances: list[float] = []  # per rollout replica, read once
-        self.last_probe: dict[str, float] = {}  # what the last passing refresh measured (logged per step)
-        # The probe log-probs of the last refresh that passed: (served, one per replica; learner's).
-        self._previous: tuple[list[list[list[float]]], list[list[float]]] | None = None
+        self.sync = PolicySync(self.rollouts, self.learners, probe)
 
-    def refresh(self) -> PolicyIdentity:
-        """Publish the learner's policy, hand it to every rollout replica, and prove by the probe that each
-        now serves it. All calls are submitted at once; each actor runs its calls in submission order."""
-        if self.probe is None:
-            self.probe = call(self.learners[0], "probe_sequences")
-        if not self.tolerances:
-            self.tolerances = fetch([submit(r, "probe_tolerance") for r in self.rollouts])
-        # The learner's probe goes first: the replicas wait for the snapshot, so no two actors compute at
-        # once (on the CPU, two all-core thread pools at once made a refresh 10x slower: measured). The
-        # snapshot stays a ref here: the driver never holds the weights; the replicas report its name.
-        learner = submit(self.learners[0], "probe_logprobs", self.probe)
-        snapshot = submit(self.learners[0], "publish_policy")
-        others = [submit(rank, "publish_policy", False) for rank in self.learners[1:]]
-        loaded = [submit(r, "load_policy", snapshot) for r in self.rollouts]
-        served = [submit(r, "probe_logprobs", self.probe) for r in self.rollouts]
-        k, r = len(others), len(loaded)
-        learner, *rest = fetch([learner, *others, *loaded, *served])
-        others, loaded, served = rest[:k], rest[k : k + r], rest[k + r :]
-        identity = loaded[0]  # the name every replica received with the learner's snapshot
-        for rank, other in enumerate(others, start=1):
-            if other.identity != identity:
-                raise PolicyMismatchError(
-                    f"learner rank {rank} holds {other.identity.short()} but rank 0 published {identity.short()};"
-                    " data-parallel ranks diverged, so the run stops"
-                )
-        checks = []
-        for i, (name, probe, tolerance) in enumerate(zip(loaded, served, self.tolerances)):
-            if name != identity:
-                raise PolicyMismatchError(
-                    f"rollout replica {i} serves {name.short()} but replica 0 serves {identity.short()} of the"
-                    " same snapshot; a worker did not take the new snapshot, so the run stops"
-                )
-            previous = None if self._previous is None else (self._previous[0][i], self._previous[1])
-            checks.append(check_served(i, identity.version, probe, learner, tolerance, previous))
-        self._previous = (served, learner)
-        self.last_probe = {
-            "probe_gap_max": max(c["gap"] for c in checks),
-            "probe_learner_moved": checks[0]["moved"],
-        }
-        return identity
+    def ensure_served(self) -> PolicyIdentity:
+        """The policy the rollout side provably serves; published and proven at most once per learner
+        version (miniverl/sync.py), whoever asks: the conformance gate, evaluation or a training step."""
+        return self.sync.ensure_served()
+
+    @property
+    def last_probe(self) -> dict[str, float]:
+        return self.sync.last_probe
 
     def sample(self, prompts: PromptBatch, params: SamplingParams, identity: PolicyIdentity) -> RolloutBatch:
         shards = [(a, b) for a, b in group_bounds(prompts.uid, len(self.rollouts)) if b > a]
@@ -138,13 +103,17 @@ class StrictSyncController:
             "update",
             [(rollouts.rows(a, b), scores.rows(a, b), rewards[a:b], tokens) for a, b in shards],
         )
-        return combine_rank_metrics(per_rank)
+        metrics = combine_rank_metrics(per_rank)
+        if not metrics["skipped_step"]:  # a skipped (non-finite) step leaves the policy and its version as they were
+            self.sync.learner_updated()
+        return metrics
 
     def step(self, prompts: PromptBatch, params: SamplingParams) -> dict[str, float]:
         t0 = time.perf_counter()
-        identity = self.refresh()
+        identity = self.ensure_served()
         t1 = time.perf_counter()
         rollouts = self.sample(prompts, params, identity)
+        self.sync.remember(rollouts)
         t2 = time.perf_counter()
         scores = self.score(rollouts, self.teacher_support_k)
         rewards = self.reward_fn(rollouts)

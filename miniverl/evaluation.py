@@ -36,7 +36,7 @@ def evaluate(
     reverse KL must be estimated on samples of the student itself (temperature 1, no truncation) to be
     unbiased, so it uses a second, sampled generation; accuracy is that of greedy answers.
     """
-    identity = controller.refresh()
+    identity = controller.ensure_served()
     greedy = controller.sample(batch, SamplingParams(1, max_new_tokens, 0.0, stop_token_ids=stop_ids), identity)
     sampled = controller.sample(
         batch,

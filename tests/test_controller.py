@@ -104,7 +104,7 @@ def test_rollouts_stamped_with_another_version_are_refused(parts, student_dir):
     _, prompts, _, _ = parts
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
     ctl = make_controller(rollout, parts)
-    identity = ctl.refresh()
+    identity = ctl.ensure_served()
     with pytest.raises(PolicyMismatchError, match="stamped"):
         ctl.sample(prompts, PARAMS, PolicyIdentity(identity.version + 1, identity.digest))
 

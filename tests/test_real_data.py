@@ -89,7 +89,7 @@ def test_distil_over_the_shared_vocabulary_range(chat_student_dir, chat_teacher_
     learner = LearnerWorker(student, LORA, "float32", objective, 1e-3, 0.0, 1.0, 4, CPU)
     ctl = StrictSyncController(rollout, scorer, learner, setup.reward_fn, topk, 1.0)
     params = SamplingParams(2, 6, 1.0, stop_token_ids=setup.stop_token_ids, seed=3)
-    identity = ctl.refresh()
+    identity = ctl.ensure_served()
     rollouts = ctl.sample(setup.prompts.batch(0, 2), params, identity)
     assert rollouts.data_source == ["openai/gsm8k"] * 4
     scores = ctl.score(rollouts, topk)

@@ -80,7 +80,7 @@ def test_replicas_sample_what_one_engine_samples(student_dir, teacher_dir):
     reward = ExactMatchReward(tok)
     one = StrictSyncController(engines[0], scorer, learner, reward, 0, 1.0)
     three = StrictSyncController(engines, [scorer, scorer], learner, reward, 0, 1.0)
-    identity = three.refresh()
+    identity = three.ensure_served()
     assert all(e.served == identity for e in engines)  # every replica serves the published policy
     a, b = one.sample(prompts, params, identity), three.sample(prompts, params, identity)
     assert b.uid == a.uid

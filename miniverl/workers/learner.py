@@ -28,6 +28,10 @@ class NonFiniteError(MiniVerlError):
     """A NaN or inf loss, gradient or weight; nothing poisoned was applied, published or saved."""
 
 
+class SamplerGapError(PolicyMismatchError):
+    """A step's sampled tokens sit further from the learner's log-probs than the objective tolerates."""
+
+
 class LearnerWorker:
     def __init__(
         self,
@@ -152,6 +156,7 @@ class LearnerWorker:
                 extra[k] = extra.get(k, 0.0) + float(v) * weight
         if self.world_size > 1:
             self._sum_gradients()
+        self._check_sampler_gap(sums["gap_abs"], sums["gap_max"], num_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         skipped = self._step_if_finite(sums["loss"], float(grad_norm))
         return {
@@ -163,6 +168,28 @@ class LearnerWorker:
             "response_tokens": num_tokens,
             **extra,
         }
+
+    def _check_sampler_gap(self, gap_abs: float, gap_max: float, num_tokens: int) -> None:
+        """Refuse the step before optimizer.step() when the sampler's log-probs of the step's tokens sit
+        further from the learner's than the objective tolerates (its max_mean_gap: the conformance gate's
+        bound, or what truncated importance sampling can correct). Every rank sees the whole step's gap."""
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            total, peak = torch.tensor([gap_abs], device=self.device), torch.tensor([gap_max], device=self.device)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            gap_abs, gap_max = float(total), float(peak)
+        tolerance = self.objective.sampler_tolerance
+        mean = gap_abs / max(num_tokens, 1)
+        if mean > tolerance.max_mean_gap:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise SamplerGapError(
+                f"the sampler's log-probs of this step's {num_tokens} tokens sit mean {mean:.3g} (max {gap_max:.3g})"
+                f" nats from the learner's v{self.version}, above the objective's per-step bound of"
+                f" {tolerance.max_mean_gap:g}; the update was not applied. The rollout side does not sample"
+                " what the learner computes: serve the same model, dtype and quantization on both sides"
+            )
 
     def _sum_gradients(self) -> None:
         """All-reduce (sum) the adapter gradients; each rank's loss is already divided by the step's tokens."""
