@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miniverl.controller import StrictSyncController
-from miniverl.models.lora import LoraSettings, adapter_state
+from miniverl.models.lora import LoraSettings, adapter_state, load_adapter_state
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.probe import (
     CHANGE_MARGIN,
@@ -112,13 +112,15 @@ def test_a_normal_run_passes_the_probe(parts, student_dir, backend):
 
 
 def test_hf_cached_whose_serving_weights_were_not_refreshed_is_caught(parts, student_dir, monkeypatch):
-    """The peft module holds the new adapter (an adapter digest would pass) but the merged weights it
-    samples with are stale: the probe, computed through those weights, stops the run."""
+    """The peft module holds the new adapter (an adapter digest would pass) but the serving buffers it
+    samples with are stale: the probe, computed through those buffers, stops the run."""
     _, prompts, learner, _ = parts
     rollout = RolloutWorker("hf_cached", str(student_dir), LORA, "float32", CPU)
     ctl = controller(rollout, parts)
     ctl.step(prompts, PARAMS)  # v0 served honestly
-    monkeypatch.setattr(rollout.backend.decoder, "refresh", lambda: None)
+    monkeypatch.setattr(
+        rollout.backend.decoder, "load", lambda weights: load_adapter_state(rollout.backend.model, weights)
+    )
     with pytest.raises(PolicyMismatchError, match=r"replica 0 serves probe log-probs up to .* v1"):
         ctl.step(prompts, PARAMS)
     assert weights_digest(adapter_state(rollout.backend.model)) == learner.published.digest  # the old proof
