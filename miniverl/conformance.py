@@ -1,6 +1,8 @@
 """The log-prob conformance gate: before training, does the rollout backend sample what the learner computes?
 
-Rollouts are sampled through the backend with the run's sampling settings, the learner recomputes the
+First the rollout side serves a non-zero trial adapter and must match the learner's probe under it (at
+v0 lora_B is 0, where a wrong merge or a dropped adapter term is invisible). Then rollouts are sampled
+through the backend with the run's sampling settings, the learner recomputes the
 log-prob of every sampled token, and the gaps (mean and p99 |gap|, the fraction of importance ratios
 outside [1/cap, cap]) are held against the tolerance the objective declares
 (`objective.sampler_tolerance`, miniverl/objectives/). Within it: "pass". Outside it: "pass_with_tis"
@@ -113,6 +115,7 @@ def conformance_gate(
     configured. Returns the numbers summary.json keeps."""
     objective_name, backend = names
     prompts = prompts.select(list(range(min(GATE_PROMPTS, len(prompts)))))
+    trial_gap = controller.sync.prove_trial_adapter()  # serving a non-zero adapter, before v0 (lora_B = 0)
     identity = controller.ensure_served()
     batch = controller.sample(prompts, dataclasses.replace(params, seed=GATE_SEED), identity)
     tolerance = objective.sampler_tolerance
@@ -124,4 +127,9 @@ def conformance_gate(
         f" {stats.mean_gap:.2e} p99 {stats.p99_gap:.2e} nats, {stats.outside_frac:.2%} of ratios outside"
         f" [1/{stats.cap:g}, {stats.cap:g}]: {decision}"
     )
-    return {**dataclasses.asdict(stats), "decision": decision, "tolerance": dataclasses.asdict(tolerance)}
+    return {
+        **dataclasses.asdict(stats),
+        "decision": decision,
+        "tolerance": dataclasses.asdict(tolerance),
+        "trial_adapter_probe_gap": trial_gap,
+    }

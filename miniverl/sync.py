@@ -23,6 +23,10 @@ from miniverl.probe import check_changed, check_gap, max_gap
 from miniverl.protocol import PolicyIdentity, PolicyMismatchError, RolloutBatch
 
 RECENT_ROWS = 2  # on-policy rows of the last training batch added to the probe (one short prefill more)
+TRIAL_SEED = 1  # the conformance gate's non-zero adapter (one per run; the same in every run)
+# lora_B of the trial adapter: with lora_A's default init (|A x| ~ 1 per rank) and alpha/r ~ 2, a delta of
+# a few hundredths per output, far above fp32 rounding and enough to move a bf16 probe.
+TRIAL_STD = 0.02
 
 
 def _probe_rows(batch: RolloutBatch, count: int) -> list[tuple[int, ...]]:
@@ -68,13 +72,22 @@ class PolicySync:
             self.identity = self._refresh()
         return self.identity
 
+    def prove_trial_adapter(self) -> float:
+        """Serve and prove a non-zero trial adapter (the gate, before v0 is served): at v0 lora_B is 0, so a
+        replica that merges wrongly or drops the adapter term serves v0 exactly. The gap test runs on it
+        now; the change test runs at the next refresh (v0 against the trial), which then publishes the
+        learner's real policy. Returns the max gap under the trial adapter (nats)."""
+        self._refresh(trial=True)
+        self.identity = None  # the replicas hold the trial adapter now
+        return self.last_probe["probe_gap_max"]
+
     def _sequences(self) -> list[tuple[int, ...]]:
         seen: dict[tuple[int, ...], None] = {}
         for s in (*self.fixed, *self._carried, *self._recent):
             seen.setdefault(s, None)
         return list(seen)
 
-    def _refresh(self) -> PolicyIdentity:
+    def _refresh(self, trial: bool = False) -> PolicyIdentity:
         """All calls are submitted at once; each actor runs its calls in submission order. The learner's
         probe goes first: the replicas wait for the snapshot, so no two actors compute at once (on the CPU,
         two all-core thread pools at once made a refresh 10x slower: measured). The snapshot stays a ref
@@ -86,9 +99,14 @@ class PolicySync:
         sequences = self._sequences()
         probe = [list(s) for s in sequences]
         first = not self.noise
-        learner = submit(self.learners[0], "probe_logprobs", probe)
-        snapshot = submit(self.learners[0], "publish_policy")
-        others = [submit(rank, "publish_policy", False) for rank in self.learners[1:]]
+        if trial:
+            snapshot = submit(self.learners[0], "trial_snapshot", TRIAL_SEED, TRIAL_STD)
+            learner = submit(self.learners[0], "probe_logprobs_with", snapshot, probe)
+            others = []
+        else:
+            learner = submit(self.learners[0], "probe_logprobs", probe)
+            snapshot = submit(self.learners[0], "publish_policy")
+            others = [submit(rank, "publish_policy", False) for rank in self.learners[1:]]
         loaded = [submit(r, "load_policy", snapshot) for r in self.rollouts]
         served = [submit(r, "probe_logprobs", probe) for r in self.rollouts]
         again = [submit(r, "probe_logprobs", probe) for r in self.rollouts] if first else []
@@ -121,6 +139,6 @@ class PolicySync:
                 check_changed(i, identity.version, max_gap(now, before), learner_moved, self.noise[i])
         self._previous = {s: ([p[j] for p in served], learner[j]) for j, s in enumerate(sequences)}
         self._carried, self._recent = self._recent, []
-        self.refreshes += 1
+        self.refreshes += 0 if trial else 1
         self.last_probe = {"probe_gap_max": max(gaps), "probe_learner_moved": learner_moved}
         return identity

@@ -49,3 +49,31 @@ def test_an_honest_replica_is_never_flagged(parts, student_dir, backend, dtype, 
         moved.append(metrics["probe_learner_moved"])
     assert learner.version == HONEST_STEPS and ctl.sync.refreshes == HONEST_STEPS
     assert sum(m > 0 for m in moved) >= HONEST_STEPS - 1  # every refresh after the first had a move to follow
+
+
+class AdapterDroppingWorker(RolloutWorker):
+    """Serves the base model whatever it is sent (lora_B zeroed): exact at v0, where lora_B is 0."""
+
+    def load_policy(self, snapshot):
+        dropped = {k: v * 0 if "lora_B" in k else v for k, v in snapshot.weights.items()}
+        return super().load_policy(type(snapshot)(snapshot.identity, dropped))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_gate_serves_a_non_zero_adapter_first(parts, student_dir, dtype):
+    """At v0 a replica that drops the adapter serves exactly the published policy; the gate's trial adapter
+    exposes it before any step (fp32: its gap; bf16: the change test at v0's refresh)."""
+    ctl, learner = build(parts, student_dir, AdapterDroppingWorker, "hf_cached", dtype, 1e-3)
+    ctl.ensure_served()  # v0 alone: passes
+    ctl, learner = build(parts, student_dir, AdapterDroppingWorker, "hf_cached", dtype, 1e-3)
+    with pytest.raises(PolicyMismatchError, match="rollout replica 0 serves"):
+        ctl.sync.prove_trial_adapter()
+        ctl.ensure_served()
+    assert learner.version == 0 and ctl.sync.refreshes == 0
+
+
+def test_an_honest_replica_passes_the_trial_adapter(parts, student_dir):
+    ctl, learner = build(parts, student_dir, RolloutWorker, "hf_cached", "bfloat16", 1e-3)
+    assert ctl.sync.prove_trial_adapter() <= ctl.sync.tolerances[0]
+    assert ctl.ensure_served().version == 0 and ctl.sync.last_probe["probe_learner_moved"] > 0
+    assert ctl.sync.refreshes == 1 and learner.published.version == 0

@@ -111,6 +111,26 @@ class LearnerWorker:
         self.model.eval()  # update() sets train mode again; LoRA dropout must not touch the probe
         return sequence_logprobs(self.model, sequences)
 
+    def trial_snapshot(self, seed: int, std: float) -> PolicySnapshot:
+        """A non-zero adapter for the conformance gate (lora_B ~ N(0, std), lora_A as trained), under a
+        name no published policy carries (version -1). The learner's own adapter is unchanged: at v0
+        lora_B is 0, where a wrong merge or a dropped adapter term serves exactly what it should."""
+        g = torch.Generator().manual_seed(seed)
+        weights = {
+            k: (torch.randn(v.shape, generator=g) * std).to(v.dtype) if "lora_B" in k else v
+            for k, v in sorted(adapter_state(self.model).items())
+        }
+        return PolicySnapshot(PolicyIdentity(-1, weights_digest(weights)), weights)
+
+    def probe_logprobs_with(self, snapshot: PolicySnapshot, sequences: list[list[int]]) -> list[list[float]]:
+        """probe_logprobs under another adapter (a trial snapshot's), then the learner's own is put back."""
+        own = adapter_state(self.model)
+        load_adapter_state(self.model, snapshot.weights)
+        try:
+            return self.probe_logprobs(sequences)
+        finally:
+            load_adapter_state(self.model, own)
+
     def update(
         self,
         batch: RolloutBatch,
