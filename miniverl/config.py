@@ -279,6 +279,17 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"trainer.total_steps={t.total_steps}: need at least 1 step (e.g. trainer.total_steps=60)",
     )
     _require(t.micro_batch_size > 0, f"trainer.micro_batch_size={t.micro_batch_size}: must be >= 1")
+    from miniverl.seeds import MAX_BASE_SEED, STEP_STRIDE
+
+    _require(
+        t.total_steps < STEP_STRIDE,
+        f"trainer.total_steps={t.total_steps}: sampling seeds are unique for fewer than {STEP_STRIDE} steps"
+        " (miniverl/seeds.py); split the run",
+    )
+    _require(
+        0 <= r.seed < MAX_BASE_SEED,
+        f"rollout.seed={r.seed}: must be in [0, {MAX_BASE_SEED}) so no two seeds of a run collide (miniverl/seeds.py)",
+    )
     _require(
         t.eval_every >= 0,
         f"trainer.eval_every={t.eval_every}: use 0 (start and end only) or a positive step count",

@@ -22,9 +22,9 @@ from miniverl.actors import call
 from miniverl.objectives.ratios import SamplerTolerance
 from miniverl.protocol import ConfigError, PromptBatch, RolloutBatch
 from miniverl.rollout.sampling import SamplingParams
+from miniverl.seeds import sampling_seed
 
 GATE_PROMPTS = 16  # prompt groups sampled for the gate (x rollout.n samples): a few hundred tokens
-GATE_SEED = 7_919  # its own sampling seed, apart from every training step's
 P99 = 0.99
 
 
@@ -109,15 +109,21 @@ def learner_logprobs(learner, batch: RolloutBatch) -> torch.Tensor:
 
 
 def conformance_gate(
-    controller, prompts: PromptBatch, params: SamplingParams, objective, names: tuple[str, str], log=print
+    controller,
+    prompts: PromptBatch,
+    params: SamplingParams,
+    objective,
+    names: tuple[str, str],
+    log=print,
+    seed: int = sampling_seed(0, "gate", 0),
 ) -> dict:
     """Sample through the backend, recompute on the learner, decide; `names` = (objective, backend) as
-    configured. Returns the numbers summary.json keeps."""
+    configured, `seed` the gate's sampling seed (miniverl/seeds.py). Returns the numbers summary.json keeps."""
     objective_name, backend = names
     prompts = prompts.select(list(range(min(GATE_PROMPTS, len(prompts)))))
     trial_gap = controller.sync.prove_trial_adapter()  # serving a non-zero adapter, before v0 (lora_B = 0)
     identity = controller.ensure_served()
-    batch = controller.sample(prompts, dataclasses.replace(params, seed=GATE_SEED), identity)
+    batch = controller.sample(prompts, dataclasses.replace(params, seed=seed), identity)
     tolerance = objective.sampler_tolerance
     learner = learner_logprobs(controller.learners[0], batch)
     stats = gap_stats(batch.rollout_log_probs, learner, batch.response_mask, tolerance.cap)

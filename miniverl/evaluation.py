@@ -11,9 +11,6 @@ from miniverl.controller import StrictSyncController, rollout_metrics
 from miniverl.protocol import PromptBatch, RolloutBatch
 from miniverl.rollout.sampling import SamplingParams
 
-# The temperature-1 sample draws from its own seed stream, apart from training steps' (seed * 100_003 + step).
-EVAL_SAMPLE_SEED_OFFSET = 17
-
 
 @dataclass
 class EvalResult:
@@ -26,7 +23,7 @@ def evaluate(
     batch: PromptBatch,
     max_new_tokens: int,
     stop_ids: tuple[int, ...],
-    seed: int,
+    sample_seed: int,
     reward_fn,
     tokenizer,
     num_samples: int,
@@ -34,13 +31,14 @@ def evaluate(
     """Greedy accuracy and response length, and the k1 reverse KL of temperature-1 samples, on `batch`.
 
     reverse KL must be estimated on samples of the student itself (temperature 1, no truncation) to be
-    unbiased, so it uses a second, sampled generation; accuracy is that of greedy answers.
+    unbiased, so it uses a second, sampled generation; accuracy is that of greedy answers. `sample_seed`
+    seeds that sample (miniverl/seeds.py: purpose eval).
     """
     identity = controller.ensure_served()
     greedy = controller.sample(batch, SamplingParams(1, max_new_tokens, 0.0, stop_token_ids=stop_ids), identity)
     sampled = controller.sample(
         batch,
-        SamplingParams(1, max_new_tokens, 1.0, stop_token_ids=stop_ids, seed=seed + EVAL_SAMPLE_SEED_OFFSET),
+        SamplingParams(1, max_new_tokens, 1.0, stop_token_ids=stop_ids, seed=sample_seed),
         identity,
     )
     m = rollout_metrics(sampled, controller.score(sampled, None), reward_fn(sampled))
