@@ -60,7 +60,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], where: str) 
     otherwise return one message per class of allowed difference (empty when the configs are equal)."""
     old, new = flatten(saved), flatten(current)
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-    identity = [k for k in changed if k.startswith(IDENTITY_PREFIXES)]
+    # A `.name` first: another objective brings its whole own settings, and its name says the most.
+    identity = sorted((k for k in changed if k.startswith(IDENTITY_PREFIXES)), key=lambda k: not k.endswith(".name"))
     if identity:
         raise ConfigError(
             f"checkpoint {where} was made under another model, LoRA shape or objective"
