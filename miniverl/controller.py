@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from miniverl.actors import call_all
+from miniverl.actors import call_all, fetch, submit
 from miniverl.objectives.aggregation import masked_mean
 from miniverl.protocol import (
     PolicyIdentity,
@@ -85,25 +85,39 @@ class StrictSyncController:
             raise PolicyMismatchError(f"rollouts are stamped v{rollouts.policy_version}, expected v{identity.version}")
         return rollouts
 
-    def score(self, rollouts: RolloutBatch, support_k: int | None) -> TeacherScores:
+    def score(self, rollouts: RolloutBatch, support_k: int | None) -> list[tuple[Any, int, int]]:
+        """The teacher's scores of `rollouts`, one part per scorer replica: (handle, first row, end row).
+        A handle is a Ray ref (a value in-process): the scores go from scorer to learner, never through
+        the driver (at the 4080 recipe they are most of a step's bytes)."""
         shards = [(a, b) for a, b in group_bounds(rollouts.uid, len(self.scorers)) if b > a]
-        parts = call_all(
-            self.scorers[: len(shards)],
-            "score",
-            [(rollouts.rows(a, b), support_k, self.loss_temperature) for a, b in shards],
-        )
-        return concat_scores(parts)
+        return [
+            (submit(scorer, "score", rollouts.rows(a, b), support_k, self.loss_temperature), a, b)
+            for scorer, (a, b) in zip(self.scorers, shards)
+        ]
 
-    def update(self, rollouts: RolloutBatch, scores: TeacherScores, rewards: torch.Tensor) -> dict[str, float]:
-        """Every learner rank takes one shard of whole groups (possibly empty) and the step's token count."""
+    @staticmethod
+    def fetch_scores(parts: list[tuple[Any, int, int]]) -> TeacherScores:
+        """The scores themselves, in the driver (evaluation's reverse KL; shards that do not line up)."""
+        return concat_scores(fetch([handle for handle, _, _ in parts]))
+
+    def update(
+        self, rollouts: RolloutBatch, parts: list[tuple[Any, int, int]], rewards: torch.Tensor
+    ) -> dict[str, float]:
+        """Every learner rank takes one shard of whole groups (possibly empty) and the step's token count.
+        A rank whose rows one scorer replica scored gets that replica's scores by reference; otherwise
+        (different replica counts) the driver fetches and slices them."""
         tokens = int(rollouts.response_mask.sum())
         shards = group_bounds(rollouts.uid, len(self.learners))
-        per_rank = call_all(
-            self.learners,
-            "update",
-            [(rollouts.rows(a, b), scores.rows(a, b), rewards[a:b], tokens) for a, b in shards],
-        )
-        metrics = combine_rank_metrics(per_rank)
+        by_rows = {(a, b): handle for handle, a, b in parts}
+        whole: list[TeacherScores] = []
+        args = []
+        for a, b in shards:
+            scores = by_rows.get((a, b))
+            if scores is None:
+                whole = whole or [self.fetch_scores(parts)]
+                scores = whole[0].rows(a, b)
+            args.append((rollouts.rows(a, b), scores, rewards[a:b], tokens))
+        metrics = combine_rank_metrics(call_all(self.learners, "update", args))
         if not metrics["skipped_step"]:  # a skipped (non-finite) step leaves the policy and its version as they were
             self.sync.learner_updated()
         return metrics
@@ -115,14 +129,14 @@ class StrictSyncController:
         rollouts = self.sample(prompts, params, identity)
         self.sync.remember(rollouts)
         t2 = time.perf_counter()
-        scores = self.score(rollouts, self.teacher_support_k)
+        scores = self.score(rollouts, self.teacher_support_k)  # handles; the learner fetches them
         rewards = self.reward_fn(rollouts)
         t3 = time.perf_counter()
-        metrics = self.update(rollouts, scores, rewards)
+        metrics = self.update(rollouts, scores, rewards)  # time/update includes the wait for the scores
         t4 = time.perf_counter()
         return {
-            **metrics,
-            **rollout_metrics(rollouts, scores, rewards),
+            **metrics,  # reverse_kl among them: the learner holds the teacher's log-probs
+            **rollout_metrics(rollouts, rewards),
             **self.last_probe,
             "policy_version": identity.version,
             "time/refresh": t1 - t0,
@@ -144,19 +158,24 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def rollout_metrics(rollouts: RolloutBatch, scores: TeacherScores, rewards: torch.Tensor) -> dict[str, float]:
+def rollout_metrics(
+    rollouts: RolloutBatch, rewards: torch.Tensor, teacher_log_probs: torch.Tensor | None = None
+) -> dict[str, float]:
     """Metrics shared by every objective, so their curves are comparable.
 
-    reverse_kl is the k1 estimate `mean_t [log q(y_t) - log p(y_t)]` over sampled tokens (the sampler's
-    log-probs against the teacher's), an unbiased per-token estimate of KL(q || p) only when the tokens
-    were sampled from q itself: temperature 1, no top-k/top-p. With other sampling settings (allowed for
-    gkd) the training-step value is biased; the evaluation always samples at temperature 1.
+    reverse_kl (when the teacher's log-probs are given; in a training step the learner reports it) is the
+    k1 estimate `mean_t [log q(y_t) - log p(y_t)]` over sampled tokens (the sampler's log-probs against
+    the teacher's), an unbiased per-token estimate of KL(q || p) only when the tokens were sampled from q
+    itself: temperature 1, no top-k/top-p. With other sampling settings (allowed for gkd) the
+    training-step value is biased; the evaluation always samples at temperature 1.
     """
     mask = rollouts.response_mask.float()
-    return {
-        "reverse_kl": float(masked_mean(rollouts.rollout_log_probs - scores.teacher_log_probs, mask)),
+    out = {
         "reward": float(rewards.mean()),
         "accuracy": float((rewards > 0.5).float().mean()),
         "response_length": float(mask.sum(1).mean()),
         "finished_frac": float(rollouts.finished.float().mean()),
     }
+    if teacher_log_probs is not None:
+        out["reverse_kl"] = float(masked_mean(rollouts.rollout_log_probs - teacher_log_probs, mask))
+    return out

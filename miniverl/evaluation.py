@@ -41,7 +41,8 @@ def evaluate(
         SamplingParams(1, max_new_tokens, 1.0, stop_token_ids=stop_ids, seed=sample_seed),
         identity,
     )
-    m = rollout_metrics(sampled, controller.score(sampled, None), reward_fn(sampled))
+    teacher = controller.fetch_scores(controller.score(sampled, None)).teacher_log_probs
+    m = rollout_metrics(sampled, reward_fn(sampled), teacher)
     rewards = reward_fn(greedy)  # [G]
     metrics = {
         "eval/accuracy": float((rewards > 0.5).float().mean()),

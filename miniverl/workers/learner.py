@@ -174,6 +174,9 @@ class LearnerWorker:
             weight = mask.sum().item() / num_tokens  # token-weighted mean of per-micro-batch means
             for k, v in metrics.items():
                 extra[k] = extra.get(k, 0.0) + float(v) * weight
+        # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
+        # teacher's scores come straight from the scorer: a sum over this rank's tokens / the step's tokens.
+        reverse_kl = float(((batch.rollout_log_probs - scores.teacher_log_probs) * batch.response_mask).sum())
         if self.world_size > 1:
             self._sum_gradients()
         self._check_sampler_gap(sums["gap_abs"], sums["gap_max"], num_tokens)
@@ -186,6 +189,7 @@ class LearnerWorker:
             "sampler_gap_mean": sums["gap_abs"] / max(num_tokens, 1),
             "sampler_gap_max": sums["gap_max"],
             "response_tokens": num_tokens,
+            "reverse_kl": reverse_kl / max(num_tokens, 1),
             **extra,
         }
 

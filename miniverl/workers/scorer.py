@@ -80,7 +80,8 @@ class ScorerWorker:
                 continue
             top_lp, top_ids = logp.topk(support_k, dim=-1)  # [c, Tr, K]
             tail = torch.logsumexp(logp.scatter(-1, top_ids, float("-inf")), dim=-1)  # [c, Tr]
-            parts.append((top_lp.cpu(), top_ids.cpu(), tail.cpu()))
+            # int32 ids: half the bytes of the step's largest hand-over (the learner casts back to gather)
+            parts.append((top_lp.cpu(), top_ids.to(torch.int32).cpu(), tail.cpu()))
         cols = [torch.cat(c, dim=0) for c in zip(*parts)]
         if full:
             out.teacher_topk_logprobs = cols[0]
