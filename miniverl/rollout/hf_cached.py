@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from miniverl.models.logprobs import right_pad, token_logprobs, unpad_logprobs
+from miniverl.models.logprobs import token_logprobs
 from miniverl.models.lora import LoraSettings, build_lora_model
 from miniverl.probe import probe_tolerance
 from miniverl.protocol import ConfigError
@@ -35,7 +35,10 @@ from miniverl.rollout.sampling import SamplingParams, make_generators, sample_ne
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 LORA_GROUPS = ("qkv_lora", "o_lora", "gate_up_lora", "down_lora")
-CACHE_COLUMN_QUANTUM = 64  # cache length rounds up to this, so slightly longer prompts reuse buffers and graphs
+CACHE_COLUMN_QUANTUM = 64
+# The strict-sync probe's last tokens go through the decode step itself (the CUDA graphs generate replays):
+# a stale or wrong graph, not only stale weights, shows in the probe. 8 steps cost 8 decode launches.
+PROBE_DECODE_STEPS = 8  # cache length rounds up to this, so slightly longer prompts reuse buffers and graphs
 
 
 @dataclass
@@ -288,24 +291,42 @@ class HFCachedBackend:
 
     @torch.no_grad()
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Through the serving weights it samples with (fused base copies, adapter buffers), never the peft
-        module.
-
-        One causal pass over the whole sequences, not token-by-token decoding: the decode step reads the
-        same weight and adapter tensors (written in place, which its CUDA graphs rely on), and one pass
-        keeps the probe a small fraction of a refresh.
-        """
-        ids, _ = right_pad(sequences)  # [B, T]
-        if int(ids.min()) < 0 or int(ids.max()) >= self.decoder.vocab_size:
-            raise ValueError(f"probe token ids must lie in [0, {self.decoder.vocab_size})")
-        b, t = ids.shape
-        ids = ids.to(self.device)
-        positions = torch.arange(t, device=self.device).expand(b, t)  # [B, T]
-        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        bias = torch.zeros(1, 1, t, t, device=self.device).masked_fill(~causal, float("-inf"))  # [1, 1, T, T]
-        h = self.decoder.hidden(ids, positions, bias, lambda _layer, k, v: (k, v))  # [B, T, E]
-        logits = self.decoder.lm_head(h[:, :-1])  # [B, T-1, V]
-        return unpad_logprobs(token_logprobs(logits, ids[:, 1:]), sequences)
+        """Teacher-forced through the path that samples: the serving weights and adapter buffers (never the
+        peft module), the prefill over all but each sequence's last PROBE_DECODE_STEPS + 1 tokens, then up
+        to PROBE_DECODE_STEPS decode steps over the KV cache (the CUDA graphs generate replays on a GPU).
+        Shapes: one log-prob per token after the first of each sequence."""
+        vocab = self.decoder.vocab_size
+        if any(len(s) < 2 for s in sequences) or any(min(s) < 0 or max(s) >= vocab for s in sequences):
+            raise ValueError(f"probe sequences need >= 2 token ids, each in [0, {vocab})")
+        rows = len(sequences)
+        # The prefill's last position scores the first of the last `tail` tokens (as it picks generate's first
+        # token); the decode steps score the rest. A prefix of >= 1 token stays for the prefill.
+        tail = min(PROBE_DECODE_STEPS + 1, min(len(s) for s in sequences) - 1)
+        heads = [s[: len(s) - tail] for s in sequences]
+        lens = [len(h) for h in heads]
+        width_p = max(lens)
+        cache = self._reserve(rows, width_p + tail)
+        h = self._prefill_hidden(heads, 1, cache)  # [R, P, E], left-padded
+        out = []
+        for i, head in enumerate(heads):
+            logits = self.decoder.lm_head(h[i, width_p - len(head) :])  # [len, V]: the last predicts the next
+            ids = torch.tensor(sequences[i][1 : len(head) + 1], device=self.device)
+            out.append(token_logprobs(logits[None], ids[None])[0].tolist())
+        if tail == 1:
+            return out
+        cache.first_column[:rows] = width_p - torch.tensor(lens, device=self.device)
+        cache.positions[:rows] = torch.tensor(lens, device=self.device) - 1
+        cache.column.fill_(width_p - 1)
+        for step in range(tail - 1):  # feed the token after the prefix (and those after it), score the next
+            fed = [s[n + step] for s, n in zip(sequences, lens)]
+            cache.tokens[:rows] = torch.tensor(fed, device=self.device)
+            cache.positions.add_(1)
+            cache.column.add_(1)
+            logits = self._decode(self._width(rows, rows))[:rows]  # [R, V]
+            ids = torch.tensor([s[n + step + 1] for s, n in zip(sequences, lens)], device=self.device)
+            for i, lp in enumerate(token_logprobs(logits[:, None], ids[:, None])[:, 0].tolist()):
+                out[i].append(lp)
+        return out
 
     @property
     def decode_mode(self) -> str:
@@ -390,6 +411,14 @@ class HFCachedBackend:
 
         Shapes: -> [G * N, V].
         """
+        h = self._prefill_hidden(prompts, n, cache)  # [G, P, E]
+        return self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0)  # [G*N, V]
+
+    def _prefill_hidden(self, prompts: list[list[int]], n: int, cache: _Cache) -> torch.Tensor:
+        """The prefill pass: left-padded prompts, keys/values copied into the cache rows of their n samples.
+
+        Shapes: -> [G, P, E] final-norm hidden states, prompts right-aligned at column P.
+        """
         ids, mask = left_pad(prompts)  # [G, P] each
         g, p = ids.shape
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -404,8 +433,7 @@ class HFCachedBackend:
             cache.values[layer][: g * n, :, :p] = v.repeat_interleave(n, dim=0)
             return k, v
 
-        h = self.decoder.hidden(ids, positions, bias, store)  # [G, P, E]
-        return self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0)  # [G*N, V]
+        return self.decoder.hidden(ids, positions, bias, store)  # [G, P, E]
 
     def _decode_step(self, width: int) -> torch.Tensor:
         """Feed cache.tokens[:width] at cache.column; the body a CUDA graph captures. Shapes: -> [width, V]."""

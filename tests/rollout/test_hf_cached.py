@@ -279,3 +279,23 @@ def test_served_equals_the_learners_arithmetic_after_updates_at_a_small_lr_in_bf
     )
     assert torch.equal(backend.decoder._project(x, backend.decoder.weights[0], "qkv"), peft_out)
     assert (merged != peft_out).float().mean() > 0.05  # what main served instead
+
+
+def test_the_probe_goes_through_the_decode_step_that_samples(random_model_dir, monkeypatch):
+    """main scored the probe in one causal pass, so a decode step gone wrong (a stale CUDA graph, a cache
+    bug) could sample garbage while the probe passed. Now the last tokens are scored by decode steps."""
+    from miniverl.rollout.hf_cached import PROBE_DECODE_STEPS
+
+    ref, fast = pair(random_model_dir)
+    probe = [[3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12, 14], [4, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    want, got = ref.probe_logprobs(probe), fast.probe_logprobs(probe)
+    assert [len(r) for r in got] == [len(s) - 1 for s in probe]
+    assert max(abs(a - b) for x, y in zip(want, got) for a, b in zip(x, y)) < LOGPROB_TOL
+    step = fast._decode_step
+    monkeypatch.setattr(fast, "_decode_step", lambda width: step(width) + 0.5 * torch.arange(step(width).shape[-1]))
+    broken = fast.probe_logprobs(probe)
+    decoded = min(PROBE_DECODE_STEPS, len(probe[1]) - 2)  # the shortest sequence bounds the decode steps
+    assert decoded == 1
+    for w, b in zip(want, broken):
+        assert max(abs(x - y) for x, y in zip(w[:-decoded], b[:-decoded])) < LOGPROB_TOL  # the prefill's part
+        assert max(abs(x - y) for x, y in zip(w[-decoded:], b[-decoded:])) > 0.1  # the decoded part
