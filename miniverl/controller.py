@@ -58,11 +58,22 @@ class StrictSyncController:
     ) -> None:
         """`probe`: the fixed token sequences every refresh is verified on; None draws them from the learner's
         vocabulary at the first refresh (miniverl.probe.draw_probe)."""
-        self.rollouts, self.scorers, self.learners = _as_list(rollout), _as_list(scorer), _as_list(learner)
+        self.rollouts, self.scorers = _as_list(rollout), _as_list(scorer)
+        self._learners = _as_list(learner)
         self.reward_fn = reward_fn
         self.teacher_support_k = teacher_support_k
         self.loss_temperature = loss_temperature
         self.sync = PolicySync(self.rollouts, self.learners, probe)
+
+    @property
+    def learners(self) -> list[Any]:
+        return self._learners
+
+    @learners.setter
+    def learners(self, learners: list[Any]) -> None:
+        """Other learner actors (a restored one): the policy they hold must be published and proven anew."""
+        self._learners = self.sync.learners = _as_list(learners)
+        self.sync.learner_updated()
 
     def ensure_served(self) -> PolicyIdentity:
         """The policy the rollout side provably serves; published and proven at most once per learner

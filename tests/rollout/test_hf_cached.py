@@ -231,8 +231,9 @@ def test_cuda_greedy_identical_on_trained_model(student_dir):
 def test_served_equals_the_learners_arithmetic_after_updates_at_a_small_lr_in_bf16(parts, student_dir, monkeypatch):
     """hf_cached applies the adapter unmerged, as the learner's peft layers do. After 5 updates at lr 1e-5
     in bf16, its probe through its own serving path equals, bit for bit, the same path with every adapted
-    projection computed by the learner's peft modules. A bf16 merge W + s B A (main) rounds such updates
-    away: here it differs from the peft layer in most of the first layer's q/k/v outputs."""
+    projection computed by the learner's peft modules. A bf16 merge W + s B A (main) is another function:
+    here 94% of the merged q_proj entries still equal the base after 5 updates, and the merged layer
+    differs from the peft layer in every q/k/v output of 64 random rows (measured on this model)."""
     from miniverl.controller import StrictSyncController
     from miniverl.models.lora import load_adapter_state
     from miniverl.objectives.gkd import GkdObjective
