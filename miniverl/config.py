@@ -171,10 +171,16 @@ class TrainerConfig:
     lr: float = 2e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    micro_batch_size: int = 16  # rows per forward/backward; the loss is normalized per optimizer step
-    # Response positions whose [rows, V] logits exist at once in the learner (and the scorer): the LM head,
-    # log-softmax and loss run chunk by chunk and backward recomputes each chunk, so no [micro_batch, Tr, V]
-    # fp32 tensor stays alive. 0 = direct (the whole micro-batch's logits at once; fine for tiny vocabularies).
+    # Rows per forward/backward when max_tokens_per_micro_batch is 0; the loss is normalized per optimizer step,
+    # so the split never changes a number.
+    micro_batch_size: int = 16
+    # Padded tokens (rows x longest row, prompt + response) per forward in the learner and the scorer: rows are
+    # sorted by length and grouped under this budget, laid out without inner padding (models/packing.py).
+    # 0 = micro_batch_size rows of the step's longest row.
+    max_tokens_per_micro_batch: int = 0
+    # Response tokens whose [tokens, V] logits exist at once in the learner (and the scorer): the LM head and
+    # the loss run fused, chunk by chunk, forward and backward (models/fused_head.py), so no [rows, Tr, V]
+    # tensor exists. 0 = a whole micro-batch's tokens at once (fine for tiny vocabularies).
     logprob_chunk_tokens: int = 0
     gradient_checkpointing: bool = False  # recompute decoder activations in backward (less memory, ~30% slower)
     # The largest vocabulary-sized buffer the run may hold (GiB): the teacher's full-vocabulary support of a
@@ -417,7 +423,15 @@ def validate(cfg: MiniVerlConfig) -> None:
     check_quantized_rollout(cfg.model.student.quantization, r.backend, r.vllm.refresh)
     _require(
         t.logprob_chunk_tokens >= 0,
-        f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens}: use 0 (direct) or a token count such as 64",
+        f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens}: use 0 (a micro-batch at once) or a token count"
+        " such as 256",
+    )
+    longest = d.max_prompt_length + r.max_new_tokens
+    _require(
+        t.max_tokens_per_micro_batch == 0 or t.max_tokens_per_micro_batch >= longest,
+        f"trainer.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}: below the longest possible row"
+        f" (data.max_prompt_length {d.max_prompt_length} + rollout.max_new_tokens {r.max_new_tokens} = {longest}"
+        f" tokens); use 0 (micro_batch_size rows) or at least {longest}",
     )
     _require(
         t.vocab_memory_budget_gib > 0,

@@ -60,8 +60,16 @@ def check_tracking(mode: str) -> None:
 
 
 def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
-    """GPU-only settings on a CPU run would be silently ignored; refuse them instead."""
+    """GPU-only settings on a CPU run would be silently ignored; refuse them instead. On a GPU, every actor's
+    share of an emulated card must leave room beyond its CUDA context."""
     if device != "cpu":
+        if cfg.resources.emulate_gpu_gib is not None:
+            from miniverl.workers import emulated_cap_gib
+
+            for actor in ("rollout", "scorer", "learner"):
+                whole = actor == "scorer" and cfg.resources.scorer_gpus > 0  # a dedicated GPU
+                fraction = 1.0 if whole else getattr(cfg.resources, actor).num_gpus
+                emulated_cap_gib(cfg.resources.emulate_gpu_gib, fraction, f"resources.{actor}.num_gpus")
         return
     if cfg.resources.emulate_gpu_gib is not None:
         raise ConfigError(

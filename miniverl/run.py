@@ -35,6 +35,7 @@ from miniverl.models.loading import (
     require_quantization,
     shared_vocab_size,
 )
+from miniverl.models.logprobs import check_plain_logits
 from miniverl.models.lora import LoraSettings
 from miniverl.models.memory import check_vocab_memory
 from miniverl.models.stops import resolve_stop_ids
@@ -48,7 +49,7 @@ from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm, settings_from_config
 from miniverl.seeds import sampling_seed
 from miniverl.tracking import Tracker, trim_metrics
-from miniverl.workers import ProcessSettings
+from miniverl.workers import ProcessSettings, emulated_cap_gib
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
@@ -125,8 +126,10 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
     student_tok = load_tokenizer(paths["student"], "model.student.path", USER_MODEL_FIX)
     teacher_tok = load_tokenizer(paths["teacher"], "model.teacher.path", USER_MODEL_FIX)
     check_same_vocabulary(student_tok, teacher_tok, paths["student"], paths["teacher"])
-    v_student = load_model_config(paths["student"], "model.student.path", USER_MODEL_FIX).vocab_size
-    v_teacher = load_model_config(paths["teacher"], "model.teacher.path", USER_MODEL_FIX).vocab_size
+    configs = {role: load_model_config(paths[role], f"model.{role}.path", USER_MODEL_FIX) for role in paths}
+    for role, config in configs.items():
+        check_plain_logits(config, f"model.{role}.path={paths[role]!r}")
+    v_student, v_teacher = configs["student"].vocab_size, configs["teacher"].vocab_size
     vocab_size = shared_vocab_size(v_student, v_teacher, len(student_tok))
     t, r = cfg.trainer, cfg.rollout
     check_vocab_memory(
@@ -137,6 +140,7 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
         t.micro_batch_size,
         t.logprob_chunk_tokens,
         t.vocab_memory_budget_gib,
+        t.max_tokens_per_micro_batch,
     )
     stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data
@@ -186,13 +190,13 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
     pg = gpu_placement_group(plan.bundle_cpus) if plan.bundle_cpus else None
 
     def gpu_cap_gib(actor: str) -> float | None:
-        """The actor's share of the emulated GPU (resources.emulate_gpu_gib), or None without emulation."""
+        """The actor's torch cap on the emulated GPU (resources.emulate_gpu_gib), or None without emulation."""
         emulated = setup.device == "cuda" and res.emulate_gpu_gib
-        return res.emulate_gpu_gib * plan.num_gpus[actor] if emulated else None
+        return emulated_cap_gib(res.emulate_gpu_gib, plan.num_gpus[actor], f"{actor} share") if emulated else None
 
     def start(cls, actor: str, i: int, *args, **kwargs):
         share = plan.num_gpus[actor]
-        process = ProcessSettings(setup.device, res.torch_threads, gpu_cap_gib(actor))
+        process = ProcessSettings(setup.device, res.torch_threads, gpu_cap_gib(actor), share)
         place = (pg, plan.bundle[actor][i]) if pg else None
         return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
 
@@ -232,6 +236,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
                 vocab_size=setup.vocab_size,
                 quantization=m.teacher.quantization,
                 chunk_tokens=t.logprob_chunk_tokens,
+                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
             )
             for i in range(plan.count["scorer"])
         ],
@@ -247,6 +252,8 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
                 quantization=m.student.quantization,
                 logprob_chunk_tokens=t.logprob_chunk_tokens,
                 gradient_checkpointing=t.gradient_checkpointing,
+                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                max_row_tokens=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
             )
             for i in range(plan.count["learner"])
         ],

@@ -75,3 +75,18 @@ def test_model_credential_and_device_checks_fail_before_ray(
         train(cfg, tmp_path / "run", {}, log=lambda *_: None)
     assert not ray.is_initialized()  # refused before Ray started
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_emulated_card_counts_each_actors_cuda_context():
+    """Each actor's torch cap is its share of the card less its CUDA context (0.66 GiB measured), so the
+    whole device stays inside the card; a share that leaves nothing is refused before Ray."""
+    from miniverl.preflight import check_device_settings
+    from miniverl.workers import CUDA_CONTEXT_GIB, emulated_cap_gib
+
+    assert emulated_cap_gib(16, 0.3, "x") == pytest.approx(4.8 - CUDA_CONTEXT_GIB)
+    shares = {"rollout": 0.4, "scorer": 0.3, "learner": 0.3}
+    caps = sum(emulated_cap_gib(16, f, a) for a, f in shares.items())
+    assert caps + 3 * CUDA_CONTEXT_GIB == pytest.approx(16)
+    check_device_settings(load("resources.emulate_gpu_gib=16"), "cuda")
+    with pytest.raises(ConfigError, match=r"resources.learner.num_gpus=0.03 of resources.emulate_gpu_gib=16 is 0.48"):
+        check_device_settings(load("resources.emulate_gpu_gib=16", "resources.learner.num_gpus=0.03"), "cuda")

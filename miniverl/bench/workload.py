@@ -73,6 +73,27 @@ def make_adapter(template: dict[str, torch.Tensor], spec: AdapterSpec) -> dict[s
     }
 
 
+# Real architectures without downloads (DESIGN.md, "Models without downloads"): Qwen2.5 0.5B and 1.5B, two KV
+# heads, the 151,936-token vocabulary, tied embeddings; scripts/make_random_model.py and the learner bench use them.
+QWEN_VOCAB = 151936
+REAL_SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, intermediate_size=8960),
+}
+
+
+def real_shape(name: str, max_positions: int, seed: int = 0) -> ModelShape:
+    """The ModelShape of a REAL_SHAPES entry (random init from `seed`)."""
+    return ModelShape(
+        **REAL_SHAPES[name],
+        num_key_value_heads=2,
+        vocab_size=QWEN_VOCAB,
+        tie_word_embeddings=True,
+        max_position_embeddings=max_positions,
+        init_seed=seed,
+    )
+
+
 def build_random_model(shape: ModelShape, dtype: torch.dtype, device: str, target: Path) -> Path:
     """Save a random-init Qwen2 decoder of `shape` to `target` (config.json + safetensors) and return it."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

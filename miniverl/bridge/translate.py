@@ -80,6 +80,7 @@ def verl_overrides(spec: RunSpec, student: str, teacher: str, data_dir: Path, re
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": micro,
         "actor_rollout_ref.rollout.calculate_log_probs": True,
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": micro,
+        **token_budget_overrides(t.max_tokens_per_micro_batch),
         # advantages: GRPO on the task reward (no critic); the reference KL stays out of the reward
         "algorithm.adv_estimator": "grpo",
         "algorithm.norm_adv_by_std_in_grpo": True,
@@ -203,3 +204,19 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def token_budget_overrides(max_tokens: int) -> dict[str, Any]:
+    """trainer.max_tokens_per_micro_batch as verl's dynamic batch size: micro-batches cut by tokens per GPU in
+    the actor, the rollout's and the reference's log-prob passes (0: miniVERL's row micro-batches, exported
+    as ppo_micro_batch_size_per_gpu above; a GPU run's self-sized budget is not known before it starts)."""
+    if max_tokens <= 0:
+        return {}
+    return {
+        "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": max_tokens,
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": True,
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": max_tokens,
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": True,
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": max_tokens,
+    }

@@ -1,30 +1,28 @@
-"""Forward passes over a RolloutBatch and memory-frugal sampled-token log-probs.
+"""Log-probs of a RolloutBatch's response tokens under a model, and the learner's loss over them.
 
-Two ways to get from the decoder to per-token quantities:
-- direct (`response_logits`): the model's own forward returns [B, Tr, V] logits, which stay alive for
-  backward along with their fp32 log-softmax. A 152k vocabulary at fp32 is 0.6 MB per token: 16 rows x
-  256 tokens peaked the learner at 17 GiB (DESIGN.md).
-- chunked (`chunked_token_terms`): the decoder's final hidden states [B, Tr, H] are kept, and the LM head,
-  log-softmax and the objective's per-token term run on `chunk_tokens` positions at a time inside
-  torch.utils.checkpoint, so backward recomputes each chunk's logits instead of keeping them: at most one
-  chunk's [B, c, V] exists at any moment.
-Both give the same numbers (tests/models/test_chunked_logprobs.py); which one runs is trainer.logprob_chunk_tokens.
+- `packed_token_loss`: the learner's path. Rows in a token-budget micro-batch without inner padding
+  (models/packing.py), the decoder once, then the LM head fused with the objective's per-token loss, one chunk
+  of response tokens at a time forward and backward (models/fused_head.py): no [B, Tr, V] tensor exists.
+- `packed_logprobs`: the same layout without gradient (the reference policy).
+- `response_logits` + `token_logprobs`: the direct way, the model's own forward over the left-padded batch
+  with its [B, Tr, V] logits; the exactness reference of the tests and the bench's oracle.
+- `sequence_logprobs`: probes (fixed token sequences), a few rows per forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from miniverl.models.fused_head import fused_head_loss, head_logprobs
+from miniverl.models.packing import PackedRows, packed_hidden
 from miniverl.protocol import ConfigError, RolloutBatch, TeacherScores
 
 # Rows of [Tr, V] logits turned into fp32 log-probs at once in the direct path (see the module note).
 LOGPROB_CHUNK_ROWS = 4
 # Model config attributes that make the logits something other than lm_head(final hidden state); the
-# chunked path applies only the LM head, so it refuses such models instead of computing other numbers.
+# fused and packed paths apply only the LM head, so they refuse such models instead of computing other numbers.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
 
 
@@ -95,71 +93,23 @@ def sequence_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
     return out
 
 
-def lm_parts(model):
-    """(decoder, LM head) of a causal LM, peft-wrapped or not: logits = head(decoder(...).last_hidden_state)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config
+def check_plain_logits(config, field: str) -> None:
+    """Refuse a model whose logits are not lm_head(final hidden state): the learner's fused LM-head loss and
+    the scorer apply the head alone, so they would compute other numbers for it."""
     changed = [k for k in LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1.0)]
     if changed:
         raise ConfigError(
-            f"{config.model_type} models transform their logits ({', '.join(changed)}), which the chunked"
-            " log-prob path does not reproduce; set trainer.logprob_chunk_tokens=0 for this model"
+            f"{field} is a {config.model_type} model that transforms its logits ({', '.join(changed)}); the learner"
+            " and the scorer compute logits as lm_head(hidden state) chunk by chunk and do not reproduce that, so"
+            " such models are not supported yet: pick a model without logit soft-capping or scaling"
         )
+
+
+def lm_parts(model):
+    """(decoder, LM head) of a causal LM, peft-wrapped or not: logits = head(decoder(...).last_hidden_state)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check_plain_logits(base.config, "the model")
     return base.get_decoder(), base.get_output_embeddings()
-
-
-def response_hidden(model, batch: RolloutBatch) -> tuple[torch.Tensor, torch.nn.Module]:
-    """Final hidden states at the positions that predict response tokens, and the LM head that maps them.
-
-    Shapes: -> hidden [B, Tr, H] in the model's dtype, head: [..., H] -> [..., V].
-    """
-    decoder, head = lm_parts(model)
-    device = next(model.parameters()).device
-    tr = batch.responses.shape[1]
-    out = decoder(
-        input_ids=batch.input_ids.to(device),
-        attention_mask=batch.attention_mask.to(device),
-        position_ids=batch.position_ids.to(device),
-        use_cache=False,
-    )
-    return out.last_hidden_state[:, -(tr + 1) : -1], head  # position Tp-1+t predicts responses[:, t]
-
-
-TermFn = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits [B, c, V], start, stop) -> [B, c]
-
-
-def chunked_token_terms(
-    hidden: torch.Tensor,
-    head: torch.nn.Module,
-    ids: torch.Tensor,
-    chunk_tokens: int,
-    term_fn: TermFn | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sampled-token log-probs (fp32, temperature 1) and, when `term_fn` is given, a per-token term computed
-    from each chunk's logits, `chunk_tokens` positions at a time; backward recomputes each chunk's logits.
-
-    `term_fn(logits, start, stop)` gets the chunk's [B, c, V] logits and its token range, and returns [B, c].
-    Shapes: hidden [B, T, H], ids [B, T] -> ([B, T] float32, [B, T] or None).
-    """
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-
-    def piece(h: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, ...]:
-        logits = head(h)  # [B, c, V], freed after this chunk (recomputed in backward)
-        lp = token_logprobs(logits, ids[:, start:stop])  # [B, c]
-        return (lp,) if term_fn is None else (lp, term_fn(logits, start, stop))
-
-    parts = []
-    for start in range(0, hidden.shape[1], chunk_tokens):
-        stop = min(start + chunk_tokens, hidden.shape[1])
-        h = hidden[:, start:stop]  # [B, c, H]
-        if torch.is_grad_enabled() and h.requires_grad:
-            parts.append(checkpoint(piece, h, start, stop, use_reentrant=False))
-        else:
-            parts.append(piece(h, start, stop))
-    logprobs = torch.cat([p[0] for p in parts], dim=1)
-    terms = None if term_fn is None else torch.cat([p[1] for p in parts], dim=1)
-    return logprobs, terms
 
 
 def score_tokens(scores: TeacherScores, start: int, stop: int) -> TeacherScores:
@@ -177,29 +127,65 @@ def score_tokens(scores: TeacherScores, start: int, stop: int) -> TeacherScores:
     )
 
 
-def policy_token_terms(
+def flat_scores(scores: TeacherScores, rows: torch.Tensor, cols: torch.Tensor, device) -> TeacherScores:
+    """The teacher's scores of N (row, column) response tokens as one row, moved to `device` in one copy each,
+    except a full-vocabulary support ([1, N, V]: too large to hold there; each LM-head chunk moves its own
+    slice). One copy per micro-batch: a CPU tensor moved inside the chunk loop would wait for the GPU every
+    chunk. Shapes: [B, Tr, ...] -> [1, N, ...]."""
+    full = scores.teacher_topk_logprobs is not None and scores.teacher_topk_ids is None
+
+    def pick(t: torch.Tensor | None, move: bool = True) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t[rows, cols].unsqueeze(0)
+        return t.to(device) if move else t
+
+    return dataclasses.replace(
+        scores,
+        teacher_log_probs=pick(scores.teacher_log_probs),
+        teacher_topk_logprobs=pick(scores.teacher_topk_logprobs, move=not full),
+        teacher_topk_ids=pick(scores.teacher_topk_ids),
+        teacher_tail_logprob=pick(scores.teacher_tail_logprob),
+    )
+
+
+def packed_token_loss(
     model,
     batch: RolloutBatch,
+    packed: PackedRows,
     scores: TeacherScores | None,
-    token_terms: Callable[[torch.Tensor, TeacherScores], torch.Tensor] | None,
+    objective,
+    advantages: torch.Tensor | None,
+    num_step_tokens: int,
     chunk_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The policy's sampled-token log-probs and the objective's per-token terms (`token_terms(logits,
-    scores)`, None when the objective needs only log-probs), directly (`chunk_tokens` 0) or chunked.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The objective's loss over the packed rows' response tokens through the fused LM head, and each
+    token's log-prob and term (detached), in the packed order (`packed.rows`, `packed.cols`).
 
-    Shapes: -> ([B, Tr] float32, [B, Tr] or None), on the model's device.
+    `objective` gives `token_terms(logits, scores)` (None when the loss needs only log-probs) and
+    `token_loss(logprobs, terms, sampler_logprobs, advantages, num_step_tokens)`; `scores` may be None only
+    when `token_terms` is. Shapes: -> (scalar fp32, [N] fp32, [N] or None), on the model's device.
     """
-    if chunk_tokens == 0:
-        logits = response_logits(model, batch)  # [B, Tr, V]
-        ids = batch.responses.to(logits.device)
-        terms = None if token_terms is None else token_terms(logits, scores)
-        return token_logprobs(logits, ids), terms
-    hidden, head = response_hidden(model, batch)  # [B, Tr, H]
-    ids = batch.responses.to(hidden.device)
+    hidden, head = packed_hidden(model, packed)  # [N, H]
+    device = hidden.device
+    sampler = batch.rollout_log_probs[packed.rows, packed.cols].to(device)  # [N]
+    adv = None if advantages is None else advantages[packed.rows, packed.cols].to(device)  # [N]
     term_fn = None
-    if token_terms is not None:
+    if objective.token_terms is not None:
+        flat = flat_scores(scores, packed.rows, packed.cols, device)  # [1, N, ...]
 
-        def term_fn(logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-            return token_terms(logits, score_tokens(scores, start, stop))
+        def term_fn(logits: torch.Tensor, positions: slice) -> torch.Tensor:
+            return objective.token_terms(logits, score_tokens(flat, positions.start, positions.stop))
 
-    return chunked_token_terms(hidden, head, ids, chunk_tokens, term_fn)
+    def loss_fn(logprobs: torch.Tensor, terms: torch.Tensor | None, positions: slice) -> torch.Tensor:
+        a = None if adv is None else adv[positions]
+        return objective.token_loss(logprobs, terms, sampler[positions], a, num_step_tokens)
+
+    return fused_head_loss(hidden, head, packed.targets, chunk_tokens, term_fn, loss_fn)
+
+
+@torch.no_grad()
+def packed_logprobs(model, packed: PackedRows, chunk_tokens: int) -> torch.Tensor:
+    """The policy's log-probs of the packed response tokens, no gradient. Shapes: -> [N] float32."""
+    hidden, head = packed_hidden(model, packed)  # [N, H]
+    return head_logprobs(hidden, head, packed.targets, chunk_tokens)

@@ -191,6 +191,11 @@ class GkdObjective:
             scores.teacher_tail_logprob,
         )
 
+    def token_loss(self, logprobs, terms, sampler_logprobs, advantages, num_step_tokens):
+        """Each token's share of the step loss: the fused LM-head path (models/fused_head.py) sums these over
+        the step's tokens to the loss `loss_from_terms` returns. Shapes: [c] -> [c]."""
+        return terms / num_step_tokens
+
     def loss_from_terms(self, logprobs, terms, batch, scores, advantages, num_step_tokens):
         """The step-normalized loss from per-token terms. Shapes: logprobs, terms [b, Tr] -> (scalar, metrics)."""
         device = terms.device

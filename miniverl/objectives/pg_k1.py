@@ -152,6 +152,12 @@ class PgK1Objective:
 
     token_terms = None  # the loss needs only the sampled tokens' log-probs, no per-token term from the logits
 
+    def token_loss(self, logprobs, terms, sampler_logprobs, advantages, num_step_tokens):
+        """Each token's share of the step loss (truncated_pg_loss per token, so their sum is its loss): value
+        -w_t A_t / N, gradient -w_t A_t grad log q_theta(y_t) / N. Shapes: [c] -> [c]; `terms` is unused."""
+        weight = importance_ratio(logprobs, sampler_logprobs).clamp(max=self.is_cap)  # detached
+        return -(weight * torch.exp(logprobs - logprobs.detach()) * advantages.detach()) / num_step_tokens
+
     def loss_from_terms(self, logprobs, terms, batch, scores, advantages, num_step_tokens):
         """Shapes: logprobs [b, Tr], advantages [b, Tr] -> (scalar loss, metrics); `terms` is unused (None)."""
         device = logprobs.device

@@ -13,7 +13,39 @@ class ProcessSettings:
 
     device: str  # "cpu" or "cuda"
     torch_threads: int = 0  # 0 = all cores
-    gpu_memory_gib: float | None = None  # cap this process at this much GPU memory (16 GB card emulation)
+    # Cap this process's torch allocations at this much GPU memory (16 GB card emulation: its share of the card
+    # less its CUDA context, emulated_cap_gib).
+    gpu_memory_gib: float | None = None
+    gpu_fraction: float = 1.0  # this actor's Ray share of its GPU (its memory budget when nothing caps it)
+
+
+# What every actor process holds on the GPU outside torch's allocator (its CUDA context, cuBLAS and NCCL
+# handles): measured on the H200 as nvidia-smi's whole-device peak (15,666 MiB) less the three actors'
+# torch-reserved peaks (13,650 MiB), per actor (torch 2.11, CUDA 13; docs/benchmarks/qlora-4080.md).
+CUDA_CONTEXT_GIB = 0.66
+
+
+def emulated_cap_gib(card_gib: float, fraction: float, what: str) -> float:
+    """An actor's torch memory cap on an emulated card of `card_gib`: its fraction of the card less its own
+    CUDA context, so the actors' caps and contexts together fit the card nvidia-smi would show."""
+    from miniverl.protocol import ConfigError
+
+    cap = card_gib * fraction - CUDA_CONTEXT_GIB
+    if cap <= 0:
+        raise ConfigError(
+            f"{what}={fraction:g} of resources.emulate_gpu_gib={card_gib:g} is {card_gib * fraction:.2f} GiB, no more"
+            f" than the {CUDA_CONTEXT_GIB} GiB its CUDA context takes; give that actor a larger share"
+        )
+    return cap
+
+
+def memory_share_bytes(settings: ProcessSettings) -> int:
+    """The GPU memory this actor may plan for: its emulated cap, else its Ray fraction of the device less
+    its CUDA context."""
+    if settings.gpu_memory_gib is not None:
+        return int(settings.gpu_memory_gib * 2**30)
+    total = torch.cuda.get_device_properties(0).total_memory
+    return int(settings.gpu_fraction * total - CUDA_CONTEXT_GIB * 2**30)
 
 
 def setup_process(settings: ProcessSettings) -> str:

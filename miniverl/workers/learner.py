@@ -9,8 +9,9 @@ import torch
 
 from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
 from miniverl.models.loading import torch_dtype
-from miniverl.models.logprobs import policy_token_terms, sequence_logprobs
+from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
+from miniverl.models.packing import pack_rows, plan_micro_batches, row_lengths
 from miniverl.probe import PROBE_TOKENS, draw_probe
 from miniverl.protocol import (
     MiniVerlError,
@@ -21,7 +22,7 @@ from miniverl.protocol import (
     TeacherScores,
     weights_digest,
 )
-from miniverl.workers import ProcessSettings, memory_report, setup_process
+from miniverl.workers import ProcessSettings, memory_report, memory_share_bytes, setup_process
 
 
 class NonFiniteError(MiniVerlError):
@@ -50,11 +51,17 @@ class LearnerWorker:
         quantization: str = "none",
         logprob_chunk_tokens: int = 0,
         gradient_checkpointing: bool = False,
+        max_tokens_per_micro_batch: int = 0,
+        max_row_tokens: int = 0,
     ) -> None:
-        """The last three are off by default (the run passes model.student.quantization,
-        trainer.logprob_chunk_tokens and trainer.gradient_checkpointing): `quantization` nf4 loads a 4-bit
-        base under the adapter (QLoRA), `logprob_chunk_tokens` > 0 never keeps a micro-batch's [b, Tr, V]
-        logits for backward (models/logprobs.py), `gradient_checkpointing` recomputes decoder activations."""
+        """The last four come from the run (model.student.quantization, trainer.logprob_chunk_tokens,
+        trainer.gradient_checkpointing, trainer.max_tokens_per_micro_batch): `quantization` nf4 loads a 4-bit
+        base under the adapter (QLoRA); the LM head and the loss run on `logprob_chunk_tokens` response tokens
+        at a time (0: a micro-batch's at once; models/fused_head.py); `gradient_checkpointing` recomputes
+        decoder activations; a micro-batch holds at most `max_tokens_per_micro_batch` padded tokens (0: sized
+        from this actor's memory share on a GPU, models/sizing.py; `micro_batch_size` rows of the batch's
+        longest on the CPU; models/packing.py). `max_row_tokens`: the longest row the run can produce
+        (prompt limit + new tokens), which a GPU share must hold."""
         self.device = setup_process(process)
         self.rank, self.world_size = rank, world_size
         self.model = build_lora_model(model_path, lora, torch_dtype(dtype, self.device), self.device, quantization)
@@ -68,6 +75,13 @@ class LearnerWorker:
         self.objective = objective
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens_per_micro_batch
+        if self.device == "cuda":
+            self.max_tokens = self._size_micro_batches(process, gradient_checkpointing, max_row_tokens)
+        # A bench-only candidate (scripts/bench_learner.py): the forward under torch.autocast in this dtype, so
+        # the fp32 LoRA matmuls and their casts run in bf16. Not a product setting: the rollout side would have
+        # to serve the same arithmetic (docs/benchmarks/learner-throughput.md).
+        self.autocast_dtype: torch.dtype | None = None
         self.version = 0  # number of optimizer steps taken; the policy after k updates is version k
         self.published: PolicyIdentity | None = None
         self.on_nonfinite = on_nonfinite  # skip | stop (trainer.on_nonfinite)
@@ -155,25 +169,36 @@ class LearnerWorker:
         ref = self._reference_logprobs(batch) if self.objective.needs_reference else None
         advantages = self.objective.prepare(batch, scores, rewards, ref)
         num_tokens = int(batch.response_mask.sum()) if num_step_tokens is None else num_step_tokens
-        sums = {"gap_abs": 0.0, "gap_max": 0.0, "loss": 0.0}
-        extra: dict[str, float] = {}
+        # [B, Tr] per-token results, filled per micro-batch on the device (one copy back, no sync per micro-batch)
+        logprobs = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)
+        terms = None if self.objective.token_terms is None else torch.zeros_like(logprobs)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.model.train()
-        for start in range(0, len(batch), self.micro_batch_size):
-            stop = start + self.micro_batch_size
-            mb, sc = batch.rows(start, stop), scores.rows(start, stop)
-            # [b, Tr] fp32 sampled-token log-probs and the objective's per-token terms, grad flows
-            logprobs, terms = policy_token_terms(self.model, mb, sc, self.objective.token_terms, self.chunk_tokens)
-            adv = None if advantages is None else advantages[start:stop]
-            loss, metrics = self.objective.loss_from_terms(logprobs, terms, mb, sc, adv, num_tokens)
+        for rows in self._micro_batches(batch):
+            packed = pack_rows(batch, rows)
+            with torch.autocast(self.device, self.autocast_dtype or torch.float32, enabled=bool(self.autocast_dtype)):
+                loss, lp, term = packed_token_loss(
+                    self.model, batch, packed, scores, self.objective, advantages, num_tokens, self.chunk_tokens
+                )
             loss.backward()
-            mask = mb.response_mask.to(logprobs.device).bool()
-            gap = (logprobs.detach() - mb.rollout_log_probs.to(logprobs.device)).abs()[mask]
-            sums["gap_abs"] += gap.sum().item()
-            sums["gap_max"] = max(sums["gap_max"], gap.max().item() if gap.numel() else 0.0)
-            sums["loss"] += loss.item()
-            weight = mask.sum().item() / num_tokens  # token-weighted mean of per-micro-batch means
-            for k, v in metrics.items():
-                extra[k] = extra.get(k, 0.0) + float(v) * weight
+            loss_sum += loss.detach()
+            at = (packed.rows.to(self.device), packed.cols.to(self.device))
+            logprobs[at] = lp
+            if terms is not None:
+                terms[at] = term
+        logprobs, terms = logprobs.cpu(), (None if terms is None else terms.cpu())
+        mask = batch.response_mask.bool()
+        gap = (logprobs - batch.rollout_log_probs).abs()[mask]
+        # The objective's metrics over this rank's rows, as a share of the step's tokens (ranks' shares add up).
+        with torch.no_grad():
+            _, metrics = self.objective.loss_from_terms(logprobs, terms, batch, scores, advantages, num_tokens)
+        weight = int(mask.sum()) / num_tokens
+        extra = {k: float(v) * weight for k, v in metrics.items()}
+        sums = {
+            "gap_abs": gap.sum().item(),
+            "gap_max": gap.max().item() if gap.numel() else 0.0,
+            "loss": loss_sum.item(),
+        }
         # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
         # teacher's scores come straight from the scorer: a sum over this rank's tokens / the step's tokens.
         reverse_kl = float(((batch.rollout_log_probs - scores.teacher_log_probs) * batch.response_mask).sum())
@@ -224,16 +249,41 @@ class LearnerWorker:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
+    def _size_micro_batches(self, process: ProcessSettings, checkpointing: bool, longest_row: int) -> int:
+        """The token budget per micro-batch on a GPU: checked against the memory share when set, else the largest
+        the share holds by the calibrated peak model (models/sizing.py); the choice is printed with its numbers."""
+        from miniverl.models.memory import human
+        from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes
+
+        shape = learner_shape(self.model)
+        share = memory_share_bytes(process)
+        if self.max_tokens:
+            check_token_budget(shape, share, self.max_tokens, self.chunk_tokens, checkpointing)
+            return self.max_tokens
+        tokens = fit_tokens(shape, share, self.chunk_tokens, checkpointing, max(longest_row, 1))
+        peak = learner_peak_bytes(shape, tokens, self.chunk_tokens, checkpointing)
+        print(
+            f"learner: micro-batches of up to {tokens} tokens (trainer.max_tokens_per_micro_batch=0), modelled peak"
+            f" {human(peak)} of a {human(share)} share",
+            flush=True,
+        )
+        return tokens
+
+    def _micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
+        """Row indices per forward: longest rows first, at most the token budget each (models/packing.py)."""
+        lengths = row_lengths(batch)
+        budget = self.max_tokens or self.micro_batch_size * max(lengths)
+        return plan_micro_batches(lengths, budget)
+
     @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference policy is the student with its adapter disabled. Shapes: -> [B, Tr] (CPU)."""
-        out = []
+        out = torch.zeros(batch.responses.shape, dtype=torch.float32)
         with self.model.disable_adapter():
-            for start in range(0, len(batch), self.micro_batch_size):
-                mb = batch.rows(start, start + self.micro_batch_size)
-                logprobs, _ = policy_token_terms(self.model, mb, None, None, self.chunk_tokens)
-                out.append((logprobs * mb.response_mask.to(logprobs.device)).cpu())
-        return torch.cat(out, dim=0)
+            for rows in self._micro_batches(batch):
+                packed = pack_rows(batch, rows)
+                out[packed.rows, packed.cols] = packed_logprobs(self.model, packed, self.chunk_tokens).cpu()
+        return out
 
     def _step_if_finite(self, loss: float, grad_norm: float) -> bool:
         """Apply the optimizer step unless the loss or a gradient is NaN/inf; returns True when skipped.
@@ -292,3 +342,19 @@ class LearnerWorker:
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)
+
+
+def learner_shape(model):
+    """The peak-memory model's view of a loaded peft student (models/sizing.py)."""
+    from miniverl.models.sizing import LearnerShape
+
+    config = model.get_base_model().config
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    return LearnerShape(
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        weight_bytes=sum(p.numel() * p.element_size() for p in frozen),
+        adapter_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+    )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from miniverl.models.fused_head import chunk_logprobs
 from miniverl.models.loading import load_causal_lm, torch_dtype
-from miniverl.models.logprobs import LOGPROB_CHUNK_ROWS, response_hidden, response_logits, token_logprobs
-from miniverl.protocol import RolloutBatch, TeacherScores, concat_scores
-from miniverl.workers import ProcessSettings, memory_report, setup_process
+from miniverl.models.packing import pack_rows, packed_hidden, plan_micro_batches, row_lengths
+from miniverl.protocol import RolloutBatch, TeacherScores
+from miniverl.workers import ProcessSettings, memory_report, memory_share_bytes, setup_process
 
 
 class ScorerWorker:
@@ -20,90 +21,88 @@ class ScorerWorker:
         vocab_size: int | None = None,
         quantization: str = "none",
         chunk_tokens: int = 0,
+        max_tokens_per_micro_batch: int = 0,
     ) -> None:
         """`vocab_size`: the student's logit count when the teacher pads its vocabulary further
         (models.loading.shared_vocab_size); the teacher's logits past it are dropped before every softmax.
         `quantization` nf4: a 4-bit teacher (model.teacher.quantization). `chunk_tokens` > 0: the LM head
-        runs on that many response positions at a time (trainer.logprob_chunk_tokens), so the teacher never
-        holds a micro-batch's [b, Tr, V] logits."""
+        runs on that many response tokens at a time (trainer.logprob_chunk_tokens), so the teacher never
+        holds a micro-batch's [N, V] logits. `max_tokens_per_micro_batch`: padded tokens per forward
+        (0: `micro_batch_size` rows of the batch's longest)."""
         self.device = setup_process(process)
         self.model = load_causal_lm(model_path, torch_dtype(dtype, self.device), self.device, quantization).eval()
         self.micro_batch_size = micro_batch_size
         self.vocab_size = vocab_size
         self.chunk_tokens = chunk_tokens
+        self.max_tokens = max_tokens_per_micro_batch
+        if self.device == "cuda":
+            self.max_tokens = self._size_micro_batches(process)
 
     @torch.no_grad()
     def score(self, batch: RolloutBatch, support_k: int | None, temperature: float = 1.0) -> TeacherScores:
         """support_k None: sampled-token log-probs only; 0 (or >= V): full distribution; K: top-K + tail.
 
-        The support is at `temperature` (the loss temperature); sampled-token log-probs at 1.
+        The support is at `temperature` (the loss temperature); sampled-token log-probs at 1. Rows are scored
+        in token-budget micro-batches without inner padding (models/packing.py), the LM head on
+        `chunk_tokens` response tokens at a time; positions outside the response mask score 0.
+        Shapes: -> teacher_log_probs [B, Tr], support [B, Tr, K] (or [B, Tr, V]) and tail [B, Tr].
         """
-        parts = [
-            self._score_rows(batch.rows(s, s + self.micro_batch_size), support_k, temperature)
-            for s in range(0, len(batch), self.micro_batch_size)
-        ]
+        b, tr = batch.responses.shape
+        v = self.vocab_size or self.model.config.vocab_size
+        k = None if support_k is None else (v if support_k == 0 or support_k >= v else support_k)
+        sampled = torch.zeros((b, tr), dtype=torch.float32, device=self.device)
+        top_lp = None if k is None else torch.zeros((b, tr, k), dtype=torch.float32, device=self.device)
+        top_ids = None if k is None or k == v else torch.zeros((b, tr, k), dtype=torch.long, device=self.device)
+        tail = None if top_ids is None else torch.zeros((b, tr), dtype=torch.float32, device=self.device)
+        lengths = row_lengths(batch)
+        for rows in plan_micro_batches(lengths, self.max_tokens or self.micro_batch_size * max(lengths)):
+            packed = pack_rows(batch, rows)
+            hidden, head = packed_hidden(self.model, packed)  # [N, H]
+            chunk = max(hidden.shape[0] if self.chunk_tokens <= 0 else self.chunk_tokens, 1)
+            # Moved once per forward: a CPU index inside the chunk loop would wait for the GPU every chunk.
+            rows_d, cols_d, targets_d = (t.to(self.device) for t in (packed.rows, packed.cols, packed.targets))
+            for start in range(0, hidden.shape[0], chunk):
+                at = slice(start, start + chunk)
+                r, c = rows_d[at], cols_d[at]
+                logits = head(hidden[at])[..., :v]  # [c, V_student], model dtype
+                sampled[r, c] = chunk_logprobs(logits, targets_d[at])
+                if k is None:
+                    continue
+                logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [c, V]
+                if top_ids is None:
+                    top_lp[r, c] = logp
+                    continue
+                values, ids = logp.topk(k, dim=-1)  # [c, K]
+                top_lp[r, c], top_ids[r, c] = values, ids
+                tail[r, c] = torch.logsumexp(logp.scatter(-1, ids, float("-inf")), dim=-1)
 
-        return concat_scores(parts)
+        def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.cpu()
 
-    def _score_rows(self, batch: RolloutBatch, support_k: int | None, temperature: float) -> TeacherScores:
-        if self.chunk_tokens == 0:
-            logits = response_logits(self.model, batch)  # [b, Tr, V]
-            return self._score_logits(logits, batch.responses, batch.response_mask, support_k, temperature)
-        hidden, head = response_hidden(self.model, batch)  # [b, Tr, H]
-        parts = []
-        for s in range(0, hidden.shape[1], self.chunk_tokens):
-            cols = slice(s, s + self.chunk_tokens)
-            logits = head(hidden[:, cols])  # [b, c, V]
-            parts.append(
-                self._score_logits(
-                    logits, batch.responses[:, cols], batch.response_mask[:, cols], support_k, temperature
-                )
-            )
-        return concat_tokens(parts)
+        # int32 ids: half the bytes of the step's largest hand-over (GKD casts them back to long to gather)
+        ids32 = None if top_ids is None else top_ids.to(torch.int32)
+        return TeacherScores(sampled.cpu(), cpu(top_lp), cpu(ids32), cpu(tail), temperature)
 
-    def _score_logits(
-        self, logits: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor, support_k, temperature
-    ) -> TeacherScores:
-        """Scores of the positions `logits` cover. Shapes: logits [b, t, V], responses [b, t] -> [b, t, ...]."""
-        logits = logits[..., : self.vocab_size]  # [b, t, V_student], model dtype
-        mask = response_mask.to(logits.device)
-        sampled = token_logprobs(logits, responses.to(logits.device)) * mask  # [b, t] fp32
-        out = TeacherScores(teacher_log_probs=sampled.cpu(), loss_temperature=temperature)
-        if support_k is None:
-            return out
-        full = support_k == 0 or support_k >= logits.shape[-1]
-        parts: list[tuple[torch.Tensor, ...]] = []
-        for start in range(0, logits.shape[0], LOGPROB_CHUNK_ROWS):  # fp32 log-softmax a few rows at a time
-            logp = torch.log_softmax(logits[start : start + LOGPROB_CHUNK_ROWS].float() / temperature, dim=-1)
-            if full:
-                parts.append((logp.cpu(),))
-                continue
-            top_lp, top_ids = logp.topk(support_k, dim=-1)  # [c, Tr, K]
-            tail = torch.logsumexp(logp.scatter(-1, top_ids, float("-inf")), dim=-1)  # [c, Tr]
-            # int32 ids: half the bytes of the step's largest hand-over (the learner casts back to gather)
-            parts.append((top_lp.cpu(), top_ids.to(torch.int32).cpu(), tail.cpu()))
-        cols = [torch.cat(c, dim=0) for c in zip(*parts)]
-        if full:
-            out.teacher_topk_logprobs = cols[0]
-        else:
-            out.teacher_topk_logprobs, out.teacher_topk_ids, out.teacher_tail_logprob = cols
-        return out
+    def _size_micro_batches(self, process: ProcessSettings) -> int:
+        """Tokens per teacher forward on a GPU: what this actor's memory share holds (models/sizing.py), at most
+        the run's trainer.max_tokens_per_micro_batch when that is set; printed with its numbers."""
+        from miniverl.models.memory import human
+        from miniverl.models.sizing import LearnerShape, scorer_tokens
+
+        config = self.model.config
+        shape = LearnerShape(
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            vocab=self.vocab_size or config.vocab_size,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            adapter_params=0,
+        )
+        share = memory_share_bytes(process)
+        fits = scorer_tokens(shape, share, self.chunk_tokens)
+        tokens = min(fits, self.max_tokens) if self.max_tokens else fits
+        print(f"scorer: forwards of up to {tokens} tokens ({human(share)} share)", flush=True)
+        return max(tokens, 1)
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)
-
-
-def concat_tokens(parts: list[TeacherScores]) -> TeacherScores:
-    """Scores of consecutive position chunks of the same rows, joined along the token axis."""
-
-    def cat(name: str) -> torch.Tensor | None:
-        values = [getattr(p, name) for p in parts]
-        return None if values[0] is None else torch.cat(values, dim=1)
-
-    return TeacherScores(
-        cat("teacher_log_probs"),
-        cat("teacher_topk_logprobs"),
-        cat("teacher_topk_ids"),
-        cat("teacher_tail_logprob"),
-        parts[0].loss_temperature,
-    )

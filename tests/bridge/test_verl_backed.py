@@ -75,6 +75,21 @@ def test_pg_k1_export_passes_verl_config_validation(tmp_path, clean, verl_python
     assert result["reward_probe"] == [1.0, 0.0, 0.0]  # verl loaded and called the exported exact match
 
 
+def test_token_budget_exports_as_verls_dynamic_batch_size(tmp_path, clean, verl_python):
+    set_key(clean, "trainer.max_tokens_per_micro_batch", 4096)
+    out = export_verl(write_config(tmp_path / "c.yaml", clean), tmp_path / "e")
+    result = run_check(verl_python, "config", str(out))
+    _assert_composed(result, out)
+    composed = result["composed"]
+    assert composed["actor_rollout_ref.actor.use_dynamic_bsz"] is True
+    for key in (
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+    ):
+        assert composed[key] == 4096, key
+
+
 def test_gkd_export_passes_verl_config_validation(tmp_path, clean, student_dir, teacher_dir, verl_python):
     for key, value in {
         "objective.name": "gkd",

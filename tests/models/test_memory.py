@@ -28,10 +28,11 @@ def test_reference_workload_full_support_is_74_gib_and_top64_a_tenth_of_one():
     assert teacher_support_bytes(256, 512, QWEN_VOCAB, 64) / GIB == pytest.approx(256 * 512 * (64 * 12 + 4 + 4) / GIB)
 
 
-def test_learner_logits_bytes_direct_and_chunked():
-    assert learner_logits_bytes(16, 512, QWEN_VOCAB, 0) == 16 * 512 * QWEN_VOCAB * 4 * 3  # 13.9 GiB
-    assert learner_logits_bytes(16, 512, QWEN_VOCAB, 64) == 16 * 64 * QWEN_VOCAB * 4 * 3  # 1.7 GiB
-    assert learner_logits_bytes(2, 10, 50, 64) == learner_logits_bytes(2, 10, 50, 0)  # a chunk longer than T
+def test_learner_logits_bytes_whole_micro_batch_and_chunked():
+    assert learner_logits_bytes(16, 512, QWEN_VOCAB, 0) == 16 * 512 * QWEN_VOCAB * 4 * 6  # 27.8 GiB
+    assert learner_logits_bytes(16, 512, QWEN_VOCAB, 256) == 256 * QWEN_VOCAB * 4 * 6  # 0.87 GiB
+    assert learner_logits_bytes(2, 10, 50, 64) == learner_logits_bytes(2, 10, 50, 0)  # a chunk over the micro-batch
+    assert learner_logits_bytes(16, 512, QWEN_VOCAB, 0, max_tokens=1000) == 1000 * QWEN_VOCAB * 4 * 6
 
 
 def test_full_vocabulary_support_at_qwen_scale_is_refused_with_the_arithmetic():
@@ -42,20 +43,24 @@ def test_full_vocabulary_support_at_qwen_scale_is_refused_with_the_arithmetic():
     assert "trainer.vocab_memory_budget_gib=4" in msg and "objective.teacher_topk" in msg
 
 
-def test_direct_learner_logits_at_qwen_scale_are_refused_and_chunking_fits():
+def test_unchunked_learner_logits_at_qwen_scale_are_refused_and_chunking_fits():
     with pytest.raises(ConfigError) as err:
         check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 0, 4.0)
     msg = str(err.value)
-    assert "13.9 GiB per micro-batch: 16 rows x all of 512 positions x 151936 x 4 B x 3" in msg
-    assert "trainer.logprob_chunk_tokens" in msg
-    check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 64, 4.0)  # the gkd_4080 settings fit
-    check_vocab_memory(256, 512, QWEN_VOCAB, None, 16, 64, 4.0)  # PG-k1: sampled tokens only
+    assert "27.8 GiB at once: 8192 response tokens x 151936 x 4 B x 6 fp32 buffers per LM-head chunk" in msg
+    assert "trainer.logprob_chunk_tokens" in msg and "trainer.max_tokens_per_micro_batch" in msg
+    check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 256, 4.0, max_tokens=16384)  # the gkd_4080 settings fit
+    check_vocab_memory(256, 512, QWEN_VOCAB, None, 16, 256, 4.0)  # PG-k1: sampled tokens only
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("trainer.logprob_chunk_tokens=-1", r"trainer.logprob_chunk_tokens=-1: use 0 \(direct\) or a token count"),
+        ("trainer.logprob_chunk_tokens=-1", r"trainer.logprob_chunk_tokens=-1: use 0 \(a micro-batch at once\)"),
+        (
+            "trainer.max_tokens_per_micro_batch=16",
+            r"trainer.max_tokens_per_micro_batch=16: below the longest possible row",
+        ),
         ("trainer.vocab_memory_budget_gib=0", r"trainer.vocab_memory_budget_gib=0.0: must be > 0"),
     ],
 )

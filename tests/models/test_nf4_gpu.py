@@ -44,8 +44,18 @@ def test_nf4_base_is_double_quantized_and_the_adapter_trains(model_dir):
     assert trainable and all("lora_" in n for n in trainable)
 
 
+class SumOfLogprobs:
+    """A stand-in objective whose loss is minus the sum of the sampled tokens' log-probs."""
+
+    token_terms = None
+
+    def token_loss(self, logprobs, terms, sampler_logprobs, advantages, num_step_tokens):
+        return -logprobs
+
+
 def test_chunked_path_matches_direct_on_nf4(model_dir):
-    from miniverl.models.logprobs import policy_token_terms
+    from miniverl.models.logprobs import packed_token_loss
+    from miniverl.models.packing import pack_rows
     from miniverl.protocol import RolloutBatch
 
     model = build_lora_model(str(model_dir), LORA, torch.bfloat16, "cuda", "nf4")
@@ -65,8 +75,10 @@ def test_chunked_path_matches_direct_on_nf4(model_dir):
     grads = []
     for chunk in (0, 16):
         model.zero_grad()
-        lp, _ = policy_token_terms(model, batch, None, None, chunk)
-        lp.sum().backward()
+        loss, _, _ = packed_token_loss(
+            model, batch, pack_rows(batch, [0, 1, 2, 3]), None, SumOfLogprobs(), None, 1, chunk
+        )
+        loss.backward()
         grads.append([p.grad.float().clone() for p in model.parameters() if p.requires_grad])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)  # bf16 compute: matmul shapes differ per chunk

@@ -60,9 +60,8 @@ def make_learner(student_dir, objective, micro_batch_size: int) -> LearnerWorker
     return LearnerWorker(str(student_dir), LORA, "float32", objective, 1e-2, 0.0, 1e9, micro_batch_size, CPU)
 
 
-def two_updates(learner: LearnerWorker, batch: RolloutBatch, scores: TeacherScores, rewards=REWARDS):
-    """Two optimizer steps on the batch (the second is off-policy, so importance ratios differ from 1);
-    returns the metrics and the gradients of each step and the parameters after both."""
+def capture_gradients(learner: LearnerWorker) -> list[list[torch.Tensor]]:
+    """A list that receives a copy of the adapter's gradients at every optimizer step from now on."""
     grads: list[list[torch.Tensor]] = []
     step = learner.optimizer.step
 
@@ -71,6 +70,13 @@ def two_updates(learner: LearnerWorker, batch: RolloutBatch, scores: TeacherScor
         return step(*args, **kwargs)
 
     learner.optimizer.step = capture
+    return grads
+
+
+def two_updates(learner: LearnerWorker, batch: RolloutBatch, scores: TeacherScores, rewards=REWARDS):
+    """Two optimizer steps on the batch (the second is off-policy, so importance ratios differ from 1);
+    returns the metrics and the gradients of each step and the parameters after both."""
+    grads = capture_gradients(learner)
     metrics = []
     for version in range(2):
         learner.publish_policy()

@@ -1,0 +1,122 @@
+"""The learner-throughput bench: trained tokens per second of one LearnerWorker.update on a synthetic batch.
+
+A batch here is what the rollout and the scorer would hand the learner at RL sizes: G x N rows of random
+prompts and full-length responses, sampler log-probs, and a teacher support (top-K + tail for GKD, the
+sampled token's log-prob for PG-k1). Nothing is sampled or scored: the bench isolates the update, the part
+of a step that took 80% of it at the 16 GB recipe (DESIGN.md, "Where a step's time goes").
+
+Shapes: B rows, Tp prompt tokens, Tr response tokens, K teacher support.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from miniverl.protocol import RolloutBatch, TeacherScores
+
+
+@dataclass(frozen=True)
+class LearnerCell:
+    """One measurement: an objective at a batch shape with the learner's memory and speed settings."""
+
+    objective: str  # gkd | pg_k1
+    rows: int  # B = prompts x samples
+    prompt_tokens: int  # Tp (every prompt this long: the bench measures the update, not padding)
+    response_tokens: int  # Tr
+    topk: int  # GKD's teacher support K (0 = full vocabulary)
+    settings: dict  # LearnerWorker keyword arguments (micro-batching, chunking, checkpointing, ...)
+
+
+def synthetic_batch(rows: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int) -> RolloutBatch:
+    """A full-length batch of random tokens in groups of 4 rows, as the rollout hands it over.
+
+    Shapes: -> prompts [B, Tp], responses [B, Tr] (every response token sampled: no padding).
+    """
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (rows, prompt_tokens), generator=g)
+    responses = torch.randint(0, vocab, (rows, response_tokens), generator=g)
+    # Random weights give near-uniform policies: log(1/V) with a little noise is what a sampler would report.
+    logprobs = (-torch.log(torch.tensor(float(vocab))) - torch.rand(rows, response_tokens, generator=g)).float()
+    return RolloutBatch(
+        prompts=prompts,
+        prompt_mask=torch.ones_like(prompts),
+        responses=responses,
+        response_mask=torch.ones_like(responses),
+        rollout_log_probs=logprobs,
+        uid=[f"p{i // 4}" for i in range(rows)],
+        ground_truth=[""] * rows,
+        policy_version=0,
+    )
+
+
+def synthetic_scores(batch: RolloutBatch, vocab: int, topk: int | None, seed: int) -> TeacherScores:
+    """Teacher scores of `batch`: sampled-token log-probs, and a normalized top-K + tail support when `topk`.
+
+    Shapes: -> teacher_log_probs [B, Tr], support [B, Tr, K] (+ tail [B, Tr]).
+    """
+    g = torch.Generator().manual_seed(seed + 1)
+    b, t = batch.responses.shape
+    sampled = (batch.rollout_log_probs - torch.rand(b, t, generator=g)).float()
+    if topk is None:
+        return TeacherScores(teacher_log_probs=sampled)
+    if topk == 0:
+        full = torch.log_softmax(torch.randn(b, t, vocab, generator=g), dim=-1)
+        return TeacherScores(teacher_log_probs=sampled, teacher_topk_logprobs=full)
+    ids = torch.argsort(torch.rand(b, t, vocab, generator=g), dim=-1)[..., :topk] if vocab <= 4096 else None
+    if ids is None:  # a 152k argsort per position is slow on a CPU; distinct ids from a random offset instead
+        offset = torch.randint(0, vocab - topk, (b, t, 1), generator=g)
+        ids = offset + torch.arange(topk).view(1, 1, topk)
+    # Teacher keeps 90% of its mass on the K ids (a peaked teacher), 10% in the tail.
+    top = torch.log_softmax(torch.randn(b, t, topk, generator=g), dim=-1) + torch.log(torch.tensor(0.9))
+    tail = torch.full((b, t), float(torch.log(torch.tensor(0.1))))
+    return TeacherScores(sampled, top.float(), ids, tail)
+
+
+def objective_for(name: str, topk: int):
+    """The objective the product builds for `name`, with the recipes' settings (GKD beta 0.5)."""
+    if name == "gkd":
+        from miniverl.objectives.gkd import GkdObjective
+
+        return GkdObjective(beta=0.5, loss_temperature=1.0, teacher_topk=topk)
+    if name == "pg_k1":
+        from miniverl.objectives.pg_k1 import PgK1Objective
+
+        return PgK1Objective(discount=0.0, is_cap=2.0, kl_coef=0.0, kl_kind="k1", reward_coef=0.0)
+    raise ValueError(f"unknown objective {name!r}; known: gkd, pg_k1")
+
+
+def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: int, repeats: int) -> dict:
+    """Seconds of each timed update after `warmup` untimed ones, and the learner's peak memory.
+
+    The batch is re-stamped with the learner's version before each call (strict sync refuses stale data).
+    """
+    import dataclasses
+
+    cuda = torch.cuda.is_available() and learner.device == "cuda"
+    times: list[float] = []
+    for i in range(warmup + repeats):
+        learner.publish_policy(include_weights=False)
+        stamped = dataclasses.replace(batch, policy_version=learner.version)
+        if cuda:
+            torch.cuda.synchronize()
+            if i == warmup:
+                torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        metrics = learner.update(stamped, scores, None)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    tokens = int(batch.response_mask.sum())
+    median = sorted(times)[len(times) // 2]
+    return {
+        "update_s": times,
+        "median_update_s": median,
+        "trained_tokens": tokens,
+        "tokens_per_s": tokens / median,
+        "loss": metrics["loss"],
+        **learner.memory(),
+    }

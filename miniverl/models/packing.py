@@ -1,0 +1,94 @@
+"""Micro-batches by tokens: rows sorted by length, grouped under a token budget, laid out without inner padding.
+
+The rollout hands over rows as [left-padded prompt | right-padded response]. For a forward pass the learner
+and the scorer re-lay each row as [prompt | response | trailing pad]: a causal model never looks right, so
+trailing padding needs no attention mask and the real tokens sit at positions 0..L-1 as in an unpadded
+forward. Rows are sorted by length before grouping, so the trailing padding of a micro-batch is small, and a
+micro-batch holds as many rows as fit `max_tokens` padded tokens (rows x longest row), not a fixed row count:
+short rows share a forward, a long one does not overrun the memory the budget was sized for.
+
+Shapes: B rows, Tp / Tr prompt / response columns, L longest real row of a micro-batch, N response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miniverl.protocol import RolloutBatch
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices per micro-batch: longest rows first, each group's rows x longest row <= `max_tokens`.
+
+    A row longer than `max_tokens` gets a micro-batch of its own (validation refuses a budget below the
+    longest possible row, so this only happens when the budget was set for shorter data).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def row_lengths(batch: RolloutBatch) -> list[int]:
+    """Real tokens of each row: prompt tokens + response tokens up to and including the first stop."""
+    return (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Some rows of a batch as one right-padded forward, and where their response tokens sit.
+
+    `predictors` index the flattened [b * L] positions whose output predicts each response token (position
+    prompt_len - 1 + t predicts response t); `rows` / `cols` are the batch row and response column of each of
+    those N tokens, in the same order, so per-token results scatter back into [B, Tr].
+    """
+
+    input_ids: torch.Tensor  # [b, L] long, right-padded with 0
+    predictors: torch.Tensor  # [N] long into the flattened [b * L]
+    rows: torch.Tensor  # [N] long, batch row of each response token
+    cols: torch.Tensor  # [N] long, response column of each response token
+    targets: torch.Tensor  # [N] long, the sampled token ids
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.targets.shape[0])
+
+
+def pack_rows(batch: RolloutBatch, rows: list[int]) -> PackedRows:
+    """Lay `rows` of `batch` out as [prompt | response | pad] (see the module note). CPU tensors."""
+    prompt_lens = batch.prompt_mask[rows].sum(1).tolist()
+    response_lens = batch.response_mask[rows].sum(1).tolist()
+    width = max(p + r for p, r in zip(prompt_lens, response_lens))
+    input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    predictors, row_ids, col_ids = [], [], []
+    tp = batch.prompts.shape[1]
+    for j, (i, p, r) in enumerate(zip(rows, prompt_lens, response_lens)):
+        input_ids[j, :p] = batch.prompts[i, tp - p :]  # prompts are left-padded: the real ones are last
+        input_ids[j, p : p + r] = batch.responses[i, :r]
+        predictors.append(torch.arange(r) + j * width + p - 1)
+        row_ids.append(torch.full((r,), i, dtype=torch.long))
+        col_ids.append(torch.arange(r))
+    rows_t, cols_t = torch.cat(row_ids), torch.cat(col_ids)
+    return PackedRows(input_ids, torch.cat(predictors), rows_t, cols_t, batch.responses[rows_t, cols_t])
+
+
+def packed_hidden(model, packed: PackedRows) -> tuple[torch.Tensor, torch.nn.Module]:
+    """Final hidden states at the positions that predict the packed response tokens, and the LM head.
+
+    No attention mask: padding is trailing, so a causal model's real positions never see it (SDPA then takes
+    its causal kernel). Shapes: -> hidden [N, H] in the model's dtype.
+    """
+    from miniverl.models.logprobs import lm_parts
+
+    decoder, head = lm_parts(model)
+    device = next(model.parameters()).device
+    out = decoder(input_ids=packed.input_ids.to(device), use_cache=False).last_hidden_state  # [b, L, H]
+    return out.reshape(-1, out.shape[-1])[packed.predictors.to(device)], head

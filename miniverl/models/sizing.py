@@ -1,0 +1,134 @@
+"""How many tokens one learner micro-batch may hold in a memory share: a peak-memory model calibrated on the GPU.
+
+The learner's peak is whichever of its two phases is larger (gradient checkpointing on, fused LM-head loss):
+- the loss phase: the checkpointed layer inputs of every token ([T, H] bf16 per layer) and one LM-head chunk's
+  fp32 vocabulary buffers (models/memory.py);
+- the backward phase: the same checkpoints plus one decoder layer's recomputed activations for every token
+  (attention and MLP intermediates, the LoRA inputs peft casts to fp32).
+Both sit on the fixed part: weights, the adapter with its gradient and two AdamW moments, and slack for the
+allocator. Measured on the H200 (0.5B shape, LoRA r32 on every linear layer, GKD top-64, 640-token rows,
+docs/benchmarks/learner-throughput.md): 2.58 GiB at 7,680 tokens and 3.57 GiB at 16,000 with 256-token chunks,
+a slope of 128 KB per token (43 KB of checkpoints, so one layer's recomputed activations take 85 KB: 14.8 bytes
+per unit of hidden + intermediate size) and an intercept 0.5 GB above weights and adapter state (cuBLAS
+workspaces, the allocator's blocks, small tensors). The loss phase at 1,024-token chunks (5.21 GiB measured at
+3,840 tokens) matches the same model within 2%. Without checkpointing every
+layer's activations stay (about 1.75 MB per token measured, 8,192 tokens peaked at 19.2 GiB).
+
+Everything here is arithmetic on plain numbers, so it is tested without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miniverl.models.memory import FP32_BYTES, FUSED_CHUNK_FP32_COPIES, human
+from miniverl.protocol import ConfigError
+
+# One decoder layer's recomputed activations per token, in bytes per unit of (hidden + intermediate) size.
+LAYER_ACTIVATION_BYTES_PER_WIDTH = 14.8
+RUNTIME_BYTES = 512 * 2**20  # the measured intercept beyond weights and adapter state
+CHECKPOINT_BYTES = 2  # each layer's input is kept in the model's 16-bit dtype
+ADAPTER_STATE_BYTES = 16  # fp32 adapter weight, its gradient and AdamW's two moments, per adapter parameter
+# Allocator fragmentation, the CUDA caching allocator's rounding and small tensors: a share of the budget
+# kept free. 15% left the measured 16,000-token cell (3.57 GiB) well inside the 4.8 GiB share it was sized for.
+SLACK_FRACTION = 0.15
+
+
+@dataclass(frozen=True)
+class LearnerShape:
+    """What the peak-memory model needs of the student: its sizes and the bytes it holds before training."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    weight_bytes: int  # the base model as loaded (bf16 or NF4)
+    adapter_params: int
+
+
+# A no-gradient forward keeps only one layer's transient activations per token (the MLP's gate, up and product,
+# [T, intermediate] in bf16: about 6 bytes per unit of hidden + intermediate size). An estimate from the shapes,
+# checked once against a measured peak (scorer_tokens).
+SCORER_LAYER_BYTES_PER_WIDTH = 6.0
+# fp32 [c, V] buffers of one scoring chunk (upcast logits, log-softmax, the top-K / tail arithmetic): no backward.
+SCORER_CHUNK_FP32_COPIES = 3
+
+
+def scorer_tokens(shape: LearnerShape, share_bytes: int, chunk_tokens: int) -> int:
+    """Tokens per teacher forward (no gradient): the final hidden states of every token stay for the LM-head
+    chunks, and one layer's activations exist at a time; the weights are fixed. 0 when nothing fits."""
+    # Weights only: in the recipe's end-to-end run (docs/benchmarks/qlora-4080.md) the 1.5B teacher peaked at
+    # 3.52 GiB with 4,388-token forwards, which weights + this per-token model + one chunk give within 2%
+    # without the learner's runtime intercept (no backward, no optimizer).
+    usable = share_bytes * (1 - SLACK_FRACTION) - shape.weight_bytes
+    per_token = shape.hidden * CHECKPOINT_BYTES + SCORER_LAYER_BYTES_PER_WIDTH * (shape.hidden + shape.intermediate)
+    chunk = max(chunk_tokens, 0)
+    vocab = chunk * shape.vocab * FP32_BYTES * SCORER_CHUNK_FP32_COPIES
+    if chunk == 0:  # a whole micro-batch's logits at once: they cost per token too
+        per_token += shape.vocab * FP32_BYTES * SCORER_CHUNK_FP32_COPIES
+    return max(int((usable - vocab) // per_token), 0)
+
+
+def fixed_bytes(shape: LearnerShape) -> int:
+    return shape.weight_bytes + shape.adapter_params * ADAPTER_STATE_BYTES + RUNTIME_BYTES
+
+
+def per_token_bytes(shape: LearnerShape, checkpointing: bool) -> tuple[float, float]:
+    """(loss phase, backward phase) bytes per token of a micro-batch."""
+    checkpoints = shape.layers * shape.hidden * CHECKPOINT_BYTES
+    layer = LAYER_ACTIVATION_BYTES_PER_WIDTH * (shape.hidden + shape.intermediate)
+    if not checkpointing:
+        return shape.layers * layer, shape.layers * layer
+    return checkpoints, checkpoints + layer
+
+
+def learner_peak_bytes(shape: LearnerShape, tokens: int, chunk_tokens: int, checkpointing: bool) -> int:
+    """Modelled peak of one update with `tokens` padded tokens per micro-batch (slack not included)."""
+    loss_phase, backward_phase = per_token_bytes(shape, checkpointing)
+    chunk = min(chunk_tokens, tokens) if chunk_tokens > 0 else tokens
+    vocab = chunk * shape.vocab * FP32_BYTES * FUSED_CHUNK_FP32_COPIES
+    return fixed_bytes(shape) + int(max(loss_phase * tokens + vocab, backward_phase * tokens))
+
+
+def fit_tokens(shape: LearnerShape, share_bytes: int, chunk_tokens: int, checkpointing: bool, longest_row: int) -> int:
+    """The largest micro-batch token budget whose modelled peak stays inside `share_bytes` less the slack.
+
+    Raises ConfigError with the arithmetic when not even one row of `longest_row` tokens fits.
+    """
+    usable = share_bytes * (1 - SLACK_FRACTION)
+    lo, hi = 0, 1 << 22
+    while lo < hi:  # the peak grows with tokens: binary search for the last budget that fits
+        mid = (lo + hi + 1) // 2
+        if learner_peak_bytes(shape, mid, chunk_tokens, checkpointing) <= usable:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo < longest_row:
+        need = learner_peak_bytes(shape, longest_row, chunk_tokens, checkpointing)
+        raise ConfigError(
+            f"the learner's memory share of {human(share_bytes)} cannot hold one row of {longest_row} tokens:"
+            f" weights and adapter state take {human(fixed_bytes(shape))}, one row's activations and LM-head chunk"
+            f" bring the modelled peak to {human(need)} (plus {SLACK_FRACTION:.0%} slack); give the learner a"
+            " larger resources share, turn on trainer.gradient_checkpointing, lower trainer.logprob_chunk_tokens,"
+            " rollout.max_new_tokens or data.max_prompt_length, or quantize the student"
+            " (model.student.quantization=nf4)"
+        )
+    return lo
+
+
+def check_token_budget(
+    shape: LearnerShape, share_bytes: int, tokens: int, chunk_tokens: int, checkpointing: bool
+) -> None:
+    """Refuse an explicit trainer.max_tokens_per_micro_batch whose modelled peak exceeds the share, with the
+    arithmetic and the budget that would fit."""
+    peak = learner_peak_bytes(shape, tokens, chunk_tokens, checkpointing)
+    if peak > share_bytes * (1 - SLACK_FRACTION):
+        best = fit_tokens(shape, share_bytes, chunk_tokens, checkpointing, 1)
+        _, backward_phase = per_token_bytes(shape, checkpointing)
+        raise ConfigError(
+            f"trainer.max_tokens_per_micro_batch={tokens} would peak the learner at about {human(peak)}: weights and"
+            f" adapter state {human(fixed_bytes(shape))} + {tokens} tokens x {backward_phase / 1024:.0f} KiB of"
+            f" activations (gradient_checkpointing={str(checkpointing).lower()}), over its share of"
+            f" {human(share_bytes)} less {SLACK_FRACTION:.0%} slack; use at most {best} tokens, or 0 to size it"
+            " from the share"
+        )

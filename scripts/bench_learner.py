@@ -1,0 +1,136 @@
+"""Time LearnerWorker.update on synthetic RL-size batches (miniverl/bench/learner.py), one cell per line.
+
+    python scripts/bench_learner.py --cells cells.json --out results.jsonl [--profile NAME] [--shape qwen2.5-0.5b]
+
+cells.json: a list of {"name", "objective", "rows", "prompt_tokens", "response_tokens", "topk", "settings",
+"gpu_memory_gib"}; `settings` are LearnerWorker keyword arguments. Each cell builds a fresh learner in this
+process (its memory cap applies to the process: run capped cells in their own process, or last). A cell that
+fails (OOM, refusal) is written with its error, never dropped. --profile NAME writes the torch profiler's
+top kernels for that cell's last update to <out>.NAME.prof.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from miniverl.bench.config import ModelShape
+from miniverl.bench.learner import objective_for, synthetic_batch, synthetic_scores, time_updates
+from miniverl.bench.workload import build_random_model, real_shape
+from miniverl.models.lora import LoraSettings
+from miniverl.workers import ProcessSettings
+from miniverl.workers.learner import LearnerWorker
+
+TINY = ModelShape(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    init_seed=0,
+)
+SHAPES = {"qwen2.5-0.5b": real_shape("qwen2.5-0.5b", 32768), "tiny": TINY}
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_model(shape: str, device: str, target: Path) -> Path:
+    if (target / "config.json").exists():
+        return target
+    return build_random_model(SHAPES[shape], torch.bfloat16, device, target)
+
+
+def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Path | None) -> dict:
+    settings = {"micro_batch_size": cell["rows"], **cell["settings"]}
+    if device == "cuda" and cell.get("gpu_memory_gib") is None:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)  # an earlier capped cell's cap stays otherwise
+    objective = objective_for(cell["objective"], cell["topk"])
+    learner = LearnerWorker(
+        str(model_path),
+        LoraSettings(rank=32, alpha=64.0, dropout=0.0, target_modules=ALL_LINEAR, init_seed=0),
+        "bfloat16" if device == "cuda" else "float32",
+        objective,
+        lr=1e-5,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        process=ProcessSettings(device, gpu_memory_gib=cell.get("gpu_memory_gib")),
+        **settings,
+    )
+    if cell.get("autocast"):
+        learner.autocast_dtype = torch.bfloat16
+    batch = synthetic_batch(cell["rows"], cell["prompt_tokens"], cell["response_tokens"], vocab, seed=0)
+    topk = cell["topk"] if cell["objective"] == "gkd" else None
+    scores = synthetic_scores(batch, vocab, topk, seed=0)
+    result = time_updates(learner, batch, scores, warmup=cell.get("warmup", 1), repeats=cell.get("repeats", 3))
+    if profile is not None:
+        import dataclasses
+
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        learner.publish_policy(include_weights=False)
+        stamped = dataclasses.replace(batch, policy_version=learner.version)
+        with torch_profile(
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        ) as prof:
+            learner.update(stamped, scores, None)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        profile.write_text(
+            prof.key_averages().table(sort_by=sort, row_limit=40)
+            + "\n\nby self cpu time:\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        )
+    del learner
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--model-dir", default=Path("/tmp/bench_learner_model"), type=Path)
+    parser.add_argument("--profile", default=None, help="name of the cell to profile")
+    parser.add_argument("--only", default=None, help="comma-separated names of the cells to run")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cells = json.loads(args.cells.read_text())
+    if args.only:
+        wanted = set(args.only.split(","))
+        cells = [c for c in cells if c["name"] in wanted]
+    model_path = build_model(args.shape, device, args.model_dir / args.shape)
+    vocab = SHAPES[args.shape].vocab_size
+    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}
+    for cell in cells:
+        started = time.time()
+        prof = args.out.with_suffix(f".{cell['name']}.prof.txt") if args.profile == cell["name"] else None
+        try:
+            record = {**cell, **meta, "ok": True, **run_cell(cell, model_path, vocab, device, prof)}
+        except Exception as e:  # an OOM or a refusal is a result of the cell, reported with its reason
+            record = {**cell, **meta, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+            traceback.print_exc()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        record["wall_s"] = time.time() - started
+        with args.out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        brief = {k: record.get(k) for k in ("name", "ok", "tokens_per_s", "median_update_s", "peak_allocated_gib")}
+        print(json.dumps(brief), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The learner's fused LM-head loss on token-budget micro-batches (models/fused_head.py, models/packing.py)
+changes memory and speed, never numbers: the same loss, metrics and adapter gradients as the direct reference
+(the model's own forward over the left-padded batch, [B, Tr, V] logits, the objective's `loss`), for every
+objective, at chunk sizes that divide the step's tokens and ones that do not, at any token budget, with and
+without gradient checkpointing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from miniverl.models.fused_head import check_fusable, fused_head_loss, head_logprobs
+from miniverl.models.logprobs import response_logits, token_logprobs
+from miniverl.models.packing import pack_rows, plan_micro_batches, row_lengths
+from miniverl.protocol import ConfigError
+from tests.objectives.test_objective_invariances import (
+    REWARDS,
+    assert_same,
+    capture_gradients,
+    make_learner,
+    objectives,
+    on_policy_batch,
+    two_updates,
+)
+
+# Responses here are at most 5 tokens over 8 rows: 1 and 3 split the step's tokens unevenly, 1000 exceeds them.
+CHUNKS = (1, 3, 1000)
+# Adam divides by sqrt(v): a 1e-7 gradient difference moved one weight by 2.4e-5 after two steps (lr 1e-2),
+# so the comparison (assert_same: gradients at atol, weights at 10 x atol) uses atol 1e-5.
+
+
+def direct_update(learner, batch, scores, rewards, num_step_tokens=None):
+    """The learner's step computed the direct way: [b, Tr, V] logits from the model's own forward over the
+    left-padded rows (attention mask, position ids), log-probs and the objective's `loss` on them."""
+    ref = learner._reference_logprobs(batch) if learner.objective.needs_reference else None
+    adv = learner.objective.prepare(batch, scores, rewards, ref)
+    n = int(batch.response_mask.sum())
+    total, metrics = 0.0, {}
+    learner.model.train()
+    for s in range(0, len(batch), learner.micro_batch_size):
+        mb, sc = batch.rows(s, s + learner.micro_batch_size), scores.rows(s, s + learner.micro_batch_size)
+        logits = response_logits(learner.model, mb)  # [b, Tr, V]
+        lp = token_logprobs(logits, mb.responses)
+        a = None if adv is None else adv[s : s + learner.micro_batch_size]
+        loss, m = learner.objective.loss(logits, lp, mb, sc, a, n)
+        loss.backward()
+        total += loss.item()
+        share = mb.response_mask.sum().item() / n
+        for k, v in m.items():
+            metrics[k] = metrics.get(k, 0.0) + float(v) * share
+    torch.nn.utils.clip_grad_norm_(learner.params, learner.max_grad_norm)
+    learner.optimizer.step()
+    learner.optimizer.zero_grad(set_to_none=True)
+    learner.version += 1
+    return {"loss": total, "response_tokens": n, **metrics}
+
+
+def learner_with(student_dir, objective, chunk: int, max_tokens: int = 0, checkpointing: bool = False):
+    torch.manual_seed(0)
+    learner = make_learner(student_dir, objective, 4)
+    learner.chunk_tokens, learner.max_tokens = chunk, max_tokens
+    if checkpointing:
+        learner.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return learner
+
+
+def reference_updates(student_dir, objective, batch, scores):
+    """two_updates through direct_update, with the sampler gap the fused learner reports recomputed."""
+    learner = learner_with(student_dir, objective, 0)
+    grads = capture_gradients(learner)
+    metrics = []
+    for version in range(2):
+        stamped = dataclasses.replace(batch, policy_version=version)
+        with torch.no_grad():
+            lp = token_logprobs(response_logits(learner.model.eval(), stamped), stamped.responses)
+        mask = stamped.response_mask.bool()
+        gap = (lp - stamped.rollout_log_probs).abs()[mask].sum().item() / mask.sum().item()
+        metrics.append({**direct_update(learner, stamped, scores, REWARDS), "sampler_gap_mean": gap})
+    return metrics, grads, [p.detach().clone() for p in learner.params]
+
+
+@pytest.fixture(scope="module")
+def data(student_dir, random_model_dir):
+    """The invariance tests' on-policy batch (rows of different lengths, at most 5 tokens) and scorer."""
+    return on_policy_batch(student_dir, random_model_dir)
+
+
+@pytest.fixture(scope="module")
+def scored(data):
+    batch, scorer = data
+    return {
+        name: (batch, scorer.score(batch, obj.teacher_support_k, obj.loss_temperature))
+        for name, obj in objectives().items()
+    }
+
+
+@pytest.mark.parametrize("name", ["gkd_full", "gkd_top8", "pg_k1"])
+def test_fused_path_gives_the_direct_loss_and_gradients(student_dir, scored, name):
+    batch, scores = scored[name]
+    assert batch.responses.shape[1] == 5
+    want = reference_updates(student_dir, objectives()[name], batch, scores)
+    assert want[0][0]["loss"] != 0.0 and any(g.abs().max() > 0 for g in want[1][0])
+    for chunk in CHUNKS:
+        got = two_updates(learner_with(student_dir, objectives()[name], chunk), batch, scores, REWARDS)
+        assert_same(want, got, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gkd_top8", "pg_k1"])
+def test_token_budget_and_checkpointing_change_no_number(student_dir, scored, name):
+    batch, scores = scored[name]
+    plain = two_updates(learner_with(student_dir, objectives()[name], 0), batch, scores, REWARDS)
+    longest = max(row_lengths(batch))
+    for budget in (1, longest, 3 * longest, 10_000):  # one row per forward ... the whole batch in one
+        for ckpt in (False, True):
+            got = two_updates(learner_with(student_dir, objectives()[name], 2, budget, ckpt), batch, scores, REWARDS)
+            assert_same(plain, got, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_groups_longest_rows_first_under_the_budget():
+    assert plan_micro_batches([3, 5, 2, 5, 1], 10) == [[1, 3], [0, 2, 4]]  # 2 x 5 <= 10, then 3 x 3 <= 10
+    assert plan_micro_batches([4, 4, 4], 1) == [[0], [1], [2]]  # a row over the budget goes alone
+    assert plan_micro_batches([], 8) == []
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        plan_micro_batches([1], 0)
+
+
+def test_packed_rows_put_each_response_token_after_its_prompt(data):
+    batch, _ = data
+    rows = [3, 0]
+    packed = pack_rows(batch, rows)
+    for j, i in enumerate(rows):
+        p = int(batch.prompt_mask[i].sum())
+        r = int(batch.response_mask[i].sum())
+        prompt = batch.prompts[i, batch.prompts.shape[1] - p :]
+        assert packed.input_ids[j, :p].tolist() == prompt.tolist()
+        assert packed.input_ids[j, p : p + r].tolist() == batch.responses[i, :r].tolist()
+        assert (packed.input_ids[j, p + r :] == 0).all()
+    width = packed.input_ids.shape[1]
+    flat = packed.input_ids.reshape(-1)
+    # the position after each predictor holds the token it predicts
+    assert flat[packed.predictors + 1].tolist() == packed.targets.tolist()
+    assert packed.num_tokens == int(batch.response_mask[rows].sum()) and width == max(
+        row_lengths(batch)[i] for i in rows
+    )
+
+
+def test_head_sees_one_chunk_at_a_time_forward_and_backward(monkeypatch):
+    """No [N, V] tensor: the LM head is applied to chunk_tokens positions at a time, and backward reuses the
+    gradient computed in forward (it applies the head no more)."""
+    from miniverl.models import fused_head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(6, 11, bias=False).requires_grad_(False)
+    hidden = torch.randn(7, 6, requires_grad=True)
+    ids = torch.randint(0, 11, (7,))
+    seen = []
+    linear = fused_head.F.linear
+
+    def counting(x, w, b=None):
+        seen.append((*x.shape[:-1], w.shape[0]))
+        return linear(x, w, b)
+
+    monkeypatch.setattr(fused_head.F, "linear", counting)
+    loss, lp, _ = fused_head_loss(hidden, head, ids, 3, None, lambda lp, t, pos: -lp)
+    assert seen == [(3, 11), (3, 11), (1, 11)]
+    loss.backward()
+    assert len(seen) == 3
+    monkeypatch.undo()
+    want_lp = torch.log_softmax(hidden.detach() @ head.weight.T, -1).gather(-1, ids[:, None]).squeeze(-1)
+    torch.testing.assert_close(lp, want_lp)
+    h2 = hidden.detach().clone().requires_grad_()
+    (-torch.log_softmax(h2 @ head.weight.T, -1).gather(-1, ids[:, None]).sum()).backward()
+    torch.testing.assert_close(hidden.grad, h2.grad)
+    torch.testing.assert_close(head_logprobs(hidden.detach(), head, ids, 2), want_lp)
+
+
+def test_fused_head_refuses_trainable_or_foreign_heads():
+    head = torch.nn.Linear(4, 5)
+    with pytest.raises(ValueError, match="keep lm_head frozen"):
+        check_fusable(head)
+    with pytest.raises(ValueError, match="plain nn.Linear head"):
+        check_fusable(torch.nn.Sequential(head))
+
+
+def test_learner_switches_checkpointing_and_budget_on_from_its_arguments(student_dir):
+    from miniverl.workers.learner import LearnerWorker
+    from tests.objectives.test_objective_invariances import CPU, LORA
+
+    args = (str(student_dir), LORA, "float32", objectives()["pg_k1"], 1e-2, 0.0, 1.0, 4, CPU)
+    on = LearnerWorker(*args, logprob_chunk_tokens=3, gradient_checkpointing=True, max_tokens_per_micro_batch=64)
+    off = LearnerWorker(*args)
+    assert on.model.get_base_model().is_gradient_checkpointing and (on.chunk_tokens, on.max_tokens) == (3, 64)
+    assert not off.model.get_base_model().is_gradient_checkpointing and (off.chunk_tokens, off.max_tokens) == (0, 0)
+
+
+def test_logit_transforms_are_refused(student_dir, data):
+    from transformers import AutoModelForCausalLM
+
+    from miniverl.models.logprobs import packed_logprobs
+
+    batch, _ = data
+    model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):
+        packed_logprobs(model, pack_rows(batch, [0]), 2)
+
+
+@pytest.mark.parametrize("support_k", [None, 0, 8])
+def test_teacher_scores_equal_the_direct_ones_at_any_chunk_and_budget(data, support_k, random_model_dir):
+    from miniverl.workers.scorer import ScorerWorker
+    from tests.objectives.test_objective_invariances import CPU
+
+    batch, scorer = data
+    logits = response_logits(scorer.model, batch).detach()  # [B, Tr, V], the direct way
+    mask = batch.response_mask.bool()
+    want_lp = token_logprobs(logits, batch.responses) * mask
+    full = torch.log_softmax(logits.float() / 1.5, dim=-1)
+    for chunk, budget in ((0, 0), (2, 0), (3, 7)):
+        got = ScorerWorker(
+            str(random_model_dir), "float32", 4, CPU, chunk_tokens=chunk, max_tokens_per_micro_batch=budget
+        ).score(batch, support_k, 1.5)
+        torch.testing.assert_close(got.teacher_log_probs, want_lp, rtol=1e-5, atol=1e-6)
+        if support_k is None:
+            assert got.teacher_topk_logprobs is None
+        elif support_k == 0:
+            torch.testing.assert_close(got.teacher_topk_logprobs[mask], full[mask], rtol=1e-5, atol=1e-6)
+            assert got.teacher_topk_ids is None
+        else:
+            top, ids = full.topk(support_k, dim=-1)
+            torch.testing.assert_close(got.teacher_topk_logprobs[mask], top[mask], rtol=1e-5, atol=1e-6)
+            assert torch.equal(got.teacher_topk_ids[mask], ids[mask])
+            tail = torch.logsumexp(full.scatter(-1, ids, float("-inf")), dim=-1)
+            torch.testing.assert_close(got.teacher_tail_logprob[mask], tail[mask], rtol=1e-5, atol=1e-6)
+        assert got.teacher_log_probs.shape == batch.responses.shape
+
+
+@pytest.mark.slow
+def test_memory_switches_reach_the_actors_and_change_no_number(tmp_path, student_dir, teacher_dir):
+    """`python -m miniverl.main` through Ray with LM-head chunks, a token budget (learner and scorer) and
+    gradient checkpointing logs the same losses and KLs as the plain run; a model whose logits are not
+    lm_head(hidden) (logit soft-capping) is refused before Ray, as student and as teacher."""
+    import json
+    import shutil
+
+    from tests.test_main import TINY, run_main
+
+    for role, src in (("student", student_dir), ("teacher", teacher_dir)):
+        capped = tmp_path / f"capped_{role}"
+        shutil.copytree(src, capped)
+        config = json.loads((capped / "config.json").read_text())
+        (capped / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": 30.0}))
+        paths = {"student": student_dir, "teacher": teacher_dir, role: capped}
+        proc = run_main(
+            "+experiment=gkd",
+            "trainer=smoke",
+            f"model.student.path={paths['student']}",
+            f"model.teacher.path={paths['teacher']}",
+            "tracking=disabled",
+            *TINY,
+            f"hydra.run.dir={tmp_path / role}",
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and f"model.{role}.path=" in out and "final_logit_softcapping" in out, role
+        assert "Started a local Ray" not in out, role
+
+    runs = {}
+    switches = (
+        "trainer.logprob_chunk_tokens=4",
+        "trainer.gradient_checkpointing=true",
+        "trainer.max_tokens_per_micro_batch=40",
+    )
+    for name, extra in (("plain", ()), ("fused", switches)):
+        run_dir = tmp_path / name
+        proc = run_main(
+            "+experiment=pg_k1",
+            "trainer=smoke",
+            "objective.kl_coef=0.1",  # the reference (adapter off) log-probs take the same path
+            f"model.student.path={student_dir}",
+            f"model.teacher.path={teacher_dir}",
+            "tracking=disabled",
+            "trainer.save_checkpoint=false",
+            *TINY,
+            *extra,
+            f"hydra.run.dir={run_dir}",
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[name] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(runs["plain"]) == len(runs["fused"]) == 4
+    for a, b in zip(runs["plain"][1:], runs["fused"][1:]):
+        assert a["loss"] != 0.0
+        for key in ("loss", "reverse_kl", "sampler_gap_mean", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
