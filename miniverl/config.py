@@ -120,17 +120,59 @@ class RolloutConfig:
 
 @dataclass
 class ObjectiveConfig:
-    name: str = "gkd"  # a name in miniverl.objectives.OBJECTIVES
-    # gkd
+    """The `objective` config group: one dataclass per objective below, each holding only its own settings,
+    so a key another objective owns (`+experiment=pg_k1 objective.beta=0.9`) fails before Ray instead of
+    being ignored. Choose one with `objective=<name>` (or an experiment); `name` only says which it is."""
+
+    name: str = "???"  # a name in miniverl.objectives.OBJECTIVES (set by each objective's dataclass)
+
+
+@dataclass
+class GkdObjectiveConfig(ObjectiveConfig):
+    """Direct GKD: generalized JSD per response token against the teacher's support (docs/objectives.md)."""
+
+    name: str = "gkd"
     beta: float = 0.5  # 0 = forward KL(p||q), 1 = reverse KL(q||p), between: generalized JSD
-    loss_temperature: float = 1.0
-    teacher_topk: int = 64  # K tokens of teacher support per position; 0 = full vocabulary
-    # pg_k1
-    discount: float = 0.0  # gamma for the discounted k1 return; 0 = per-token advantage
-    is_cap: float = 2.0  # truncated importance sampling cap on q_theta / q_sampler
+    loss_temperature: float = 1.0  # divides teacher and student logits in the loss; rollout.temperature is separate
+    teacher_topk: int = 64  # K teacher tokens plus one tail bucket (a lower bound); 0 = full vocabulary
+
+
+@dataclass
+class PgK1ObjectiveConfig(ObjectiveConfig):
+    """PG-k1: policy gradient with the per-token k1 advantage log p_teacher - log q_sampler. Samples at
+    temperature 1 with no top-k/top-p (validate enforces it)."""
+
+    name: str = "pg_k1"
+    discount: float = 0.0  # gamma of the discounted k1 return (0 = per-token reverse KL, 1 = sequence KL)
+    # Truncated importance sampling cap on q_theta / q_sampler (verl: about 2); inf = off, and then the
+    # conformance gate refuses a sampler outside PG-k1's tolerance.
+    is_cap: float = 2.0
     kl_coef: float = 0.0  # reference-KL penalty folded into the per-token reward (0 = off)
     kl_kind: str = "k1"  # k1|k2|k3 (verl aliases kl|mse|low_var_kl) and abs
     reward_coef: float = 0.0  # weight of the GRPO-normalized task reward added to every token's advantage
+
+
+OBJECTIVE_CONFIGS: dict[str, type[ObjectiveConfig]] = {"gkd": GkdObjectiveConfig, "pg_k1": PgK1ObjectiveConfig}
+
+
+def foreign_objective_key(objective: str, key: str) -> str | None:
+    """The error for `objective.<key>` under `objective`, or None when that objective owns the key."""
+    import dataclasses
+
+    schema = OBJECTIVE_CONFIGS.get(objective)
+    if schema is None:
+        return None  # an unknown objective name is reported on its own
+    own = [f.name for f in dataclasses.fields(schema)]
+    if key in own:
+        return None
+    owners = [n for n, c in OBJECTIVE_CONFIGS.items() if key in {f.name for f in dataclasses.fields(c)}]
+    msg = f"objective.{key} is not a setting of objective {objective} (its settings: {', '.join(own)})"
+    if owners:
+        return (
+            f"{msg}; it belongs to objective {owners[0]}. Fix: drop objective.{key}, or train {owners[0]}"
+            f" (objective={owners[0]}, or +experiment={owners[0]})"
+        )
+    return f"{msg}. Fix: check the spelling"
 
 
 @dataclass
@@ -223,7 +265,7 @@ class MiniVerlConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: ObjectiveConfig = field(default_factory=GkdObjectiveConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
@@ -234,11 +276,26 @@ OVERLONG_POLICIES = ("filter", "error")
 SCHEMA_NAME = "miniverl_schema"
 
 
+def structured_schema(objective: str | None = None):
+    """MiniVerlConfig as an OmegaConf node whose `objective` holds `objective`'s dataclass (None: left to
+    the config group to fill, as Hydra's composition does)."""
+    from omegaconf import MISSING, OmegaConf
+
+    node = OmegaConf.structured(MiniVerlConfig)
+    schema = OBJECTIVE_CONFIGS.get(objective) if objective is not None else None
+    node.objective = MISSING if schema is None else OmegaConf.structured(schema)
+    return node
+
+
 def register_configs() -> None:
-    """Put the schema in Hydra's ConfigStore (called by main, not at import)."""
+    """Put the schema and the `objective` group's options in Hydra's ConfigStore (called by main, not at
+    import)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=MiniVerlConfig)
+    store = ConfigStore.instance()
+    store.store(name=SCHEMA_NAME, node=structured_schema())
+    for name, schema in OBJECTIVE_CONFIGS.items():
+        store.store(group="objective", name=name, node=schema)
 
 
 def to_config(cfg) -> MiniVerlConfig:
@@ -256,6 +313,9 @@ def to_config(cfg) -> MiniVerlConfig:
         if dataclasses.is_dataclass(schema):
             known = {f.name for f in dataclasses.fields(schema)}
             unknown = sorted(set(node.keys()) - known)
+            foreign = foreign_objective_key(node.name, unknown[0]) if unknown and where == "objective." else None
+            if foreign:
+                raise ConfigError(foreign)
             if unknown:
                 owner = where.rstrip(".") or "the root"
                 raise ConfigError(f"unknown config key {where}{unknown[0]}; {owner} has: {', '.join(sorted(known))}")
@@ -280,8 +340,8 @@ def check_quantized_rollout(quantization: str, backend: str, refresh: str) -> No
         return
     _require(
         backend != "hf_cached",
-        "model.student.quantization=nf4 with rollout=hf_cached: hf_cached merges the adapter into a bf16 serving"
-        " copy of the weights, which would sample from another base than the 4-bit one the learner trains on;"
+        "model.student.quantization=nf4 with rollout=hf_cached: hf_cached decodes from plain (bf16) copies of the"
+        " base weights, which would sample from another base than the 4-bit one the learner trains on;"
         " serving the dequantized NF4 values is possible but not yet measured, so it is refused for now. Use"
         " rollout=vllm (adapter mode, quantization=bitsandbytes) or rollout=hf_reference",
     )
@@ -293,12 +353,44 @@ def check_quantized_rollout(quantization: str, backend: str, refresh: str) -> No
     )
 
 
+def check_objective(o: ObjectiveConfig, r: RolloutConfig) -> None:
+    """The objective's own ranges, and that its settings are those of the objective it names."""
+    from miniverl.objectives import OBJECTIVES
+    from miniverl.objectives.kl import KL_KINDS
+
+    OBJECTIVES.require(o.name)
+    schema = OBJECTIVE_CONFIGS[o.name]
+    _require(
+        type(o) is schema,
+        f"objective.name={o.name} but the objective group holds {type(o).__name__}'s settings; choose the objective"
+        f" with objective={o.name} (or +experiment={o.name}), not objective.name",
+    )
+    if isinstance(o, GkdObjectiveConfig):
+        _require(0 <= o.beta <= 1, f"objective.beta={o.beta}: must be in [0, 1]")
+        _require(o.loss_temperature > 0, f"objective.loss_temperature={o.loss_temperature}: must be > 0")
+        _require(o.teacher_topk >= 0, f"objective.teacher_topk={o.teacher_topk}: use 0 (full vocabulary) or K >= 1")
+    if isinstance(o, PgK1ObjectiveConfig):
+        _require(0 <= o.discount <= 1, f"objective.discount={o.discount}: must be in [0, 1]")
+        _require(o.is_cap >= 1, f"objective.is_cap={o.is_cap}: must be >= 1 (verl uses about 2)")
+        _require(o.kl_kind in KL_KINDS, f"objective.kl_kind={o.kl_kind!r}: use one of {', '.join(KL_KINDS)}")
+        # PG-k1's advantage uses the sampler's log-probs of the *untempered* policy: sampling from
+        # anything else makes the gradient estimate biased (DESIGN.md).
+        _require(
+            r.temperature == 1.0 and r.top_k == 0 and r.top_p == 1.0,
+            "objective pg_k1 samples at temperature 1 with no top-k/top-p; set rollout.temperature=1"
+            " rollout.top_k=0 rollout.top_p=1",
+        )
+        _require(
+            o.reward_coef == 0 or r.n > 1,
+            f"objective.reward_coef={o.reward_coef} with rollout.n=1: every GRPO group would hold one sample and its"
+            " raw score would be the advantage; set rollout.n >= 2 (or objective.reward_coef=0)",
+        )
+
+
 def validate(cfg: MiniVerlConfig) -> None:
     """Range and combination checks that run before any model is loaded or actor started."""
     from miniverl.data.tasks import TASKS, task_names
     from miniverl.models.loading import DTYPES, QUANTIZATIONS
-    from miniverl.objectives import OBJECTIVES
-    from miniverl.objectives.kl import KL_KINDS
     from miniverl.rewards import check_reward_config
     from miniverl.rollout import BACKENDS
     from miniverl.teachers import check_teacher_routes
@@ -309,6 +401,17 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"trainer.total_steps={t.total_steps}: need at least 1 step (e.g. trainer.total_steps=60)",
     )
     _require(t.micro_batch_size > 0, f"trainer.micro_batch_size={t.micro_batch_size}: must be >= 1")
+    from miniverl.seeds import MAX_BASE_SEED, STEP_STRIDE
+
+    _require(
+        t.total_steps < STEP_STRIDE,
+        f"trainer.total_steps={t.total_steps}: sampling seeds are unique for fewer than {STEP_STRIDE} steps"
+        " (miniverl/seeds.py); split the run",
+    )
+    _require(
+        0 <= r.seed < MAX_BASE_SEED,
+        f"rollout.seed={r.seed}: must be in [0, {MAX_BASE_SEED}) so no two seeds of a run collide (miniverl/seeds.py)",
+    )
     _require(
         t.eval_every >= 0,
         f"trainer.eval_every={t.eval_every}: use 0 (start and end only) or a positive step count",
@@ -404,25 +507,7 @@ def validate(cfg: MiniVerlConfig) -> None:
     _require(r.temperature > 0, f"rollout.temperature={r.temperature}: training samples need temperature > 0")
     _require(r.top_k >= 0, f"rollout.top_k={r.top_k}: use 0 (off) or a token count >= 1")
     _require(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: use a value in (0, 1] (1 = off)")
-    _require(0 <= o.beta <= 1, f"objective.beta={o.beta}: must be in [0, 1]")
-    _require(o.loss_temperature > 0, f"objective.loss_temperature={o.loss_temperature}: must be > 0")
-    _require(o.teacher_topk >= 0, f"objective.teacher_topk={o.teacher_topk}: use 0 (full vocabulary) or K >= 1")
-    _require(0 <= o.discount <= 1, f"objective.discount={o.discount}: must be in [0, 1]")
-    _require(o.is_cap >= 1, f"objective.is_cap={o.is_cap}: must be >= 1 (verl uses about 2)")
-    _require(o.kl_kind in KL_KINDS, f"objective.kl_kind={o.kl_kind!r}: use one of {', '.join(KL_KINDS)}")
-    if o.name == "pg_k1":
-        # PG-k1's advantage uses the sampler's log-probs of the *untempered* policy: sampling from
-        # anything else makes the gradient estimate biased (DESIGN.md).
-        _require(
-            r.temperature == 1.0 and r.top_k == 0 and r.top_p == 1.0,
-            "objective pg_k1 samples at temperature 1 with no top-k/top-p; set rollout.temperature=1"
-            " rollout.top_k=0 rollout.top_p=1",
-        )
-    _require(
-        o.reward_coef == 0 or r.n > 1,
-        f"objective.reward_coef={o.reward_coef} with rollout.n=1: every GRPO group would hold one sample and its raw"
-        " score would be the advantage; set rollout.n >= 2 (or objective.reward_coef=0)",
-    )
+    check_objective(o, r)
     _require(cfg.resources.device in ("auto", "cpu", "cuda"), "resources.device must be auto, cpu or cuda")
     _require(
         cfg.tracking.wandb_mode in ("offline", "online", "disabled"),
@@ -457,8 +542,15 @@ def validate(cfg: MiniVerlConfig) -> None:
         TASKS.require(task)
     check_reward_config(cfg.reward)
     BACKENDS.require(r.backend)
-    OBJECTIVES.require(o.name)
     if r.backend == "vllm":  # the rollout.vllm options, before Ray starts (the engine is sized later)
         from miniverl.rollout.vllm_settings import settings_from_config
 
         settings_from_config(cfg, cfg.resources.rollout.num_gpus, None)
+        _require(
+            r.vllm.refresh != "merged" or cfg.model.student.dtype == "float32",
+            f"rollout.vllm.refresh=merged with model.student.dtype={cfg.model.student.dtype} (bf16 on a GPU): a"
+            " merge W + s*B*A rounded to bf16 drops small updates (at lr 1e-5, 90% of q_proj entries were unchanged"
+            " after 7 updates) while the learner applies its adapter unmerged, so the engine would serve another"
+            " policy than the one published; use rollout.vllm.refresh=adapter (the default), or"
+            " model.student.dtype=float32",
+        )

@@ -1,11 +1,14 @@
 """The log-prob conformance gate: before training, does the rollout backend sample what the learner computes?
 
-Rollouts are sampled through the backend with the run's sampling settings, the learner recomputes the
+First the rollout side serves a non-zero trial adapter and must match the learner's probe under it (at
+v0 lora_B is 0, where a wrong merge or a dropped adapter term is invisible). Then rollouts are sampled
+through the backend with the run's sampling settings, the learner recomputes the
 log-prob of every sampled token, and the gaps (mean and p99 |gap|, the fraction of importance ratios
 outside [1/cap, cap]) are held against the tolerance the objective declares
 (`objective.sampler_tolerance`, miniverl/objectives/). Within it: "pass". Outside it: "pass_with_tis"
-when the objective truncates its importance ratios (PG-k1 with a finite objective.is_cap), else the run
-stops with the numbers and the fix. The numbers go into summary.json; every step still logs the gap.
+when the objective truncates its importance ratios (PG-k1 with a finite objective.is_cap) and the gap is
+one truncation can correct (objectives/ratios.py: TIS_MAX_*), else the run stops with the numbers and
+the fix. The numbers go into summary.json; every step still logs the gap.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from miniverl.actors import call
 from miniverl.objectives.ratios import SamplerTolerance
 from miniverl.protocol import ConfigError, PromptBatch, RolloutBatch
 from miniverl.rollout.sampling import SamplingParams
+from miniverl.seeds import sampling_seed
 
 GATE_PROMPTS = 16  # prompt groups sampled for the gate (x rollout.n samples): a few hundred tokens
-GATE_SEED = 7_919  # its own sampling seed, apart from every training step's
 P99 = 0.99
 
 
@@ -61,8 +64,19 @@ def decide(stats: GapStats, tolerance: SamplerTolerance, objective: str, backend
     )
     if within:
         return "pass"
-    if tolerance.truncated:
+    correctable = stats.mean_gap <= tolerance.max_mean_gap and stats.outside_frac <= tolerance.max_outside_frac
+    if tolerance.truncated and correctable:
         return "pass_with_tis"
+    if tolerance.truncated:
+        raise ConfigError(
+            f"rollout backend {backend} fails objective {objective}'s log-prob conformance gate even with"
+            f" truncated importance sampling: over {stats.tokens} sampled tokens its log-probs sit mean"
+            f" {stats.mean_gap:.3g} nats from the learner's and {stats.outside_frac:.2%} of importance ratios lie"
+            f" outside [1/{stats.cap:g}, {stats.cap:g}]; truncation corrects at most mean"
+            f" {tolerance.max_mean_gap:g} and {tolerance.max_outside_frac:.2%} (beyond, the capped gradient is"
+            " another objective). Fix: make the sampler compute what the learner computes (the same"
+            " model.student.dtype and quantization on both sides, or rollout=hf_reference)"
+        )
     fix = (
         "set objective.is_cap to a finite cap (e.g. 2, as verl) so truncated importance sampling corrects"
         " the gap, or make the sampler compute what the learner computes"
@@ -95,14 +109,21 @@ def learner_logprobs(learner, batch: RolloutBatch) -> torch.Tensor:
 
 
 def conformance_gate(
-    controller, prompts: PromptBatch, params: SamplingParams, objective, names: tuple[str, str], log=print
+    controller,
+    prompts: PromptBatch,
+    params: SamplingParams,
+    objective,
+    names: tuple[str, str],
+    log=print,
+    seed: int = sampling_seed(0, "gate", 0),
 ) -> dict:
     """Sample through the backend, recompute on the learner, decide; `names` = (objective, backend) as
-    configured. Returns the numbers summary.json keeps."""
+    configured, `seed` the gate's sampling seed (miniverl/seeds.py). Returns the numbers summary.json keeps."""
     objective_name, backend = names
     prompts = prompts.select(list(range(min(GATE_PROMPTS, len(prompts)))))
-    identity = controller.refresh()
-    batch = controller.sample(prompts, dataclasses.replace(params, seed=GATE_SEED), identity)
+    trial_gap = controller.sync.prove_trial_adapter()  # serving a non-zero adapter, before v0 (lora_B = 0)
+    identity = controller.ensure_served()
+    batch = controller.sample(prompts, dataclasses.replace(params, seed=seed), identity)
     tolerance = objective.sampler_tolerance
     learner = learner_logprobs(controller.learners[0], batch)
     stats = gap_stats(batch.rollout_log_probs, learner, batch.response_mask, tolerance.cap)
@@ -112,4 +133,9 @@ def conformance_gate(
         f" {stats.mean_gap:.2e} p99 {stats.p99_gap:.2e} nats, {stats.outside_frac:.2%} of ratios outside"
         f" [1/{stats.cap:g}, {stats.cap:g}]: {decision}"
     )
-    return {**dataclasses.asdict(stats), "decision": decision, "tolerance": dataclasses.asdict(tolerance)}
+    return {
+        **dataclasses.asdict(stats),
+        "decision": decision,
+        "tolerance": dataclasses.asdict(tolerance),
+        "trial_adapter_probe_gap": trial_gap,
+    }

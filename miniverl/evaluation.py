@@ -12,9 +12,6 @@ from miniverl.objectives.aggregation import masked_mean
 from miniverl.protocol import PromptBatch, RolloutBatch
 from miniverl.rollout.sampling import SamplingParams
 
-# The temperature-1 sample draws from its own seed stream, apart from training steps' (seed * 100_003 + step).
-EVAL_SAMPLE_SEED_OFFSET = 17
-
 
 @dataclass
 class EvalResult:
@@ -27,7 +24,7 @@ def evaluate(
     batch: PromptBatch,
     max_new_tokens: int,
     stop_ids: tuple[int, ...],
-    seed: int,
+    sample_seed: int,
     reward_fn,
     tokenizer,
     num_samples: int,
@@ -35,17 +32,18 @@ def evaluate(
     """Greedy accuracy and response length, and the k1 reverse KL of temperature-1 samples, on `batch`.
 
     reverse KL must be estimated on samples of the student itself (temperature 1, no truncation) to be
-    unbiased, so it uses a second, sampled generation; accuracy is that of greedy answers.
+    unbiased, so it uses a second, sampled generation; accuracy is that of greedy answers. `sample_seed`
+    seeds that sample (miniverl/seeds.py: purpose eval).
     """
-    identity = controller.refresh()
+    identity = controller.ensure_served()
     greedy = controller.sample(batch, SamplingParams(1, max_new_tokens, 0.0, stop_token_ids=stop_ids), identity)
     sampled = controller.sample(
         batch,
-        SamplingParams(1, max_new_tokens, 1.0, stop_token_ids=stop_ids, seed=seed + EVAL_SAMPLE_SEED_OFFSET),
+        SamplingParams(1, max_new_tokens, 1.0, stop_token_ids=stop_ids, seed=sample_seed),
         identity,
     )
-    teacher = controller.score(sampled, None)
-    m = rollout_metrics(sampled, teacher, reward_fn(sampled))
+    teacher = controller.fetch_scores(controller.score(sampled, None)).teacher_log_probs
+    m = rollout_metrics(sampled, reward_fn(sampled), teacher)
     rewards = reward_fn(greedy)  # [G]
     metrics = {
         "eval/accuracy": float((rewards > 0.5).float().mean()),
@@ -54,7 +52,7 @@ def evaluate(
         "eval/finished_frac": float(greedy.finished.float().mean()),
         "eval/sampled_accuracy": m["accuracy"],
         "eval/reverse_kl": m["reverse_kl"],
-        **reverse_kl_by_source(sampled, teacher.teacher_log_probs),
+        **reverse_kl_by_source(sampled, teacher),
     }
     return EvalResult(metrics, sample_rows(greedy, rewards, tokenizer, num_samples))
 

@@ -20,9 +20,8 @@ from miniverl.evaluation import eval_line, evaluate
 from miniverl.faults import RunInterrupted, StopRequests, actor_names, dead_actor_error
 from miniverl.gpu_memory import device_used_gib
 from miniverl.rollout.sampling import SamplingParams
+from miniverl.seeds import sampling_seed
 from miniverl.tracking import Tracker
-
-ROLLOUT_SEED_STRIDE = 100_003  # step seeds r.seed * stride + step never collide across rollout.seed values
 
 
 @dataclasses.dataclass
@@ -63,7 +62,7 @@ class TrainingLoop:
             s.eval_batch,
             r.max_new_tokens,
             s.stop_token_ids,
-            r.seed,
+            sampling_seed(r.seed, "eval", 0),
             s.reward_fn,
             s.tokenizer,
             self.cfg.trainer.eval_samples,
@@ -101,7 +100,7 @@ class TrainingLoop:
         self.first_eval = last = first_eval
         for step in range(start, t.total_steps):
             done = self.current = step + 1
-            params = dataclasses.replace(self.params, seed=self.cfg.rollout.seed * ROLLOUT_SEED_STRIDE + step)
+            params = dataclasses.replace(self.params, seed=sampling_seed(self.cfg.rollout.seed, "train", step))
             metrics = self.controller.step(self.setup.prompts.batch(step, self.cfg.data.prompts_per_step), params)
             metrics["data/overlong_filtered"] = self.setup.prompts.overlong_count
             used = device_used_gib() if self.setup.device == "cuda" else None

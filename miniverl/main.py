@@ -12,10 +12,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from miniverl.config import register_configs, to_config
+from miniverl.config import foreign_objective_key, register_configs, to_config
 
 ERROR_EXIT_CODE = 2  # a problem the message explains (config, fault); 128+N after signal N (130 = Ctrl-C)
 HYDRA_DIR = ".hydra"  # the run's record, as Hydra would write it (conf/config.yaml turns Hydra's own off)
+CONF = Path(__file__).resolve().parent.parent / "conf"
 
 register_configs()
 
@@ -92,6 +93,30 @@ def run_record(cfg: DictConfig, hydra_cfg, overrides: list[str], run_dir: Path) 
     }
 
 
+def check_objective_overrides(argv: list[str]) -> None:
+    """`objective.<key>=v` for a key the chosen objective does not own: Hydra refuses it suggesting
+    `+objective.<key>`, the wrong fix. This names the key, the objective owning it and the fix instead,
+    before Hydra composes the run (and so before Ray). Raises ConfigError."""
+    from miniverl.protocol import ConfigError
+
+    keyed = [(a, a.lstrip("+~").split("=", 1)[0]) for a in argv if "=" in a and not a.startswith("-")]
+    asked = [k.split(".", 1)[1] for _, k in keyed if k.startswith("objective.")]
+    if not asked:
+        return
+    rest = [a for a, k in keyed if not k.startswith(("objective.", "hydra."))]
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            objective = compose(config_name="config", overrides=rest).objective.name
+    except Exception:
+        return
+    for key in asked:
+        error = foreign_objective_key(objective, key.split(".", 1)[0])
+        if error:
+            raise ConfigError(error)
+
+
 def print_summary(summary: dict, run_dir: Path) -> None:
     print(
         "\n[miniverl] done: {steps} steps of {objective} on {device} in {wall_seconds:.0f}s\n"
@@ -121,4 +146,11 @@ def written(run_dir: Path) -> list[str]:
 
 
 if __name__ == "__main__":
+    from miniverl.protocol import ConfigError
+
+    try:
+        check_objective_overrides(sys.argv[1:])
+    except ConfigError as e:
+        print(f"miniverl: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(ERROR_EXIT_CODE)
     main()

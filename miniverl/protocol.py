@@ -218,8 +218,11 @@ class RolloutBatch:
         return (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
     def rows(self, start: int, stop: int) -> RolloutBatch:
-        """Rows [start, stop) as a batch (micro-batching in the learner)."""
-        return RolloutBatch(
+        """Rows [start, stop) as a batch (micro-batching in the learner). Not validated again: the rows of a
+        validated batch are valid (validation is O(B x T) and belongs at the boundaries, where a batch is
+        built, not at every slice)."""
+        return _unchecked(
+            RolloutBatch,
             prompts=self.prompts[start:stop],
             prompt_mask=self.prompt_mask[start:stop],
             responses=self.responses[start:stop],
@@ -246,7 +249,7 @@ class TeacherScores:
 
     teacher_log_probs: torch.Tensor  # [B, Tr] float32, 0 outside the response mask
     teacher_topk_logprobs: torch.Tensor | None = None  # [B, Tr, K] or [B, Tr, V] float32
-    teacher_topk_ids: torch.Tensor | None = None  # [B, Tr, K] long, None = full vocabulary
+    teacher_topk_ids: torch.Tensor | None = None  # [B, Tr, K] int32 (any integer type), None = full vocabulary
     teacher_tail_logprob: torch.Tensor | None = None  # [B, Tr] log of the mass outside the top-K
     loss_temperature: float = 1.0
 
@@ -255,6 +258,9 @@ class TeacherScores:
         _check(self.teacher_log_probs.dtype == torch.float32, "teacher_log_probs must be float32")
         if self.teacher_topk_ids is not None:
             _check(self.teacher_topk_logprobs is not None, "teacher_topk_ids given without logprobs")
+            _check(
+                self.teacher_topk_ids.dtype in (torch.int32, torch.int64), "teacher_topk_ids must be int32 (or long)"
+            )
             _check(
                 self.teacher_topk_ids.shape == self.teacher_topk_logprobs.shape,
                 "teacher_topk_ids and teacher_topk_logprobs must have the same [B, Tr, K] shape",
@@ -266,16 +272,26 @@ class TeacherScores:
             )
 
     def rows(self, start: int, stop: int) -> TeacherScores:
+        """Rows [start, stop), not validated again (as RolloutBatch.rows)."""
+
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[start:stop]
 
-        return TeacherScores(
-            self.teacher_log_probs[start:stop],
-            cut(self.teacher_topk_logprobs),
-            cut(self.teacher_topk_ids),
-            cut(self.teacher_tail_logprob),
-            self.loss_temperature,
+        return _unchecked(
+            TeacherScores,
+            teacher_log_probs=self.teacher_log_probs[start:stop],
+            teacher_topk_logprobs=cut(self.teacher_topk_logprobs),
+            teacher_topk_ids=cut(self.teacher_topk_ids),
+            teacher_tail_logprob=cut(self.teacher_tail_logprob),
+            loss_temperature=self.loss_temperature,
         )
+
+
+def _unchecked(cls, **fields):
+    """An instance of dataclass `cls` built without __post_init__: for slices of a validated instance."""
+    obj = cls.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
 
 
 def group_bounds(uid: list[str], parts: int) -> list[tuple[int, int]]:

@@ -53,6 +53,7 @@ from miniverl.protocol import ConfigError, MiniVerlError, PromptBatch
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm, settings_from_config
+from miniverl.seeds import sampling_seed
 from miniverl.teachers import TeacherRouting, check_sources_routed, routing_of, teacher_name, teacher_specs
 from miniverl.tracking import Tracker, trim_metrics
 from miniverl.workers import ProcessSettings, emulated_cap_gib
@@ -386,7 +387,8 @@ def train(
         )
         params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
         names = (cfg.objective.name, cfg.rollout.backend)
-        gate = conformance_gate(controller, setup.eval_batch, params, objective, names, log)
+        gate_seed = sampling_seed(cfg.rollout.seed, "gate", 0)
+        gate = conformance_gate(controller, setup.eval_batch, params, objective, names, log, gate_seed)
         tr, t = cfg.tracking, cfg.trainer
         tracker = Tracker(
             run_dir, config_dict, tr.wandb_mode, tr.project, tr.run_name, t.total_steps, tr.progress_bar, start

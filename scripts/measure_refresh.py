@@ -2,9 +2,10 @@
 
     PYTHONPATH=<tree> python scripts/measure_refresh.py [--repeats 30] [overrides ...]
 
-Only `controller.refresh()` is timed (publish, hand over, load, verify), repeated on the default
-experiment's actors, so a tree before and after a refresh change can be compared on a busy machine in
-short alternating runs (the whole step's time moves with every other load on the machine).
+Only a refresh (`controller.ensure_served()` after marking the served policy out of date: publish, hand
+over, load, verify) is timed, repeated on the default experiment's actors, so a tree before and after a
+refresh change can be compared on a busy machine in short alternating runs (the whole step's time moves
+with every other load on the machine).
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ def main() -> None:
         ctl = StrictSyncController(
             actors["rollout"], actors["scorer"], actors["learner"], reward, objective.teacher_support_k, 1.0
         )
-        ctl.refresh()  # first refresh: reads the probe and tolerances once (when the tree has them)
+        ctl.ensure_served()  # first refresh: reads the probe and tolerances, measures the replica's noise
         times = []
         for _ in range(args.repeats):
+            ctl.sync.learner_updated()  # republish the same version: a refresh without an update
             t0 = time.perf_counter()
-            ctl.refresh()
+            ctl.ensure_served()
             times.append(time.perf_counter() - t0)
     finally:
         ray.shutdown()

@@ -87,7 +87,7 @@ def test_wrong_types_fail_in_hydra():
         (["+experiment=pg_k1", "rollout.temperature=0.7"], "pg_k1 samples at temperature 1"),
         (["rollout.n=0"], "rollout.n=0"),
         (["data.min_len=5", "data.max_len=2"], "min_len <= max_len"),
-        (["objective.kl_kind=k4"], "objective.kl_kind"),
+        (["objective=pg_k1", "objective.kl_kind=k4"], "objective.kl_kind"),
         (["tracking.wandb_mode=maybe"], "wandb_mode"),
         (["+experiment=pg_k1", "rollout.n=1"], "rollout.n=1: every GRPO group"),
         (["resources.gpus=-1"], "resources.gpus=-1"),
@@ -157,3 +157,49 @@ def test_cluster_without_the_requested_gpus():
         check_cluster_resources(want, {"CPU": 2.0})
     with pytest.raises(ConfigError, match="1.5 CPU"):
         check_cluster_resources(want, {"CPU": 1.0, "GPU": 1.0})
+
+
+@pytest.mark.parametrize(
+    ("experiment", "key", "owner"),
+    [
+        ("pg_k1", "beta", "gkd"),
+        ("pg_k1", "teacher_topk", "gkd"),
+        ("gkd", "kl_coef", "pg_k1"),
+        ("gkd", "discount", "pg_k1"),
+    ],
+)
+def test_a_key_another_objective_owns_fails_naming_the_key_and_the_fix(experiment, key, owner):
+    """main ran `+experiment=pg_k1 objective.beta=0.9` with beta silently ignored (one flat objective config)."""
+    from miniverl.main import check_objective_overrides
+
+    expected = rf"objective.{key} is not a setting of objective {experiment} .* belongs to objective {owner}. Fix: drop"
+    with pytest.raises(ConfigError, match=expected):
+        check_objective_overrides([f"+experiment={experiment}", f"objective.{key}=0.5"])
+    with pytest.raises(ConfigError, match=expected):
+        load(f"+experiment={experiment}", f"+objective.{key}=0.5")  # forced past Hydra's schema: to_config
+    check_objective_overrides([f"+experiment={owner}", f"objective.{key}=0"])  # its own objective: fine
+
+
+def test_a_misspelled_objective_key_and_a_renamed_objective_are_refused():
+    from miniverl.main import check_objective_overrides
+
+    with pytest.raises(ConfigError, match=r"objective.bta is not a setting of objective gkd .* check the spelling"):
+        check_objective_overrides(["objective.bta=0.5"])
+    with pytest.raises(
+        ConfigError, match=r"objective.name=pg_k1 but .* GkdObjectiveConfig's settings; .* objective=pg_k1"
+    ):
+        validate(load("objective.name=pg_k1"))
+
+
+def test_the_command_line_refusal_comes_before_ray(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "miniverl.main", "+experiment=pg_k1", "objective.beta=0.9", f"hydra.run.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "objective.beta is not a setting of objective pg_k1" in out.stderr
+    assert "ray" not in out.stderr.lower() and not any(tmp_path.iterdir())

@@ -142,3 +142,28 @@ def test_gate_on_a_real_bf16_sampler_against_an_fp32_learner(student_dir, teache
         else:
             out = conformance_gate(ctl, prompts, params, objective, ("pg_k1", "hf_cached"), lambda *_: None)
             assert out["decision"] == "pass_with_tis" and out["mean_gap"] > tight["mean_gap"]
+
+
+def test_truncation_does_not_excuse_a_sampler_that_is_another_policy():
+    """The NF4-vs-bf16 mismatch (mean 1.66, 75% of ratios outside [1/2, 2]) passed main's gate "with TIS"."""
+    with pytest.raises(ConfigError, match=r"even with truncated .* mean 1\.66 .* 75\.00% .* at most mean 0\.25"):
+        decide(stats(1.66, 4.0, 0.75), pg_k1(2.0).sampler_tolerance, "pg_k1", "vllm")
+    with pytest.raises(ConfigError, match="even with truncated"):
+        decide(stats(0.1, 0.3, 0.2), pg_k1(2.0).sampler_tolerance, "pg_k1", "vllm")  # most ratios fine, a fifth not
+
+
+def test_the_learner_refuses_a_step_whose_sampler_gap_is_beyond_the_objective(parts, student_dir):
+    """Enforced on every step before optimizer.step(), with the numbers (main only logged it)."""
+    from miniverl.workers.learner import SamplerGapError
+
+    _, prompts, learner, scorer = parts
+    rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    rollout.load_policy(learner.publish_policy())
+    batch = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, stop_token_ids=(2,)))
+    scores = scorer.score(batch, 0, 1.0)
+    before = {k: v.clone() for k, v in learner.model.named_parameters() if v.requires_grad}
+    batch.rollout_log_probs -= 0.6 * batch.response_mask  # GKD tolerates a mean gap of 0.5 nats
+    with pytest.raises(SamplerGapError, match=r"tokens sit mean 0\.6 \(max 0\.6.*\) nats .* v0, above .* 0\.5"):
+        learner.update(batch, scores, None)
+    assert learner.version == 0
+    assert all(torch.equal(v, before[k]) for k, v in learner.model.named_parameters() if v.requires_grad)

@@ -104,7 +104,7 @@ def test_rollouts_stamped_with_another_version_are_refused(parts, student_dir):
     _, prompts, _, _ = parts
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
     ctl = make_controller(rollout, parts)
-    identity = ctl.refresh()
+    identity = ctl.ensure_served()
     with pytest.raises(PolicyMismatchError, match="stamped"):
         ctl.sample(prompts, PARAMS, PolicyIdentity(identity.version + 1, identity.digest))
 
@@ -122,3 +122,48 @@ def test_rollout_batch_layout(parts, student_dir):
         assert bool(batch.finished[row]) == ended  # EOS is kept inside the mask
         assert ended or n == 5
         assert torch.all(batch.rollout_log_probs[row, :n] < 0)
+
+
+def test_teacher_scores_go_from_scorer_to_learner_by_reference(parts, student_dir, monkeypatch):
+    """The driver keeps ids, masks and rewards; the learner gets the scorer's own result (a Ray ref in a
+    run), not a copy sliced in the driver (main: scorer -> driver -> learner, 97 MiB a step at the 4080
+    recipe). The step's reverse KL comes from the learner, which holds the teacher's log-probs."""
+    _, prompts, learner, scorer = parts
+    ctl = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
+    returned, received = [], []
+    score, update = scorer.score, learner.update
+    monkeypatch.setattr(scorer, "score", lambda *a: returned.append(score(*a)) or returned[-1])
+    monkeypatch.setattr(learner, "update", lambda batch, s, *a: received.append(s) or update(batch, s, *a))
+    metrics = ctl.step(prompts, PARAMS)
+    assert len(returned) == len(received) == 1 and received[0] is returned[0]
+    assert metrics["reverse_kl"] > 0 and metrics["response_tokens"] > 0
+
+
+def test_teacher_support_ids_travel_as_int32(parts, student_dir):
+    _, prompts, learner, scorer = parts
+    rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    rollout.load_policy(learner.publish_policy())
+    batch = rollout.generate(prompts, PARAMS)
+    scores = scorer.score(batch, 4, 1.0)
+    assert scores.teacher_topk_ids.dtype == torch.int32  # half of main's int64 bytes
+    wide = scores.rows(0, len(batch))
+    wide.teacher_topk_ids = wide.teacher_topk_ids.long()
+    objective = GkdObjective(0.5, 1.0, 4)
+    logits = torch.randn(*batch.responses.shape, 43)  # the tiny student's vocabulary
+    assert torch.equal(objective.token_terms(logits, scores), objective.token_terms(logits, wide))
+
+
+def test_row_slices_are_not_validated_again(parts, student_dir, monkeypatch):
+    from miniverl.protocol import RolloutBatch, TeacherScores
+
+    _, prompts, learner, scorer = parts
+    rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    rollout.load_policy(learner.publish_policy())
+    batch = rollout.generate(prompts, PARAMS)
+    scores = scorer.score(batch, 4, 1.0)
+    calls = []
+    for cls in (RolloutBatch, TeacherScores):
+        monkeypatch.setattr(cls, "__post_init__", lambda self: calls.append(self))
+    part, part_scores = batch.rows(1, 3), scores.rows(1, 3)
+    assert calls == [] and len(part) == 2 and torch.equal(part.responses, batch.responses[1:3])
+    assert part.uid == batch.uid[1:3] and torch.equal(part_scores.teacher_topk_ids, scores.teacher_topk_ids[1:3])

@@ -13,9 +13,10 @@ from tests.test_config import load
 from tests.test_controller import CPU, LORA, make_controller
 
 
-def run_loop(parts, student_dir, run_dir, *overrides: str):
+def run_loop(parts, student_dir, run_dir, *overrides: str, controller=None):
     tok, prompts, _, _ = parts
-    controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
+    if controller is None:
+        controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
     setup = SimpleNamespace(
         prompts=SimpleNamespace(batch=lambda step, g: prompts, overlong_count=0),
         eval_batch=prompts,
@@ -46,3 +47,17 @@ def test_save_checkpoint_false_writes_none(parts, student_dir, tmp_path):
     result = run_loop(parts, student_dir, tmp_path, "trainer.total_steps=2", "trainer.save_checkpoint=false")
     assert result.checkpoint is None and not (tmp_path / "checkpoints").exists()
     assert set(result.first_eval) >= {"eval/accuracy", "eval/reverse_kl"}
+
+
+def test_a_run_refreshes_once_per_learner_version(parts, student_dir, tmp_path, monkeypatch):
+    """Evaluation, the gate and the step share one owner of the served policy: 4 updates with evaluation
+    every 2 steps publish v0..v4 once each (main published [0, 0, 1, 2, 2, 3, 4] without the gate)."""
+    learner = parts[2]
+    published = []
+    publish = learner.publish_policy
+    monkeypatch.setattr(learner, "publish_policy", lambda *a: published.append(learner.version) or publish(*a))
+    controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
+    controller.ensure_served()  # what the conformance gate asks first
+    overrides = ("trainer.total_steps=4", "trainer.eval_every=2", "trainer.save_checkpoint=false")
+    run_loop(parts, student_dir, tmp_path, *overrides, controller=controller)
+    assert published == [0, 1, 2, 3, 4] and controller.sync.refreshes == learner.version + 1 == 5

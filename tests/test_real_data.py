@@ -89,17 +89,18 @@ def test_distil_over_the_shared_vocabulary_range(chat_student_dir, chat_teacher_
     learner = LearnerWorker(student, LORA, "float32", objective, 1e-3, 0.0, 1.0, 4, CPU)
     ctl = StrictSyncController(rollout, scorer, learner, setup.reward_fn, topk, 1.0)
     params = SamplingParams(2, 6, 1.0, stop_token_ids=setup.stop_token_ids, seed=3)
-    identity = ctl.refresh()
+    identity = ctl.ensure_served()
     rollouts = ctl.sample(setup.prompts.batch(0, 2), params, identity)
     assert rollouts.data_source == ["openai/gsm8k"] * 4
-    scores = ctl.score(rollouts, topk)
+    parts = ctl.score(rollouts, topk)
+    scores = ctl.fetch_scores(parts)
     if topk == 0:
         assert scores.teacher_topk_logprobs.shape[-1] == CHAT_STUDENT_VOCAB
         total = scores.teacher_topk_logprobs.logsumexp(-1)
         assert torch.allclose(total, torch.zeros_like(total), atol=1e-5)
     full = ScorerWorker(teacher, "float32", 4, CPU)  # without the cut: the teacher's own 352 logits
     assert full.score(rollouts, 0, 1.0).teacher_topk_logprobs.shape[-1] == CHAT_TEACHER_VOCAB
-    metrics = ctl.update(rollouts, scores, setup.reward_fn(rollouts))
+    metrics = ctl.update(rollouts, parts, setup.reward_fn(rollouts))
     assert torch.isfinite(torch.tensor(metrics["loss"])) and learner.version == 1
 
 

@@ -80,13 +80,13 @@ def test_replicas_sample_what_one_engine_samples(student_dir, teacher_dir):
     reward = ExactMatchReward(tok)
     one = StrictSyncController(engines[0], scorer, learner, reward, 0, 1.0)
     three = StrictSyncController(engines, [scorer, scorer], learner, reward, 0, 1.0)
-    identity = three.refresh()
+    identity = three.ensure_served()
     assert all(e.served == identity for e in engines)  # every replica serves the published policy
     a, b = one.sample(prompts, params, identity), three.sample(prompts, params, identity)
     assert b.uid == a.uid
     assert torch.equal(a.responses, b.responses) and torch.equal(a.response_mask, b.response_mask)
     torch.testing.assert_close(a.rollout_log_probs, b.rollout_log_probs, atol=1e-5, rtol=0)
-    sa, sb = one.score(a, 0), three.score(b, 0)
+    sa, sb = one.fetch_scores(one.score(a, 0)), three.fetch_scores(three.score(b, 0))
     torch.testing.assert_close(sa.teacher_log_probs, sb.teacher_log_probs, atol=1e-5, rtol=0)
 
 

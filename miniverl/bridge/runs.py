@@ -10,7 +10,7 @@ from pathlib import Path
 from miniverl.bridge.data import prompt_rows
 from miniverl.bridge.spec import RunSpec
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION
-from miniverl.config import MiniVerlConfig, to_config, validate
+from miniverl.config import MiniVerlConfig, structured_schema, to_config, validate
 from miniverl.models.builtin import BuiltinRecipe, builtin_dir, parse_builtin_ref
 from miniverl.protocol import ConfigError
 
@@ -80,8 +80,9 @@ def _typed(raw: dict, file: Path) -> MiniVerlConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(MiniVerlConfig), raw)
+    objective = (raw.get("objective") or {}).get("name") if isinstance(raw.get("objective"), dict) else None
+    try:  # the objective's own dataclass (miniverl/config.py): a key another objective owns is refused
+        merged = OmegaConf.merge(structured_schema(objective or MiniVerlConfig().objective.name), raw)
     except OmegaConfBaseException as e:  # an unknown key or a wrong type
         raise ConfigError(
             f"{file}: {str(e).splitlines()[0]}; the config must fit this miniVERL's schema (miniverl/config.py)"

@@ -85,8 +85,9 @@ def verl_overrides(spec: RunSpec, student: str, teacher: str, data_dir: Path, re
         "algorithm.adv_estimator": "grpo",
         "algorithm.norm_adv_by_std_in_grpo": True,
         "algorithm.use_kl_in_reward": False,
-        "algorithm.kl_penalty": o.kl_kind,
-        "algorithm.kl_ctrl.kl_coef": o.kl_coef,
+        # gkd has no reference-KL penalty: coefficient 0 (the estimator's name is then unused)
+        "algorithm.kl_penalty": o.kl_kind if o.name == "pg_k1" else "k1",
+        "algorithm.kl_ctrl.kl_coef": o.kl_coef if o.name == "pg_k1" else 0.0,
         # the reward verl calls: the run's scorer for each row's data_source, or the user's function
         "reward.custom_reward_function.path": str(reward_file),
         "reward.custom_reward_function.name": function_name(c.reward),

@@ -92,7 +92,8 @@ def check_resumable(saved: dict[str, Any], current: dict[str, Any], where: str) 
             " and optimizer state do not fit; resume it with its own settings, or start a fresh run"
             " (trainer.resume=none in a new run directory)"
         )
-    guarded = [k for k in changed if k.startswith(GUARDED_PREFIXES)]
+    # A `.name` first: another objective brings its whole own settings, and its name says the most.
+    guarded = sorted((k for k in changed if k.startswith(GUARDED_PREFIXES)), key=lambda k: not k.endswith(".name"))
     if guarded and not new.get(ALLOW_CHANGES):
         raise ConfigError(
             f"resuming checkpoint {where} with another model, objective, data, reward or sampling"

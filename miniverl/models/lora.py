@@ -56,9 +56,9 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
 
 def load_adapter_state(model, weights: dict[str, torch.Tensor]) -> None:
     """Load `weights` into the model's adapter; a name that matches nothing is an error, not a no-op."""
-    from peft import set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    expected = set(adapter_state(model))
+    expected = set(get_peft_model_state_dict(model))  # names only: no copy of the old adapter off the device
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
         raise ValueError(

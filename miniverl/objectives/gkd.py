@@ -121,7 +121,7 @@ def topk_generalized_jsd(
     if teacher_tail_logprob is not None and teacher_tail_logprob.shape != teacher_topk_ids.shape[:2]:
         raise ValueError(f"teacher_tail_logprob {tuple(teacher_tail_logprob.shape)} must be [B, T]")
     _check_temperature(temperature)
-    teacher_topk_ids = teacher_topk_ids.to(student_logits.device)
+    teacher_topk_ids = teacher_topk_ids.to(student_logits.device, torch.long)  # int32 in transit; gather needs long
     s_all = _upcast(student_logits) / temperature  # [B, T, V]
     log_z = torch.logsumexp(s_all, dim=-1, keepdim=True)  # [B, T, 1]
     s_k = s_all.gather(-1, teacher_topk_ids) - log_z  # [B, T, K]

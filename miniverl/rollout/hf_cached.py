@@ -5,9 +5,9 @@ the same tokens. What changes is the work per token:
 - each prompt is prefilled once; its keys/values are copied into the cache rows of its n samples;
 - keys/values live in buffers preallocated per layer ([rows, kv heads, columns, head dim]); prompts are
   right-aligned at column P (the longest prompt), so every row writes the same column each step;
-- the adapter is merged into a serving copy of the linear weights (q/k/v and gate/up fused), so a
-  layer launches ~35 kernels instead of ~80 (counted, not profiled). It costs one copy of the decoder's
-  linear weights (0.7 GB at the 0.5B shape), refreshed in place by load_adapter;
+- the base linear weights are fused (q/k/v and gate/up: one copy of those, 0.6 GB at the 0.5B shape) and
+  the adapter is applied beside them, unmerged, exactly as the learner's peft layers apply it (one A and
+  one B matmul per fused group); a refresh writes only the adapter's buffers, in place;
 - on CUDA, one decode step (all layers and the LM head) is captured as a CUDA graph per batch width and
   replayed: at rollout batch sizes, launching a thousand small kernels from Python, not the arithmetic,
   bounds an eager step;
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from miniverl.models.logprobs import right_pad, token_logprobs, unpad_logprobs
-from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
+from miniverl.models.logprobs import token_logprobs
+from miniverl.models.lora import LoraSettings, build_lora_model
 from miniverl.probe import probe_tolerance
 from miniverl.protocol import ConfigError
 from miniverl.rollout import Completion
@@ -34,24 +34,72 @@ from miniverl.rollout.hf_reference import left_pad
 from miniverl.rollout.sampling import SamplingParams, make_generators, sample_next
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-CACHE_COLUMN_QUANTUM = 64  # cache length rounds up to this, so slightly longer prompts reuse buffers and graphs
+LORA_GROUPS = ("qkv_lora", "o_lora", "gate_up_lora", "down_lora")
+CACHE_COLUMN_QUANTUM = 64
+# The strict-sync probe's last tokens go through the decode step itself (the CUDA graphs generate replays):
+# a stale or wrong graph, not only stale weights, shows in the probe. 8 steps cost 8 decode launches.
+PROBE_DECODE_STEPS = 8  # cache length rounds up to this, so slightly longer prompts reuse buffers and graphs
 
 
-def _merged(module) -> torch.Tensor:
-    """The weight a (possibly peft-wrapped) linear layer applies: W + sum of active LoRA deltas, merged in fp32.
-
-    Shapes: -> [out, in] in the base weight's dtype.
+@dataclass
+class _Lora:
+    """The LoRA of one fused projection group, applied unmerged exactly as peft does (models/lora.py builds
+    peft's default: adapter weights autocast to fp32 over a bf16 base): `out + ((x A^T) B^T) * s`, the sum
+    in the adapter's dtype and cast back to the base's. One A matmul and one B matmul serve the whole group:
+    the A matrices are stacked, B is block-diagonal (projection j's B in its own output rows and rank
+    columns; the zeros add exact zeros), so a refresh writes only these buffers, in place.
     """
-    if not hasattr(module, "base_layer"):
-        return module.weight.detach()
-    weight = module.base_layer.weight.detach().float()
-    for name in module.active_adapters:
-        if name not in module.lora_A:
+
+    a: torch.Tensor  # [R, E]: the group's A matrices stacked over their ranks
+    b: torch.Tensor  # [O, R]: block-diagonal; rows of untargeted projections stay 0
+    scale: torch.Tensor  # [O]: lora_alpha / r of the projection owning each output row
+    slots: list[tuple[str, str, slice, slice]]  # (A name, B name, its rank columns, its output rows)
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Shapes: x [..., E], out [..., O] (base projection incl. bias) -> [..., O] in out's dtype."""
+        delta = F.linear(F.linear(x.to(self.a.dtype), self.a), self.b) * self.scale  # [..., O]
+        return (out + delta).to(out.dtype)
+
+
+def _lora_group(modules, names: dict[int, str]) -> _Lora | None:
+    """Serving buffers for the LoRA of `modules` (fused in this order), or None when none is adapted.
+    `names` maps a LoRA weight's data pointer to its name in the learner's adapter state dict."""
+    outs = [getattr(m, "base_layer", m).weight.shape[0] for m in modules]
+    adapted = []
+    for m in modules:
+        if not hasattr(m, "base_layer"):
+            adapted.append(None)
             continue
-        if name in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(name):
-            raise ConfigError("hf_cached serves plain LoRA adapters only (no DoRA, no LoRA bias); use hf_reference")
-        weight = weight + module.get_delta_weight(name).float()
-    return weight.to(module.base_layer.weight.dtype)
+        keys = [k for k in m.active_adapters if k in m.lora_A]
+        if len(keys) != 1 or keys[0] in getattr(m, "lora_variant", {}) or getattr(m, "lora_bias", {}).get(keys[0]):
+            raise ConfigError(
+                "hf_cached serves one plain LoRA adapter per layer (no DoRA, no LoRA bias, no stacked adapters);"
+                " use rollout=hf_reference"
+            )
+        adapted.append((m.lora_A[keys[0]].weight, m.lora_B[keys[0]].weight, float(m.scaling[keys[0]])))
+    if not any(adapted):
+        return None
+    ref = next(w for w in adapted if w is not None)[0]
+    ranks = [0 if w is None else w[0].shape[0] for w in adapted]
+    a = torch.zeros(sum(ranks), ref.shape[1], dtype=ref.dtype, device=ref.device)
+    b = torch.zeros(sum(outs), sum(ranks), dtype=ref.dtype, device=ref.device)
+    scale = torch.zeros(sum(outs), dtype=ref.dtype, device=ref.device)
+    slots, r0, o0 = [], 0, 0
+    for w, r, o in zip(adapted, ranks, outs):
+        if w is not None:
+            lora_a, lora_b, s = w
+            rows, cols = slice(r0, r0 + r), slice(o0, o0 + o)
+            a[rows] = lora_a.detach()
+            b[cols, rows] = lora_b.detach()
+            scale[cols] = s
+            slots.append((names[lora_a.data_ptr()], names[lora_b.data_ptr()], rows, cols))
+        r0, o0 = r0 + r, o0 + o
+    return _Lora(a, b, scale, slots)
+
+
+def _base(module) -> torch.Tensor:
+    """The base weight of a (possibly peft-wrapped) linear layer. Shapes: -> [out, in]."""
+    return getattr(module, "base_layer", module).weight.detach()
 
 
 def _bias(module) -> torch.Tensor | None:
@@ -96,31 +144,72 @@ class _Decoder:
         self.head_dim = self.layers[0].self_attn.head_dim
         self.scaling = self.layers[0].self_attn.scaling
         self.vocab_size = cfg.vocab_size
-        self.weights = [self._serving_weights(layer) for layer in self.layers]
+        from peft import get_peft_model_state_dict
 
-    def _serving_weights(self, layer) -> dict[str, torch.Tensor | None]:
+        # Each LoRA weight's name in the adapter state dict the learner publishes, found by storage.
+        names = {t.data_ptr(): k for k, t in get_peft_model_state_dict(peft_model).items()}
+        self.weights = [self._serving_weights(layer, names) for layer in self.layers]
+
+    def _serving_weights(self, layer, names: dict[int, str]) -> dict[str, torch.Tensor | _Lora | None]:
+        """The base weights fused per group (q/k/v, gate/up; o and down are the model's own tensors) and the
+        adapter beside them, unmerged: a bf16 merge W + s B A rounds small updates away (at lr 1e-5, 90% of
+        q_proj entries were unchanged after 7 updates), while the learner applies LoRA unmerged."""
         a, m = layer.self_attn, layer.mlp
         qkv_bias = [_bias(p) for p in (a.q_proj, a.k_proj, a.v_proj)]
         up_bias = [_bias(p) for p in (m.gate_proj, m.up_proj)]
         return {
-            "qkv": torch.cat([_merged(p) for p in (a.q_proj, a.k_proj, a.v_proj)]),  # [(H + 2Hkv) D, E]
+            "qkv": torch.cat([_base(p) for p in (a.q_proj, a.k_proj, a.v_proj)]),  # [(H + 2Hkv) D, E]
             "qkv_bias": None if qkv_bias[0] is None else torch.cat(qkv_bias),
-            "o": _merged(a.o_proj).clone(),
+            "qkv_lora": _lora_group((a.q_proj, a.k_proj, a.v_proj), names),
+            "o": _base(a.o_proj),
             "o_bias": _bias(a.o_proj),
-            "gate_up": torch.cat([_merged(m.gate_proj), _merged(m.up_proj)]),  # [2I, E]
+            "o_lora": _lora_group((a.o_proj,), names),
+            "gate_up": torch.cat([_base(m.gate_proj), _base(m.up_proj)]),  # [2I, E]
             "gate_up_bias": None if up_bias[0] is None else torch.cat(up_bias),
-            "down": _merged(m.down_proj).clone(),
+            "gate_up_lora": _lora_group((m.gate_proj, m.up_proj), names),
+            "down": _base(m.down_proj),
             "down_bias": _bias(m.down_proj),
+            "down_lora": _lora_group((m.down_proj,), names),
             "norm1": layer.input_layernorm.weight,
             "norm2": layer.post_attention_layernorm.weight,
         }
 
-    def refresh(self) -> None:
-        """Re-merge the adapter into the serving weights in place (CUDA graphs keep reading the same memory)."""
-        for w, layer in zip(self.weights, self.layers):
-            for key, fresh in self._serving_weights(layer).items():
-                if w[key] is not None and w[key] is not fresh:
-                    w[key].copy_(fresh)
+    def adapter_names(self) -> set[str]:
+        return {name for lora in self._loras() for slot in lora.slots for name in slot[:2]}
+
+    def _loras(self) -> list[_Lora]:
+        return [w[k] for w in self.weights for k in LORA_GROUPS if w[k] is not None]
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """Write a new adapter into the serving buffers in place (CUDA graphs keep reading the same memory):
+        adapter-sized copies only, no merge, nothing read back from the device."""
+        expected = self.adapter_names()
+        if set(weights) != expected:
+            missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+            raise ValueError(
+                f"adapter names do not match the served model (missing {missing}, unexpected {extra});"
+                " learner and rollout must use the same model.lora settings"
+            )
+        for lora in self._loras():
+            for a_name, b_name, rows, cols in lora.slots:
+                lora.a[rows].copy_(weights[a_name], non_blocking=True)
+                lora.b[cols, rows].copy_(weights[b_name], non_blocking=True)
+
+    def adapter(self) -> dict[str, torch.Tensor]:
+        """The served adapter under the learner's names (CPU copies; benchmarks and tests read it)."""
+        out = {}
+        for lora in self._loras():
+            for a_name, b_name, rows, cols in lora.slots:
+                out[a_name] = lora.a[rows].to("cpu", copy=True)
+                out[b_name] = lora.b[cols, rows].to("cpu", copy=True)
+        return out
+
+    @staticmethod
+    def _project(x: torch.Tensor, w: dict, group: str) -> torch.Tensor:
+        """One (fused) projection: the base weight, then the unmerged adapter. Shapes: [..., E] -> [..., O]."""
+        out = F.linear(x, w[group], w[f"{group}_bias"])
+        lora = w[f"{group}_lora"]
+        return out if lora is None else lora.apply(x, out)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, kv_for) -> torch.Tensor:
         """Final-norm hidden states. `kv_for(layer, k, v)` stores this step's keys/values and returns those to
@@ -134,13 +223,13 @@ class _Decoder:
         cos, sin = self.rotary(h, positions)  # [B, T, D] each
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         for i, w in enumerate(self.weights):
-            qkv = F.linear(_rms_norm(h, w["norm1"], self.eps), w["qkv"], w["qkv_bias"]).view(b, t, nq + 2 * nkv, d)
+            qkv = self._project(_rms_norm(h, w["norm1"], self.eps), w, "qkv").view(b, t, nq + 2 * nkv, d)
             qk = _rotate(qkv[:, :, : nq + nkv], cos, sin)  # [B, T, H + Hkv, D]
             keys, values = kv_for(i, qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv :].transpose(1, 2))
             attn = self._attend(qk[:, :, :nq].transpose(1, 2), keys, values, bias)  # [B, T, H * D]
-            h = h + F.linear(attn, w["o"], w["o_bias"])
-            gate, up = F.linear(_rms_norm(h, w["norm2"], self.eps), w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)
-            h = h + F.linear(self.act(gate) * up, w["down"], w["down_bias"])
+            h = h + self._project(attn, w, "o")
+            gate, up = self._project(_rms_norm(h, w["norm2"], self.eps), w, "gate_up").chunk(2, dim=-1)
+            h = h + self._project(self.act(gate) * up, w, "down")
         return _rms_norm(h, self.final_norm, self.eps)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -193,31 +282,51 @@ class HFCachedBackend:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
-        load_adapter_state(self.model, weights)
-        self.decoder.refresh()
+        """Only the adapter moves: into the serving buffers the decode step reads (the peft module's own
+        LoRA weights are not used for serving and stay as built)."""
+        self.decoder.load(weights)
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
-        return adapter_state(self.model)
+        return self.decoder.adapter()
 
     @torch.no_grad()
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Through the serving weights it samples with (the merged, fused copies), never the peft module.
-
-        One causal pass over the whole sequences, not token-by-token decoding: the decode step reads the
-        same weight tensors (refreshed in place, which its CUDA graphs rely on), and one pass keeps the
-        probe a small fraction of a refresh.
-        """
-        ids, _ = right_pad(sequences)  # [B, T]
-        if int(ids.min()) < 0 or int(ids.max()) >= self.decoder.vocab_size:
-            raise ValueError(f"probe token ids must lie in [0, {self.decoder.vocab_size})")
-        b, t = ids.shape
-        ids = ids.to(self.device)
-        positions = torch.arange(t, device=self.device).expand(b, t)  # [B, T]
-        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        bias = torch.zeros(1, 1, t, t, device=self.device).masked_fill(~causal, float("-inf"))  # [1, 1, T, T]
-        h = self.decoder.hidden(ids, positions, bias, lambda _layer, k, v: (k, v))  # [B, T, E]
-        logits = self.decoder.lm_head(h[:, :-1])  # [B, T-1, V]
-        return unpad_logprobs(token_logprobs(logits, ids[:, 1:]), sequences)
+        """Teacher-forced through the path that samples: the serving weights and adapter buffers (never the
+        peft module), the prefill over all but each sequence's last PROBE_DECODE_STEPS + 1 tokens, then up
+        to PROBE_DECODE_STEPS decode steps over the KV cache (the CUDA graphs generate replays on a GPU).
+        Shapes: one log-prob per token after the first of each sequence."""
+        vocab = self.decoder.vocab_size
+        if any(len(s) < 2 for s in sequences) or any(min(s) < 0 or max(s) >= vocab for s in sequences):
+            raise ValueError(f"probe sequences need >= 2 token ids, each in [0, {vocab})")
+        rows = len(sequences)
+        # The prefill's last position scores the first of the last `tail` tokens (as it picks generate's first
+        # token); the decode steps score the rest. A prefix of >= 1 token stays for the prefill.
+        tail = min(PROBE_DECODE_STEPS + 1, min(len(s) for s in sequences) - 1)
+        heads = [s[: len(s) - tail] for s in sequences]
+        lens = [len(h) for h in heads]
+        width_p = max(lens)
+        cache = self._reserve(rows, width_p + tail)
+        h = self._prefill_hidden(heads, 1, cache)  # [R, P, E], left-padded
+        out = []
+        for i, head in enumerate(heads):
+            logits = self.decoder.lm_head(h[i, width_p - len(head) :])  # [len, V]: the last predicts the next
+            ids = torch.tensor(sequences[i][1 : len(head) + 1], device=self.device)
+            out.append(token_logprobs(logits[None], ids[None])[0].tolist())
+        if tail == 1:
+            return out
+        cache.first_column[:rows] = width_p - torch.tensor(lens, device=self.device)
+        cache.positions[:rows] = torch.tensor(lens, device=self.device) - 1
+        cache.column.fill_(width_p - 1)
+        for step in range(tail - 1):  # feed the token after the prefix (and those after it), score the next
+            fed = [s[n + step] for s, n in zip(sequences, lens)]
+            cache.tokens[:rows] = torch.tensor(fed, device=self.device)
+            cache.positions.add_(1)
+            cache.column.add_(1)
+            logits = self._decode(self._width(rows, rows))[:rows]  # [R, V]
+            ids = torch.tensor([s[n + step + 1] for s, n in zip(sequences, lens)], device=self.device)
+            for i, lp in enumerate(token_logprobs(logits[:, None], ids[:, None])[:, 0].tolist()):
+                out[i].append(lp)
+        return out
 
     @property
     def decode_mode(self) -> str:
@@ -302,6 +411,14 @@ class HFCachedBackend:
 
         Shapes: -> [G * N, V].
         """
+        h = self._prefill_hidden(prompts, n, cache)  # [G, P, E]
+        return self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0)  # [G*N, V]
+
+    def _prefill_hidden(self, prompts: list[list[int]], n: int, cache: _Cache) -> torch.Tensor:
+        """The prefill pass: left-padded prompts, keys/values copied into the cache rows of their n samples.
+
+        Shapes: -> [G, P, E] final-norm hidden states, prompts right-aligned at column P.
+        """
         ids, mask = left_pad(prompts)  # [G, P] each
         g, p = ids.shape
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -316,8 +433,7 @@ class HFCachedBackend:
             cache.values[layer][: g * n, :, :p] = v.repeat_interleave(n, dim=0)
             return k, v
 
-        h = self.decoder.hidden(ids, positions, bias, store)  # [G, P, E]
-        return self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0)  # [G*N, V]
+        return self.decoder.hidden(ids, positions, bias, store)  # [G, P, E]
 
     def _decode_step(self, width: int) -> torch.Tensor:
         """Feed cache.tokens[:width] at cache.column; the body a CUDA graph captures. Shapes: -> [width, V]."""

@@ -29,6 +29,10 @@ class NonFiniteError(MiniVerlError):
     """A NaN or inf loss, gradient or weight; nothing poisoned was applied, published or saved."""
 
 
+class SamplerGapError(PolicyMismatchError):
+    """A step's sampled tokens sit further from the learner's log-probs than the objective tolerates."""
+
+
 class LearnerWorker:
     def __init__(
         self,
@@ -121,6 +125,26 @@ class LearnerWorker:
         self.model.eval()  # update() sets train mode again; LoRA dropout must not touch the probe
         return sequence_logprobs(self.model, sequences)
 
+    def trial_snapshot(self, seed: int, std: float) -> PolicySnapshot:
+        """A non-zero adapter for the conformance gate (lora_B ~ N(0, std), lora_A as trained), under a
+        name no published policy carries (version -1). The learner's own adapter is unchanged: at v0
+        lora_B is 0, where a wrong merge or a dropped adapter term serves exactly what it should."""
+        g = torch.Generator().manual_seed(seed)
+        weights = {
+            k: (torch.randn(v.shape, generator=g) * std).to(v.dtype) if "lora_B" in k else v
+            for k, v in sorted(adapter_state(self.model).items())
+        }
+        return PolicySnapshot(PolicyIdentity(-1, weights_digest(weights)), weights)
+
+    def probe_logprobs_with(self, snapshot: PolicySnapshot, sequences: list[list[int]]) -> list[list[float]]:
+        """probe_logprobs under another adapter (a trial snapshot's), then the learner's own is put back."""
+        own = adapter_state(self.model)
+        load_adapter_state(self.model, snapshot.weights)
+        try:
+            return self.probe_logprobs(sequences)
+        finally:
+            load_adapter_state(self.model, own)
+
     def update(
         self,
         batch: RolloutBatch,
@@ -175,8 +199,12 @@ class LearnerWorker:
             "gap_max": gap.max().item() if gap.numel() else 0.0,
             "loss": loss_sum.item(),
         }
+        # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
+        # teacher's scores come straight from the scorer: a sum over this rank's tokens / the step's tokens.
+        reverse_kl = float(((batch.rollout_log_probs - scores.teacher_log_probs) * batch.response_mask).sum())
         if self.world_size > 1:
             self._sum_gradients()
+        self._check_sampler_gap(sums["gap_abs"], sums["gap_max"], num_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         skipped = self._step_if_finite(sums["loss"], float(grad_norm))
         return {
@@ -186,8 +214,31 @@ class LearnerWorker:
             "sampler_gap_mean": sums["gap_abs"] / max(num_tokens, 1),
             "sampler_gap_max": sums["gap_max"],
             "response_tokens": num_tokens,
+            "reverse_kl": reverse_kl / max(num_tokens, 1),
             **extra,
         }
+
+    def _check_sampler_gap(self, gap_abs: float, gap_max: float, num_tokens: int) -> None:
+        """Refuse the step before optimizer.step() when the sampler's log-probs of the step's tokens sit
+        further from the learner's than the objective tolerates (its max_mean_gap: the conformance gate's
+        bound, or what truncated importance sampling can correct). Every rank sees the whole step's gap."""
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            total, peak = torch.tensor([gap_abs], device=self.device), torch.tensor([gap_max], device=self.device)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            gap_abs, gap_max = float(total), float(peak)
+        tolerance = self.objective.sampler_tolerance
+        mean = gap_abs / max(num_tokens, 1)
+        if mean > tolerance.max_mean_gap:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise SamplerGapError(
+                f"the sampler's log-probs of this step's {num_tokens} tokens sit mean {mean:.3g} (max {gap_max:.3g})"
+                f" nats from the learner's v{self.version}, above the objective's per-step bound of"
+                f" {tolerance.max_mean_gap:g}; the update was not applied. The rollout side does not sample"
+                " what the learner computes: serve the same model, dtype and quantization on both sides"
+            )
 
     def _sum_gradients(self) -> None:
         """All-reduce (sum) the adapter gradients; each rank's loss is already divided by the step's tokens."""

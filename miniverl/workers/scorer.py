@@ -79,7 +79,9 @@ class ScorerWorker:
         def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.cpu()
 
-        return TeacherScores(sampled.cpu(), cpu(top_lp), cpu(top_ids), cpu(tail), temperature)
+        # int32 ids: half the bytes of the step's largest hand-over (GKD casts them back to long to gather)
+        ids32 = None if top_ids is None else top_ids.to(torch.int32)
+        return TeacherScores(sampled.cpu(), cpu(top_lp), cpu(ids32), cpu(tail), temperature)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
 
-from miniverl.config import MiniVerlConfig
+from miniverl.config import OBJECTIVE_CONFIGS, MiniVerlConfig, PgK1ObjectiveConfig
 
 
 def clean_config(cache_dir: Path, student: Path, teacher: Path) -> dict:
     """PG-k1 on vLLM with the teacher on its own GPU: everything verl 0.9 can express."""
     c = OmegaConf.to_container(OmegaConf.structured(MiniVerlConfig))
     c["rollout"].update(backend="vllm", n=4)
-    c["objective"].update(name="pg_k1", reward_coef=1.0)
+    c["objective"] = dataclasses.asdict(PgK1ObjectiveConfig(reward_coef=1.0))
     c["resources"].update(gpus=1, scorer_gpus=1)
     c["trainer"].update(total_steps=3, micro_batch_size=16)
     c["data"].update(prompts_per_step=8, eval_prompts=4)
@@ -30,6 +31,11 @@ def write_config(path: Path, cfg: dict) -> Path:
 
 
 def set_key(cfg: dict, dotted: str, value) -> dict:
+    """Set a dotted key; `objective.name` switches to that objective's own settings (defaults), as
+    choosing `objective=<name>` does."""
+    if dotted == "objective.name":
+        cfg["objective"] = dataclasses.asdict(OBJECTIVE_CONFIGS[value]())
+        return cfg
     node = cfg
     *parents, leaf = dotted.split(".")
     for p in parents:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miniverl.config import ObjectiveConfig
+from miniverl.config import GkdObjectiveConfig, ObjectiveConfig, PgK1ObjectiveConfig
 from miniverl.models.logprobs import response_logits, token_logprobs
 from miniverl.objectives import OBJECTIVES, build_objective, generalized_jsd, grpo_advantages, kl_penalty
 from miniverl.objectives.gkd import GkdObjective
@@ -134,10 +134,10 @@ def test_pg_k1_prepare_mixes_k1_reference_penalty_and_grpo():
 
 
 def test_objectives_are_chosen_by_name():
-    gkd = build_objective(ObjectiveConfig(name="gkd", beta=0.2, loss_temperature=0.7, teacher_topk=16))
+    gkd = build_objective(GkdObjectiveConfig(beta=0.2, loss_temperature=0.7, teacher_topk=16))
     assert isinstance(gkd, GkdObjective)
     assert (gkd.beta, gkd.loss_temperature, gkd.teacher_support_k) == (0.2, 0.7, 16)
-    pg = build_objective(ObjectiveConfig(name="pg_k1", discount=0.9, kl_coef=0.1, kl_kind="low_var_kl"))
+    pg = build_objective(PgK1ObjectiveConfig(discount=0.9, kl_coef=0.1, kl_kind="low_var_kl"))
     assert isinstance(pg, PgK1Objective) and pg.teacher_support_k is None and pg.needs_reference
     assert OBJECTIVES.names() == ["gkd", "pg_k1"]
     with pytest.raises(ConfigError, match="unknown objective 'ppo'; known: gkd, pg_k1"):

@@ -226,3 +226,77 @@ def test_cuda_greedy_identical_on_trained_model(student_dir):
     ref_out, fast_out = ref.generate(prompts, params, seeds), fast.generate(prompts, params, seeds)
     assert [c.token_ids for c in fast_out] == [c.token_ids for c in ref_out]
     assert fast.decode_mode == "cuda_graph"
+
+
+def test_served_equals_the_learners_arithmetic_after_updates_at_a_small_lr_in_bf16(parts, student_dir, monkeypatch):
+    """hf_cached applies the adapter unmerged, as the learner's peft layers do. After 5 updates at lr 1e-5
+    in bf16, its probe through its own serving path equals, bit for bit, the same path with every adapted
+    projection computed by the learner's peft modules. A bf16 merge W + s B A (main) is another function:
+    here 94% of the merged q_proj entries still equal the base after 5 updates, and the merged layer
+    differs from the peft layer in every q/k/v output of 64 random rows (measured on this model)."""
+    from miniverl.controller import StrictSyncController
+    from miniverl.models.lora import load_adapter_state
+    from miniverl.objectives.gkd import GkdObjective
+    from miniverl.rewards import ExactMatchReward
+    from miniverl.rollout.hf_cached import _Decoder
+    from miniverl.workers.learner import LearnerWorker
+    from tests.test_controller import PARAMS
+
+    tok, prompts, _, scorer = parts
+    cpu = ProcessSettings("cpu", torch_threads=1)
+    learner = LearnerWorker(str(student_dir), LORA, "bfloat16", GkdObjective(0.5, 1.0, 0), 1e-5, 0.0, 1.0, 2, cpu)
+    rollout = RolloutWorker("hf_cached", str(student_dir), LORA, "bfloat16", cpu)
+    ctl = StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0)
+    for _ in range(5):
+        ctl.step(prompts, PARAMS)
+    weights = learner.publish_policy().weights
+    rollout.load_policy(learner.publish_policy())
+    probe = learner.probe_sequences()
+    served = rollout.probe_logprobs(probe)
+
+    backend = rollout.backend
+    load_adapter_state(backend.model, weights)  # the peft modules now hold the learner's adapter
+    groups = {"qkv": ("self_attn", "q_proj k_proj v_proj"), "o": ("self_attn", "o_proj")}
+    groups |= {"gate_up": ("mlp", "gate_proj up_proj"), "down": ("mlp", "down_proj")}
+
+    def peft_project(x, w, group):
+        layer = backend.decoder.layers[next(i for i, v in enumerate(backend.decoder.weights) if v is w)]
+        part, names = groups[group]
+        return torch.cat([getattr(getattr(layer, part), n)(x) for n in names.split()], dim=-1)
+
+    with monkeypatch.context() as m:
+        m.setattr(_Decoder, "_project", staticmethod(peft_project))
+        assert backend.probe_logprobs(probe) == served  # every log-prob, exactly
+
+    attn = backend.decoder.layers[0].self_attn
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    peft_out = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    merged = torch.cat(
+        [
+            torch.nn.functional.linear(x, (p.base_layer.weight.float() + p.get_delta_weight("default")).to(x.dtype))
+            for p in (attn.q_proj, attn.k_proj, attn.v_proj)
+        ],
+        dim=-1,
+    )
+    assert torch.equal(backend.decoder._project(x, backend.decoder.weights[0], "qkv"), peft_out)
+    assert (merged != peft_out).float().mean() > 0.05  # what main served instead
+
+
+def test_the_probe_goes_through_the_decode_step_that_samples(random_model_dir, monkeypatch):
+    """main scored the probe in one causal pass, so a decode step gone wrong (a stale CUDA graph, a cache
+    bug) could sample garbage while the probe passed. Now the last tokens are scored by decode steps."""
+    from miniverl.rollout.hf_cached import PROBE_DECODE_STEPS
+
+    ref, fast = pair(random_model_dir)
+    probe = [[3, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12, 14], [4, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    want, got = ref.probe_logprobs(probe), fast.probe_logprobs(probe)
+    assert [len(r) for r in got] == [len(s) - 1 for s in probe]
+    assert max(abs(a - b) for x, y in zip(want, got) for a, b in zip(x, y)) < LOGPROB_TOL
+    step = fast._decode_step
+    monkeypatch.setattr(fast, "_decode_step", lambda width: step(width) + 0.5 * torch.arange(step(width).shape[-1]))
+    broken = fast.probe_logprobs(probe)
+    decoded = min(PROBE_DECODE_STEPS, len(probe[1]) - 2)  # the shortest sequence bounds the decode steps
+    assert decoded == 1
+    for w, b in zip(want, broken):
+        assert max(abs(x - y) for x, y in zip(w[:-decoded], b[:-decoded])) < LOGPROB_TOL  # the prefill's part
+        assert max(abs(x - y) for x, y in zip(w[-decoded:], b[-decoded:])) > 0.1  # the decoded part

@@ -174,3 +174,15 @@ def test_a_misspelled_vllm_option_fails_in_validate_before_ray(override):
     with pytest.raises(ConfigError, match=override.split("=")[0]):
         validate(load("rollout=vllm", override))
     validate(load("rollout=hf_cached", override))  # another backend ignores the vllm section
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float16"])
+def test_merged_refresh_is_refused_in_half_precision(dtype):
+    """A bf16 merge rounds small updates away while the learner applies LoRA unmerged (issue 16)."""
+    from miniverl.config import validate
+    from tests.test_config import load
+
+    with pytest.raises(ConfigError, match=rf"refresh=merged with model.student.dtype={dtype} .*refresh=adapter"):
+        validate(load("rollout=vllm", "rollout.vllm.refresh=merged", f"model.student.dtype={dtype}"))
+    validate(load("rollout=vllm", "rollout.vllm.refresh=merged", "model.student.dtype=float32"))
+    validate(load("rollout=vllm", f"model.student.dtype={dtype}"))  # adapter mode is fine
