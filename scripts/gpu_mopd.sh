@@ -18,19 +18,10 @@ models() {
   [ -d /tmp/m/teacher_a ] || python3 scripts/make_random_model.py --shape qwen2.5-1.5b --out /tmp/m/teacher_a >/dev/null
   [ -d /tmp/m/teacher_b ] || python3 scripts/make_random_model.py --shape qwen2.5-1.5b --seed 1 --out /tmp/m/teacher_b >/dev/null
 }
+. "$(dirname "$0")/e2e_cell.sh"
 run_cell() {  # name, extra overrides...
   local name=$1; shift
-  nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/${name}_smi.csv" &
-  local smi=$!
-  timeout 540 python3 -m miniverl.main +experiment=gkd_4080 data.train_files=[] data.task=reverse+sort \
-    model.student.path=/tmp/m/student trainer.micro_batch_size=4 data.eval_prompts=8 trainer.eval_every=0 \
-    trainer.total_steps="${STEPS:-12}" trainer.save_checkpoint=false resources.emulate_gpu_gib=16 \
-    resources.dashboard=false tracking=disabled tracking.progress_bar=false tracking.plots=false \
-    hydra.run.dir=/tmp/runs/$name "$@" 2>&1 | grep -v -e "Loading weights" -e "Writing model shards" > "$out/$name.log"
-  sleep 3; kill $smi
-  cp /tmp/runs/$name/metrics.jsonl "$out/${name}_metrics.jsonl" 2>/dev/null
-  cp /tmp/runs/$name/summary.json "$out/${name}_summary.json" 2>/dev/null
-  tail -4 "$out/$name.log"; echo "$name smi peak MiB: $(sort -n "$out/${name}_smi.csv" | tail -1)"
+  e2e_cell "$name" "${STEPS:-12}" data.train_files=[] data.task=reverse+sort trainer.micro_batch_size=4 "$@"
 }
 for cell in "$@"; do
   echo "== gpu $gpu: $cell ($(date +%T))"

@@ -22,19 +22,10 @@ models() {
   [ -d /tmp/m/student ] || python3 scripts/make_random_model.py --shape qwen2.5-0.5b --out /tmp/m/student >/dev/null
   [ -d /tmp/m/teacher ] || python3 scripts/make_random_model.py --shape qwen2.5-1.5b --out /tmp/m/teacher >/dev/null
 }
+. "$(dirname "$0")/e2e_cell.sh"
 miniverl() {  # name, steps, extra overrides...
   local name=$1 steps=$2; shift 2
-  nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/${name}_smi.csv" &
-  local smi=$!
-  timeout 540 python3 -m miniverl.main +experiment=gkd_4080 model.student.path=/tmp/m/student \
-    model.teacher.path=/tmp/m/teacher data.train_files=[] data.eval_prompts=8 trainer.eval_every=0 \
-    trainer.total_steps="$steps" trainer.save_checkpoint=false resources.emulate_gpu_gib=16 \
-    resources.dashboard=false tracking=disabled tracking.progress_bar=false tracking.plots=false \
-    hydra.run.dir=/tmp/runs/$name "$@" 2>&1 | grep -v -e "Loading weights" -e "Writing model shards" > "$out/$name.log"
-  sleep 3; kill $smi
-  cp /tmp/runs/$name/metrics.jsonl "$out/${name}_metrics.jsonl" 2>/dev/null
-  cp /tmp/runs/$name/summary.json "$out/${name}_summary.json" 2>/dev/null
-  tail -4 "$out/$name.log"; echo "$name smi peak MiB: $(sort -n "$out/${name}_smi.csv" | tail -1)"
+  e2e_cell "$name" "$steps" model.teacher.path=/tmp/m/teacher data.train_files=[] "$@"
 }
 for step in "$@"; do
   echo "== gpu $gpu: $step ($(date +%T))"
