@@ -105,23 +105,8 @@ def fused_head_loss(
     chunk = hidden.shape[0] if chunk_tokens <= 0 else chunk_tokens
     chunk = max(chunk, 1)
     ids = ids.to(hidden.device)
-    if not (torch.is_grad_enabled() and hidden.requires_grad):
-        return _no_grad_loss(hidden, head, ids, chunk, term_fn, loss_fn)
     total, logprobs, terms = _FusedHeadLoss.apply(hidden, head.weight, head.bias, ids, chunk, term_fn, loss_fn)
     return total, logprobs, (None if term_fn is None else terms)
-
-
-@torch.no_grad()
-def _no_grad_loss(hidden, head, ids, chunk, term_fn, loss_fn):
-    parts = []
-    for start in range(0, hidden.shape[0], chunk):
-        positions = slice(start, min(start + chunk, hidden.shape[0]))
-        _, lp, term = _chunk_values(hidden[positions], head.weight, head.bias, ids, positions, term_fn)
-        parts.append((loss_fn(lp, term, positions).sum(), lp, term))
-    total = torch.stack([p[0] for p in parts]).sum() if parts else hidden.new_zeros((), dtype=torch.float32)
-    logprobs = torch.cat([p[1] for p in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
-    terms = None if term_fn is None or not parts else torch.cat([p[2] for p in parts])
-    return total, logprobs, terms
 
 
 @torch.no_grad()
