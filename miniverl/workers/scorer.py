@@ -51,7 +51,12 @@ class ScorerWorker:
         v = self.vocab_size or self.model.config.vocab_size
         k = None if support_k is None else (v if support_k == 0 or support_k >= v else support_k)
         sampled = torch.zeros((b, tr), dtype=torch.float32, device=self.device)
-        top_lp = None if k is None else torch.zeros((b, tr, k), dtype=torch.float32, device=self.device)
+        # A full-vocabulary support ([B, Tr, V] fp32, up to trainer.vocab_memory_budget_gib) is gathered on the CPU,
+        # as the scores are handed over: it need not fit the scorer's GPU share beside the teacher.
+        full = k is not None and k == v
+        top_lp = (
+            None if k is None else torch.zeros((b, tr, k), dtype=torch.float32, device="cpu" if full else self.device)
+        )
         top_ids = None if k is None or k == v else torch.zeros((b, tr, k), dtype=torch.long, device=self.device)
         tail = None if top_ids is None else torch.zeros((b, tr), dtype=torch.float32, device=self.device)
         lengths = row_lengths(batch)
@@ -69,8 +74,8 @@ class ScorerWorker:
                 if k is None:
                     continue
                 logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [c, V]
-                if top_ids is None:
-                    top_lp[r, c] = logp
+                if full:
+                    top_lp[packed.rows[at], packed.cols[at]] = logp.cpu()
                     continue
                 values, ids = logp.topk(k, dim=-1)  # [c, K]
                 top_lp[r, c], top_ids[r, c] = values, ids
