@@ -33,6 +33,17 @@ def k1_advantages(
     return discounted_returns(rewards, mask, discount)
 
 
+def truncated_pg_terms(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, is_cap: float
+) -> torch.Tensor:
+    """Each token's `-w_t A_t rho_t` (truncated_pg_loss before the mask and the step's token count): value
+    `-w_t A_t`, gradient `-w_t A_t grad log q_theta(y_t)`, with `w_t = min(rho_t, is_cap)` detached.
+    Shapes: [...] -> [...] (any shape, the three alike)."""
+    weight = importance_ratio(logprobs, old_logprobs).clamp(max=is_cap)  # detached
+    # exp(lp - lp.detach()) is 1 in value and carries grad log q: value -w A, gradient -w A grad log q.
+    return -(weight * torch.exp(logprobs - logprobs.detach()) * advantages.detach())
+
+
 def truncated_pg_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -57,10 +68,7 @@ def truncated_pg_loss(
         raise ValueError(f"is_cap must be >= 1 (verl uses about 2), got {is_cap}")
     mask = mask.to(logprobs.dtype)
     n = mask.sum().item() if num_step_tokens is None else num_step_tokens
-    weight = importance_ratio(logprobs, old_logprobs).clamp(max=is_cap)  # [B, T], detached
-    # exp(lp - lp.detach()) is 1 in value and carries grad log q: value -w A, gradient -w A grad log q.
-    surrogate = weight * torch.exp(logprobs - logprobs.detach()) * advantages.detach()
-    loss = step_token_mean(-surrogate, mask, n)
+    loss = step_token_mean(truncated_pg_terms(logprobs, old_logprobs, advantages, is_cap), mask, n)
     return loss, ratio_metrics(logprobs, old_logprobs, mask, is_cap)
 
 
@@ -155,8 +163,7 @@ class PgK1Objective:
     def token_loss(self, logprobs, terms, sampler_logprobs, advantages, num_step_tokens):
         """Each token's share of the step loss (truncated_pg_loss per token, so their sum is its loss): value
         -w_t A_t / N, gradient -w_t A_t grad log q_theta(y_t) / N. Shapes: [c] -> [c]; `terms` is unused."""
-        weight = importance_ratio(logprobs, sampler_logprobs).clamp(max=self.is_cap)  # detached
-        return -(weight * torch.exp(logprobs - logprobs.detach()) * advantages.detach()) / num_step_tokens
+        return truncated_pg_terms(logprobs, sampler_logprobs, advantages, self.is_cap) / num_step_tokens
 
     def loss_from_terms(self, logprobs, terms, batch, scores, advantages, num_step_tokens):
         """Shapes: logprobs [b, Tr], advantages [b, Tr] -> (scalar loss, metrics); `terms` is unused (None)."""
