@@ -236,6 +236,26 @@ class RolloutBatch:
             extra_info=self.extra_info[start:stop],
         )
 
+    def select(self, rows: list[int]) -> RolloutBatch:
+        """The batch's `rows`, in that order, at the same padded widths (Tp, Tr); the batch itself for all rows.
+        Validated again: a selection must keep every uid group contiguous."""
+        if rows == list(range(len(self))):
+            return self
+        idx = torch.tensor(rows, dtype=torch.long)
+        return RolloutBatch(
+            prompts=self.prompts[idx],
+            prompt_mask=self.prompt_mask[idx],
+            responses=self.responses[idx],
+            response_mask=self.response_mask[idx],
+            rollout_log_probs=self.rollout_log_probs[idx],
+            uid=[self.uid[i] for i in rows],
+            ground_truth=[self.ground_truth[i] for i in rows],
+            policy_version=self.policy_version,
+            finished=self.finished[idx],
+            data_source=[self.data_source[i] for i in rows],
+            extra_info=[self.extra_info[i] for i in rows],
+        )
+
 
 @dataclass
 class TeacherScores:

@@ -12,7 +12,7 @@ from miniverl.config import validate
 from miniverl.protocol import ConfigError, RolloutBatch
 from miniverl.teachers import RoutingError, TeacherRouting, check_sources_routed, source_metrics
 from miniverl.workers.scorer import ScorerWorker
-from miniverl.workers.teachers import TeacherLoad, TeachersScorerWorker, select_rows
+from miniverl.workers.teachers import TeacherLoad, TeachersScorerWorker
 from tests.test_config import load
 from tests.test_controller import CPU
 
@@ -139,7 +139,7 @@ def test_each_row_is_scored_by_its_own_teacher(student_dir, teacher_dir, support
     assert routed.teacher_log_probs.shape == batch.responses.shape
     for name, path in (("rev", teacher_dir), ("srt", student_dir)):
         rows = routing.split(batch.data_source)[name]
-        alone = ScorerWorker(str(path), "float32", 3, CPU).score(select_rows(batch, rows), support_k, 1.0)
+        alone = ScorerWorker(str(path), "float32", 3, CPU).score(batch.select(rows), support_k, 1.0)
         for field in ("teacher_log_probs", "teacher_topk_logprobs", "teacher_topk_ids", "teacher_tail_logprob"):
             got, want = getattr(routed, field), getattr(alone, field)
             assert (got is None) == (want is None), field

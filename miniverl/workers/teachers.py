@@ -67,7 +67,8 @@ class TeachersScorerWorker:
         """ScorerWorker.score, each row by its data_source's teacher; rows come back in batch order."""
         parts, order = [], []
         for name, rows in self.routing.split(batch.data_source).items():
-            parts.append(self.scorers[name].score(select_rows(batch, rows), support_k, temperature))
+            # a teacher's rows are whole uid groups (every sample of a prompt shares its data_source)
+            parts.append(self.scorers[name].score(batch.select(rows), support_k, temperature))
             order += rows
         scores = concat_scores(parts)
         if order == list(range(len(batch))):
@@ -76,30 +77,6 @@ class TeachersScorerWorker:
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)
-
-
-def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
-    """The batch's `rows`, in that order, at the same padded widths (Tp, Tr); the batch itself for all rows.
-
-    Rows of one teacher are whole uid groups (every sample of a prompt shares its data_source), so the
-    selection keeps groups contiguous as RolloutBatch requires.
-    """
-    if rows == list(range(len(batch))):
-        return batch
-    idx = torch.tensor(rows, dtype=torch.long)
-    return RolloutBatch(
-        prompts=batch.prompts[idx],
-        prompt_mask=batch.prompt_mask[idx],
-        responses=batch.responses[idx],
-        response_mask=batch.response_mask[idx],
-        rollout_log_probs=batch.rollout_log_probs[idx],
-        uid=[batch.uid[i] for i in rows],
-        ground_truth=[batch.ground_truth[i] for i in rows],
-        policy_version=batch.policy_version,
-        finished=batch.finished[idx],
-        data_source=[batch.data_source[i] for i in rows],
-        extra_info=[batch.extra_info[i] for i in rows],
-    )
 
 
 def take_scores(scores: TeacherScores, idx: torch.Tensor) -> TeacherScores:

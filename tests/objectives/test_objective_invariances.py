@@ -144,17 +144,7 @@ def test_group_order_permutes_advantages_and_keeps_the_loss(data, student_dir):
     objective = objectives()["pg_k1"]
     order = [3, 1, 0, 2]  # new group order; rows of a group stay adjacent
     rows = torch.tensor([g * N + i for g in order for i in range(N)])
-    permuted = dataclasses.replace(
-        batch,
-        prompts=batch.prompts[rows],
-        prompt_mask=batch.prompt_mask[rows],
-        responses=batch.responses[rows],
-        response_mask=batch.response_mask[rows],
-        rollout_log_probs=batch.rollout_log_probs[rows],
-        uid=[batch.uid[i] for i in rows],
-        ground_truth=[batch.ground_truth[i] for i in rows],
-        finished=batch.finished[rows],
-    )
+    permuted = batch.select(rows.tolist())
     scores, p_scores = score(scorer, objective, batch), score(scorer, objective, permuted)
     learner = make_learner(student_dir, objective, 8)
     ref = learner._reference_logprobs(batch)
