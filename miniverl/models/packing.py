@@ -42,6 +42,13 @@ def row_lengths(batch: RolloutBatch) -> list[int]:
     return (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
 
 
+def batch_micro_batches(batch: RolloutBatch, max_tokens: int, rows: int) -> list[list[int]]:
+    """plan_micro_batches over `batch`'s rows under `max_tokens`, or, when it is 0, under `rows` rows of the
+    batch's longest row (the CPU's row-count micro-batches, trainer.micro_batch_size)."""
+    lengths = row_lengths(batch)
+    return plan_micro_batches(lengths, max_tokens or rows * max(lengths))
+
+
 @dataclass(frozen=True)
 class PackedRows:
     """Some rows of a batch as one right-padded forward, and where their response tokens sit.

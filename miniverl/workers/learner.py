@@ -11,7 +11,7 @@ from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_stat
 from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
-from miniverl.models.packing import pack_rows, plan_micro_batches, row_lengths
+from miniverl.models.packing import batch_micro_batches, pack_rows
 from miniverl.probe import PROBE_TOKENS, draw_probe
 from miniverl.protocol import (
     MiniVerlError,
@@ -174,7 +174,7 @@ class LearnerWorker:
         terms = None if self.objective.token_terms is None else torch.zeros_like(logprobs)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.model.train()
-        for rows in self._micro_batches(batch):
+        for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
             packed = pack_rows(batch, rows)
             with torch.autocast(self.device, self.autocast_dtype or torch.float32, enabled=bool(self.autocast_dtype)):
                 loss, lp, term = packed_token_loss(
@@ -269,18 +269,12 @@ class LearnerWorker:
         )
         return tokens
 
-    def _micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
-        """Row indices per forward: longest rows first, at most the token budget each (models/packing.py)."""
-        lengths = row_lengths(batch)
-        budget = self.max_tokens or self.micro_batch_size * max(lengths)
-        return plan_micro_batches(lengths, budget)
-
     @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference policy is the student with its adapter disabled. Shapes: -> [B, Tr] (CPU)."""
         out = torch.zeros(batch.responses.shape, dtype=torch.float32)
         with self.model.disable_adapter():
-            for rows in self._micro_batches(batch):
+            for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
                 packed = pack_rows(batch, rows)
                 out[packed.rows, packed.cols] = packed_logprobs(self.model, packed, self.chunk_tokens).cpu()
         return out

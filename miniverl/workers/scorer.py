@@ -6,7 +6,7 @@ import torch
 
 from miniverl.models.fused_head import chunk_logprobs
 from miniverl.models.loading import load_causal_lm, torch_dtype
-from miniverl.models.packing import pack_rows, packed_hidden, plan_micro_batches, row_lengths
+from miniverl.models.packing import batch_micro_batches, pack_rows, packed_hidden
 from miniverl.protocol import RolloutBatch, TeacherScores
 from miniverl.workers import ProcessSettings, memory_report, memory_share_bytes, setup_process
 
@@ -59,8 +59,7 @@ class ScorerWorker:
         )
         top_ids = None if k is None or k == v else torch.zeros((b, tr, k), dtype=torch.long, device=self.device)
         tail = None if top_ids is None else torch.zeros((b, tr), dtype=torch.float32, device=self.device)
-        lengths = row_lengths(batch)
-        for rows in plan_micro_batches(lengths, self.max_tokens or self.micro_batch_size * max(lengths)):
+        for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
             packed = pack_rows(batch, rows)
             hidden, head = packed_hidden(self.model, packed)  # [N, H]
             chunk = max(hidden.shape[0] if self.chunk_tokens <= 0 else self.chunk_tokens, 1)
