@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from miniverl.models.fused_head import fused_head_loss, head_logprobs
+from miniverl.models.fused_head import Support, fused_head_loss, head_logprobs
 from miniverl.models.packing import PackedRows, packed_hidden
 from miniverl.protocol import ConfigError, RolloutBatch, TeacherScores
 
@@ -162,7 +162,8 @@ def packed_token_loss(
     """The objective's loss over the packed rows' response tokens through the fused LM head, and each
     token's log-prob and term (detached), in the packed order (`packed.rows`, `packed.cols`).
 
-    `objective` gives `token_terms(logits, scores)` (None when the loss needs only log-probs) and
+    `objective` gives `token_terms(logits, scores)` (None when the loss needs only log-probs), and when it has
+    terms `support_ids(scores)` (the ids its `support_terms(support, tail, scores)` reads, or None) and
     `token_loss(logprobs, terms, sampler_logprobs, advantages, num_step_tokens)`; `scores` may be None only
     when `token_terms` is. Shapes: -> (scalar fp32, [N] fp32, [N] or None), on the model's device.
     """
@@ -170,18 +171,30 @@ def packed_token_loss(
     device = hidden.device
     sampler = batch.rollout_log_probs[packed.rows, packed.cols].to(device)  # [N]
     adv = None if advantages is None else advantages[packed.rows, packed.cols].to(device)  # [N]
-    term_fn = None
+    term_fn, support = None, None
     if objective.token_terms is not None:
         flat = flat_scores(scores, packed.rows, packed.cols, device)  # [1, N, ...]
+        support_ids = objective.support_ids(flat)  # [1, N, K] or None
 
-        def term_fn(logits: torch.Tensor, positions: slice) -> torch.Tensor:
-            return objective.token_terms(logits, score_tokens(flat, positions.start, positions.stop))
+        def chunk_scores(positions: slice) -> TeacherScores:
+            return score_tokens(flat, positions.start, positions.stop)
+
+        if support_ids is not None:  # the terms read only K log-probs and the tail's: closed-form gradient
+
+            def support_terms(sup: torch.Tensor, tail: torch.Tensor, positions: slice) -> torch.Tensor:
+                return objective.support_terms(sup[None], tail[None], chunk_scores(positions))[0]
+
+            support = Support(support_ids[0], support_terms)
+        else:
+
+            def term_fn(logits: torch.Tensor, positions: slice) -> torch.Tensor:
+                return objective.token_terms(logits, chunk_scores(positions))
 
     def loss_fn(logprobs: torch.Tensor, terms: torch.Tensor | None, positions: slice) -> torch.Tensor:
         a = None if adv is None else adv[positions]
         return objective.token_loss(logprobs, terms, sampler[positions], a, num_step_tokens)
 
-    return fused_head_loss(hidden, head, packed.targets, chunk_tokens, term_fn, loss_fn)
+    return fused_head_loss(hidden, head, packed.targets, chunk_tokens, term_fn, loss_fn, support)
 
 
 @torch.no_grad()

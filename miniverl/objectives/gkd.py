@@ -129,11 +129,26 @@ def topk_generalized_jsd(
     if teacher_topk_ids.shape[-1] == s_all.shape[-1]:
         return jsd_from_logprobs(t_k, s_k, beta)  # the support is the whole vocabulary, permuted
     s_tail = torch.logsumexp(s_all.scatter(-1, teacher_topk_ids, float("-inf")), dim=-1) - log_z[..., 0]  # [B, T]
-    if teacher_tail_logprob is None:
+    return support_jsd(s_k, s_tail, t_k, teacher_tail_logprob, beta)
+
+
+def support_jsd(
+    student_support: torch.Tensor,
+    student_tail: torch.Tensor,
+    teacher_support: torch.Tensor,
+    teacher_tail: torch.Tensor | None,
+    beta: float,
+) -> torch.Tensor:
+    """Generalized JSD over K support ids plus one tail bucket, from both sides' log-probs of them (the last
+    step of `topk_generalized_jsd`; the learner's fused LM head computes the student's side itself).
+    `teacher_tail` None derives it from the support, floored at TAIL_FLOOR.
+    Shapes: *_support [B, T, K], *_tail [B, T] -> [B, T]."""
+    t_k = teacher_support.to(student_support.device, student_support.dtype)
+    if teacher_tail is None:
         t_mass = (1.0 - t_k.exp().sum(dim=-1)).clamp(min=TAIL_FLOOR)  # [B, T]
-        teacher_tail_logprob = t_mass.log()
-    t_tail = teacher_tail_logprob.to(s_all.device, s_all.dtype).clamp(min=math.log(TAIL_FLOOR))  # [B, T]
-    s_cat = torch.cat([s_k, s_tail.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
+        teacher_tail = t_mass.log()
+    t_tail = teacher_tail.to(t_k.device, t_k.dtype).clamp(min=math.log(TAIL_FLOOR))  # [B, T]
+    s_cat = torch.cat([student_support, student_tail.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
     t_cat = torch.cat([t_k, t_tail.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
     return jsd_from_logprobs(t_cat, s_cat, beta)
 
@@ -189,6 +204,27 @@ class GkdObjective:
             self.beta,
             self.loss_temperature,
             scores.teacher_tail_logprob,
+        )
+
+    def support_ids(self, scores) -> torch.Tensor | None:
+        """The vocabulary ids whose student log-probs (with the tail's) are all `support_terms` needs, or None
+        when the terms need the whole distribution (full-vocabulary support, or a loss temperature other than 1:
+        the sampled token's log-prob is at temperature 1, so both normalizers would be needed).
+        Shapes: -> [b, t, K] or None."""
+        ids = scores.teacher_topk_ids
+        if ids is None or self.loss_temperature != 1.0 or scores.teacher_topk_logprobs is None:
+            return None
+        return ids
+
+    def support_terms(self, student_support, student_tail, scores) -> torch.Tensor:
+        """`token_terms` from the student's log-probs at `support_ids` and of the tail bucket, for any slice of
+        positions (the fused LM head's closed-form path). Shapes: [b, t, K], [b, t] -> [b, t]."""
+        if scores.loss_temperature != self.loss_temperature:
+            raise ValueError(
+                f"teacher support is at temperature {scores.loss_temperature}, the loss at {self.loss_temperature}"
+            )
+        return support_jsd(
+            student_support, student_tail, scores.teacher_topk_logprobs, scores.teacher_tail_logprob, self.beta
         )
 
     def token_loss(self, logprobs, terms, sampler_logprobs, advantages, num_step_tokens):
