@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from miniverl.bench.config import ModelShape
-from miniverl.bench.learner import objective_for, synthetic_batch, synthetic_scores, time_updates
+from miniverl.bench.learner import objective_for, profile_update, synthetic_batch, synthetic_scores, time_updates
 from miniverl.bench.workload import build_random_model, real_shape
 from miniverl.models.lora import LoraSettings
 from miniverl.workers import ProcessSettings
@@ -73,25 +73,7 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
     scores = synthetic_scores(batch, vocab, topk, seed=0)
     result = time_updates(learner, batch, scores, warmup=cell.get("warmup", 1), repeats=cell.get("repeats", 3))
     if profile is not None:
-        import dataclasses
-
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
-        learner.publish_policy(include_weights=False)
-        stamped = dataclasses.replace(batch, policy_version=learner.version)
-        with torch_profile(
-            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        ) as prof:
-            learner.update(stamped, scores, None)
-            if device == "cuda":
-                torch.cuda.synchronize()
-        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-        profile.write_text(
-            prof.key_averages().table(sort_by=sort, row_limit=40)
-            + "\n\nby self cpu time:\n"
-            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        )
+        profile_update(learner, batch, scores, profile)
     del learner
     if device == "cuda":
         torch.cuda.empty_cache()

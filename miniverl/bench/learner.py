@@ -139,3 +139,30 @@ def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: in
         "loss": metrics["loss"],
         **learner.memory(),
     }
+
+
+def profile_update(learner, batch: RolloutBatch, scores: TeacherScores, path) -> None:
+    """One more update under the torch profiler; its top kernels by device (or CPU) time go to `path`.
+
+    Like the timed updates it hands the learner an exact sampler's log-probs: the bench's random stand-ins
+    would be refused by the sampler-gap check (the first GPU profile attempt, 2026-12-01, was).
+    """
+    import dataclasses
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available() and learner.device == "cuda"
+    batch = exact_sampler(learner, batch)
+    learner.publish_policy(include_weights=False)
+    stamped = dataclasses.replace(batch, policy_version=learner.version)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        learner.update(stamped, scores, None)
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    Path(path).write_text(
+        table.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
+        + "\n\nby self cpu time:\n"
+        + table.table(sort_by="self_cpu_time_total", row_limit=25)
+    )

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from miniverl.bench.learner import exact_sampler, objective_for, synthetic_batch, synthetic_scores, time_updates
+from miniverl.bench.learner import (
+    exact_sampler,
+    objective_for,
+    profile_update,
+    synthetic_batch,
+    synthetic_scores,
+    time_updates,
+)
 from miniverl.models.lora import LoraSettings
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
@@ -50,3 +57,13 @@ def test_exact_sampler_reports_the_learners_logprobs(tmp_path):
         dataclasses.replace(exact, policy_version=learner.version), synthetic_scores(exact, 96, None, 0), None
     )
     assert metrics["sampler_gap_max"] < 1e-5
+
+
+def test_profiled_update_is_applied_not_refused(tmp_path):
+    """The profiled update gets the exact sampler too (the bench's stand-ins sit over the sampler-gap bound)."""
+    save_random_qwen2(tmp_path, hidden_size=32, intermediate_size=64, vocab_size=96)
+    learner = _learner(tmp_path, objective_for("pg_k1", topk=0))
+    batch = synthetic_batch(4, 3, 5, vocab=96, seed=1)
+    profile_update(learner, batch, synthetic_scores(batch, 96, None, 0), tmp_path / "p.txt")
+    assert learner.version == 1
+    assert "by self cpu time" in (tmp_path / "p.txt").read_text()
