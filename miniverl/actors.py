@@ -73,6 +73,20 @@ def fetch(handles: list[Any]) -> list[Any]:
     return out
 
 
+def settle(handles: list[Any]) -> None:
+    """Wait until every Ray ref among `handles` is computed, without fetching its value to the driver (values
+    from in-process objects are already there). Lets the driver time a stage whose result goes elsewhere."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    refs = [h for h in handles if isinstance(h, ray.ObjectRef)]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+
+
 def call_all(actors: list[Any], method: str, args: list[tuple]) -> list[Any]:
     """Call `method` on every actor with its own arguments, concurrently for Ray actors, and wait."""
     if len(actors) != len(args):

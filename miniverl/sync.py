@@ -16,9 +16,10 @@ tokens a trained adapter moves most). The change test compares only sequences bo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from miniverl.actors import call, fetch, submit
+from miniverl.actors import call, fetch, settle, submit
 from miniverl.probe import check_changed, check_gap, max_gap
 from miniverl.protocol import PolicyIdentity, PolicyMismatchError, RolloutBatch
 
@@ -110,6 +111,9 @@ class PolicySync:
         loaded = [submit(r, "load_policy", snapshot) for r in self.rollouts]
         served = [submit(r, "probe_logprobs", probe) for r in self.rollouts]
         again = [submit(r, "probe_logprobs", probe) for r in self.rollouts] if first else []
+        stages = [("publish", [snapshot, *others]), ("learner_probe", [learner])]
+        stages = stages if trial else stages[::-1]  # in the order the learner runs them
+        timing = _stage_times([*stages, ("load", loaded), ("served_probe", served + again)])
         k, r = len(others), len(loaded)
         learner, *rest = fetch([learner, *others, *loaded, *served, *again])
         others, loaded, served, again = rest[:k], rest[k : k + r], rest[k + r : k + 2 * r], rest[k + 2 * r :]
@@ -140,5 +144,17 @@ class PolicySync:
         self._previous = {s: ([p[j] for p in served], learner[j]) for j, s in enumerate(sequences)}
         self._carried, self._recent = self._recent, []
         self.refreshes += 0 if trial else 1
-        self.last_probe = {"probe_gap_max": max(gaps), "probe_learner_moved": learner_moved}
+        self.last_probe = {"probe_gap_max": max(gaps), "probe_learner_moved": learner_moved, **timing}
         return identity
+
+
+def _stage_times(stages: list[tuple[str, list[Any]]]) -> dict[str, float]:
+    """Seconds each refresh stage took, as the driver sees them end (`time/refresh/<stage>`): the actors run
+    the stages one after the other (the replicas wait for the snapshot), so waiting for each in turn splits
+    the refresh without fetching anything. In-process every stage has already run: all read ~0."""
+    out, last = {}, time.perf_counter()
+    for name, handles in stages:
+        settle(handles)
+        now = time.perf_counter()
+        out[f"time/refresh/{name}"], last = now - last, now
+    return out

@@ -77,3 +77,26 @@ def test_an_honest_replica_passes_the_trial_adapter(parts, student_dir):
     assert ctl.sync.prove_trial_adapter() <= ctl.sync.tolerances[0]
     assert ctl.ensure_served().version == 0 and ctl.sync.last_probe["probe_learner_moved"] > 0
     assert ctl.sync.refreshes == 1 and learner.published.version == 0
+
+
+def test_refresh_stages_are_timed_in_the_order_the_actors_run_them(monkeypatch):
+    """time/refresh/<stage>: each stage's share is the wait for its handles after the previous stage ended."""
+    import time
+
+    import miniverl.sync as sync
+
+    costs = {"a": 0.05, "b": 0.0, "c": 0.1}
+    monkeypatch.setattr(sync, "settle", lambda handles: time.sleep(costs[handles[0]]))
+    split = sync._stage_times([("first", ["a"]), ("second", ["b"]), ("third", ["c"])])
+    assert list(split) == ["time/refresh/first", "time/refresh/second", "time/refresh/third"]
+    assert split["time/refresh/first"] >= 0.05 and split["time/refresh/third"] >= 0.1
+    assert split["time/refresh/second"] < 0.05
+
+
+def test_a_step_logs_the_refresh_split_beside_its_total(parts, student_dir):
+    """In-process every stage has run before it is waited for: the split is logged and sums within the total."""
+    ctl, _ = build(parts, student_dir, RolloutWorker, "hf_reference", "float32", 1e-4)
+    metrics = ctl.step(parts[1], PARAMS)
+    stages = [k for k in metrics if k.startswith("time/refresh/")]
+    assert sorted(stages) == sorted(f"time/refresh/{s}" for s in ("learner_probe", "publish", "load", "served_probe"))
+    assert sum(metrics[k] for k in stages) <= metrics["time/refresh"]
