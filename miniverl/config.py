@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -393,7 +393,7 @@ def validate(cfg: MiniVerlConfig) -> None:
     from miniverl.models.loading import DTYPES, QUANTIZATIONS
     from miniverl.rewards import check_reward_config
     from miniverl.rollout import BACKENDS
-    from miniverl.teachers import check_teacher_routes
+    from miniverl.setup.teachers import check_teacher_routes
 
     t, d, r, o = cfg.trainer, cfg.data, cfg.rollout, cfg.objective
     _require(
@@ -401,16 +401,17 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"trainer.total_steps={t.total_steps}: need at least 1 step (e.g. trainer.total_steps=60)",
     )
     _require(t.micro_batch_size > 0, f"trainer.micro_batch_size={t.micro_batch_size}: must be >= 1")
-    from miniverl.seeds import MAX_BASE_SEED, STEP_STRIDE
+    from miniverl.step.seeds import MAX_BASE_SEED, STEP_STRIDE
 
     _require(
         t.total_steps < STEP_STRIDE,
         f"trainer.total_steps={t.total_steps}: sampling seeds are unique for fewer than {STEP_STRIDE} steps"
-        " (miniverl/seeds.py); split the run",
+        " (miniverl/step/seeds.py); split the run",
     )
     _require(
         0 <= r.seed < MAX_BASE_SEED,
-        f"rollout.seed={r.seed}: must be in [0, {MAX_BASE_SEED}) so no two seeds of a run collide (miniverl/seeds.py)",
+        f"rollout.seed={r.seed}: must be in [0, {MAX_BASE_SEED}) so no two seeds of a run collide"
+        " (miniverl/step/seeds.py)",
     )
     _require(
         t.eval_every >= 0,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 _DIR_MODE = 0o777
 

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from miniverl.batches import RolloutBatch, TeacherScores
 from miniverl.bridge.atomic import atomic_dir
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION, major, miniverl_version
-from miniverl.protocol import BatchError, RolloutBatch, TeacherScores
+from miniverl.errors import BatchError
 
 FORMAT = "miniverl-verl-batch"
 TENSORS_FILE = "batch.safetensors"

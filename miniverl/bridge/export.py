@@ -22,7 +22,7 @@ from miniverl.bridge.runs import load_run, model_paths
 from miniverl.bridge.spec import RunSpec
 from miniverl.bridge.translate import REWARD_FILE, command_line, nested, verl_overrides
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION, miniverl_version
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 
 def export_verl(source: str | Path, out: str | Path, verl_version: str = DEFAULT_VERL_VERSION) -> Path:

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from miniverl.protocol import MiniVerlError, PolicyIdentity
+from miniverl.errors import MiniVerlError
+from miniverl.policy import PolicyIdentity
 
 STATE_FILE = "state.json"
 PARTIAL_SUFFIX = ".partial"  # a folder being written; never read as a checkpoint

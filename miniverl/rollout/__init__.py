@@ -25,7 +25,7 @@ class RolloutBackend(Protocol):
     """A sampler that serves the student with a LoRA adapter the learner publishes.
 
     Strict sync trusts no echo of the weights it was sent: after every load the controller compares
-    `probe_logprobs` with the learner's on a fixed probe (miniverl/probe.py).
+    `probe_logprobs` with the learner's on a fixed probe (miniverl/step/served_policy.py).
     """
 
     probe_tolerance: float  # max |served - learner| log-prob (nats) on probe tokens for this backend/dtype

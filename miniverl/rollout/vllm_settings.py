@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from miniverl.config import check_quantized_rollout
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 # LoRA ranks vLLM 0.26 can be started with (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
