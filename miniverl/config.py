@@ -333,26 +333,6 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def check_quantized_rollout(quantization: str, backend: str, refresh: str) -> None:
-    """The rollout side must serve the learner's own 4-bit base (DESIGN.md: an NF4 learner against a bf16
-    sampler is off by 1.66 nats per token, against vLLM's bitsandbytes engine by 0.10)."""
-    if quantization != "nf4":
-        return
-    _require(
-        backend != "hf_cached",
-        "model.student.quantization=nf4 with rollout=hf_cached: hf_cached decodes from plain (bf16) copies of the"
-        " base weights, which would sample from another base than the 4-bit one the learner trains on;"
-        " serving the dequantized NF4 values is possible but not yet measured, so it is refused for now. Use"
-        " rollout=vllm (adapter mode, quantization=bitsandbytes) or rollout=hf_reference",
-    )
-    _require(
-        not (backend == "vllm" and refresh == "merged"),
-        "model.student.quantization=nf4 with rollout.vllm.refresh=merged: merging the adapter into 4-bit weights"
-        " re-quantizes them, so the engine would serve another base than the learner's; use"
-        " rollout.vllm.refresh=adapter",
-    )
-
-
 def check_objective(o: ObjectiveConfig, r: RolloutConfig) -> None:
     """The objective's own ranges, and that its settings are those of the objective it names."""
     from miniverl.objectives import OBJECTIVES
@@ -392,7 +372,7 @@ def validate(cfg: MiniVerlConfig) -> None:
     from miniverl.data.tasks import TASKS, task_names
     from miniverl.models.loading import DTYPES, QUANTIZATIONS
     from miniverl.rewards import check_reward_config
-    from miniverl.rollout import BACKENDS
+    from miniverl.rollout import BACKENDS, check_quantized_rollout
     from miniverl.setup.teachers import check_teacher_routes
 
     t, d, r, o = cfg.trainer, cfg.data, cfg.rollout, cfg.objective
@@ -446,7 +426,7 @@ def validate(cfg: MiniVerlConfig) -> None:
             f"model.{role}.quantization={spec.quantization!r}: use one of {', '.join(QUANTIZATIONS)}",
         )
     check_quantized_rollout(cfg.model.student.quantization, r.backend, r.vllm.refresh)
-    check_teacher_routes(cfg.model)
+    check_teacher_routes(cfg.model, ModelSpec(path="builtin:teacher"))
     _require(
         t.logprob_chunk_tokens >= 0,
         f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens}: use 0 (a micro-batch at once) or a token count"

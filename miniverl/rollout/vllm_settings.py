@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from miniverl.config import check_quantized_rollout
 from miniverl.errors import ConfigError
+from miniverl.rollout import check_quantized_rollout
 
 # LoRA ranks vLLM 0.26 can be started with (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -68,9 +68,10 @@ def teacher_name(role: str) -> str:
     return role.split(".", 1)[1] if role.startswith("teachers.") else role
 
 
-def check_teacher_routes(model) -> None:
-    """Config-only checks of ModelConfig `model`, before any model is resolved: names, routes, dtypes."""
-    from miniverl.config import ModelSpec
+def check_teacher_routes(model, default_teacher) -> None:
+    """Config-only checks of ModelConfig `model`, before any model is resolved: names, routes, dtypes.
+
+    `default_teacher` is model.teacher's default ModelSpec (config.py owns it; config imports this module)."""
     from miniverl.models.loading import DTYPES, QUANTIZATIONS
 
     teachers, routes, default = model.teachers, model.teacher_by_source, model.default_teacher
@@ -82,7 +83,7 @@ def check_teacher_routes(model) -> None:
                 " or drop the routes to use the single model.teacher"
             )
         return
-    if model.teacher != ModelSpec(path="builtin:teacher"):
+    if model.teacher != default_teacher:
         raise ConfigError(
             f"model.teacher is set ({model.teacher.path}) and so is model.teachers ({', '.join(teachers)}): with"
             " named teachers model.teacher is not used; move it into model.teachers.<name> and route to it"
