@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miniverl.atomic import atomic_write_text
+
 PROGRESS_KEYS = ("reverse_kl", "accuracy", "loss", "time/step")  # shown on the progress bar
 REPLACED_SUFFIX = ".replaced.jsonl"  # <name>.replaced.jsonl: lines of steps a resumed run did again
 REPLACED_METRICS = "metrics" + REPLACED_SUFFIX
@@ -104,7 +106,5 @@ def trim_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
     if drop:
         with path.with_name(path.stem + REPLACED_SUFFIX).open("a") as f:
             f.write("\n".join(drop) + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)  # atomic: a crash here leaves the old file, never a half-written one
+    atomic_write_text(path, "".join(line + "\n" for line in keep))  # a crash leaves the old file
     return [r for r in records if r["step"] <= last_step]

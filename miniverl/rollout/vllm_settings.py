@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from miniverl.atomic import atomic_dir
 from miniverl.errors import ConfigError
 from miniverl.rollout import check_quantized_rollout
 
@@ -169,12 +170,9 @@ class AdapterStore:
         from safetensors.torch import save_file
 
         final = self.root / f"v{version}"
-        tmp = self.root / f".v{version}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "adapter_model.safetensors"))
-        (tmp / "adapter_config.json").write_text(json.dumps(self.config))
-        tmp.rename(final)
+        with atomic_dir(final) as tmp:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "adapter_model.safetensors"))
+            (tmp / "adapter_config.json").write_text(json.dumps(self.config))
         for old in self.root.iterdir():
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
