@@ -85,6 +85,10 @@ def _check_padding_side(mask: torch.Tensor, side: str, name: str) -> None:
     _check(not rows, f"{name} must be {side}-padded (contiguous ones); rows {rows[:8]} are not")
 
 
+_TOKEN_ID_FIELDS = ("prompts", "responses")  # [B, Tp], [B, Tr] long in a process; int32 in transit
+_MASK_FIELDS = ("prompt_mask", "response_mask")  # long in a process; bool in transit
+
+
 @dataclass
 class RolloutBatch:
     """B = G * N sampled responses, rows grouped by prompt (all N samples of a uid are adjacent).
@@ -152,6 +156,23 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.prompts.shape[0]
+
+    # Between processes (Ray's object store, actor to actor) the token ids travel as int32 and the masks as
+    # bool: 4 + 1 bytes per token instead of 8 + 8. Token ids are vocabulary indices (< 2**31 for any
+    # tokenizer) and the masks were checked 0/1 on construction, so the round trip is exact; the receiver
+    # gets long tensors again, because embedding lookups and gathers on several paths need long indices.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in _TOKEN_ID_FIELDS:
+            state[name] = state[name].to(torch.int32)
+        for name in _MASK_FIELDS:
+            state[name] = state[name].bool()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name in (*_TOKEN_ID_FIELDS, *_MASK_FIELDS):
+            state[name] = state[name].long()
+        self.__dict__.update(state)
 
     @property
     def input_ids(self) -> torch.Tensor:  # [B, Tp + Tr]

@@ -123,3 +123,39 @@ def test_weights_digest_sees_every_change():
     assert weights_digest(bumped) != d
     assert weights_digest({**w, "b": w["b"].double()}) != d  # dtype is part of the identity
     assert weights_digest({"c": w["a"], "b": w["b"]}) != d  # so are names
+
+
+def test_token_ids_travel_as_int32_and_arrive_as_long():
+    """Issue 16 (data moves once, ids as int32): what Ray ships between processes (its cloudpickle) carries
+    int32 ids and bool masks, and the receiver gets back exactly the long tensors the models index with."""
+    import pickle
+
+    from ray import cloudpickle
+
+    big = 151_935  # ids far above the int8/int16 ranges, as a real vocabulary's are (Qwen2.5's last id)
+    b = make_batch(responses=torch.tensor([[4, big, 2], [6, 2, 0], [2, 0, 0], [big - 1, 9, 70_000]]))
+    for dumps in (pickle.dumps, cloudpickle.dumps):
+        got = pickle.loads(dumps(b))
+        for name in ("prompts", "responses", "prompt_mask", "response_mask"):
+            assert getattr(got, name).dtype == torch.long
+            assert torch.equal(getattr(got, name), getattr(b, name))
+        assert (got.uid, got.policy_version, got.data_source) == (b.uid, b.policy_version, b.data_source)
+        assert torch.equal(got.rollout_log_probs, b.rollout_log_probs) and torch.equal(got.finished, b.finished)
+    state = b.__getstate__()
+    assert state["prompts"].dtype == state["responses"].dtype == torch.int32
+    assert state["prompt_mask"].dtype == state["response_mask"].dtype == torch.bool
+    assert b.responses.dtype == torch.long  # the batch itself is untouched
+
+    rows, tp, tr = 64, 256, 512  # at real widths the ids and masks are most of the bytes
+    wide = make_batch(
+        prompts=torch.randint(0, big, (rows, tp)),
+        prompt_mask=torch.ones(rows, tp, dtype=torch.long),
+        responses=torch.randint(0, big, (rows, tr)),
+        response_mask=torch.ones(rows, tr, dtype=torch.long),
+        rollout_log_probs=-torch.rand(rows, tr),
+        uid=[f"u{i // 4}" for i in range(rows)],
+        ground_truth=[""] * rows,
+    )
+    as_long = sum(getattr(wide, k).numel() * 8 for k in ("prompts", "responses", "prompt_mask", "response_mask"))
+    shipped = len(cloudpickle.dumps(wide))
+    assert shipped < 0.45 * (as_long + rows * tr * 4)  # 5 of 16 bytes per token, plus the fp32 log-probs
