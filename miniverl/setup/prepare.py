@@ -33,6 +33,7 @@ from miniverl.objectives import build_objective
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.vllm_settings import require_vllm
 from miniverl.setup.preflight import (
+    ResumePoint,
     check_device_settings,
     check_gpu_request,
     check_lora_targets,
@@ -149,7 +150,9 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
-def prepare_run(cfg: MiniVerlConfig, run_dir: Path, typed_config: dict[str, Any], log=print):
+def prepare_run(
+    cfg: MiniVerlConfig, run_dir: Path, typed_config: dict[str, Any], log=print
+) -> tuple[ResumePoint | None, Setup]:
     """Every check that can run before Ray, cheapest first, then the driver's setup (prepare).
 
     Returns (resume, setup): the checkpoint this run continues (None for a fresh start) and the Setup.
