@@ -12,12 +12,12 @@ import dataclasses
 import sys
 
 from miniverl.config import MiniVerlConfig
-from miniverl.controller import StrictSyncController
-from miniverl.evaluation import evaluate
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives import build_objective
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.run import prepare
+from miniverl.setup.prepare import prepare
+from miniverl.step.controller import StrictSyncController
+from miniverl.step.evaluation import evaluate
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from miniverl.config import register_configs, to_config
-from miniverl.run import train
+from miniverl.main import train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -333,26 +333,6 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def check_quantized_rollout(quantization: str, backend: str, refresh: str) -> None:
-    """The rollout side must serve the learner's own 4-bit base (DESIGN.md: an NF4 learner against a bf16
-    sampler is off by 1.66 nats per token, against vLLM's bitsandbytes engine by 0.10)."""
-    if quantization != "nf4":
-        return
-    _require(
-        backend != "hf_cached",
-        "model.student.quantization=nf4 with rollout=hf_cached: hf_cached decodes from plain (bf16) copies of the"
-        " base weights, which would sample from another base than the 4-bit one the learner trains on;"
-        " serving the dequantized NF4 values is possible but not yet measured, so it is refused for now. Use"
-        " rollout=vllm (adapter mode, quantization=bitsandbytes) or rollout=hf_reference",
-    )
-    _require(
-        not (backend == "vllm" and refresh == "merged"),
-        "model.student.quantization=nf4 with rollout.vllm.refresh=merged: merging the adapter into 4-bit weights"
-        " re-quantizes them, so the engine would serve another base than the learner's; use"
-        " rollout.vllm.refresh=adapter",
-    )
-
-
 def check_objective(o: ObjectiveConfig, r: RolloutConfig) -> None:
     """The objective's own ranges, and that its settings are those of the objective it names."""
     from miniverl.objectives import OBJECTIVES
@@ -392,8 +372,8 @@ def validate(cfg: MiniVerlConfig) -> None:
     from miniverl.data.tasks import TASKS, task_names
     from miniverl.models.loading import DTYPES, QUANTIZATIONS
     from miniverl.rewards import check_reward_config
-    from miniverl.rollout import BACKENDS
-    from miniverl.teachers import check_teacher_routes
+    from miniverl.rollout import BACKENDS, check_quantized_rollout
+    from miniverl.setup.teachers import check_teacher_routes
 
     t, d, r, o = cfg.trainer, cfg.data, cfg.rollout, cfg.objective
     _require(
@@ -401,16 +381,17 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"trainer.total_steps={t.total_steps}: need at least 1 step (e.g. trainer.total_steps=60)",
     )
     _require(t.micro_batch_size > 0, f"trainer.micro_batch_size={t.micro_batch_size}: must be >= 1")
-    from miniverl.seeds import MAX_BASE_SEED, STEP_STRIDE
+    from miniverl.step.seeds import MAX_BASE_SEED, STEP_STRIDE
 
     _require(
         t.total_steps < STEP_STRIDE,
         f"trainer.total_steps={t.total_steps}: sampling seeds are unique for fewer than {STEP_STRIDE} steps"
-        " (miniverl/seeds.py); split the run",
+        " (miniverl/step/seeds.py); split the run",
     )
     _require(
         0 <= r.seed < MAX_BASE_SEED,
-        f"rollout.seed={r.seed}: must be in [0, {MAX_BASE_SEED}) so no two seeds of a run collide (miniverl/seeds.py)",
+        f"rollout.seed={r.seed}: must be in [0, {MAX_BASE_SEED}) so no two seeds of a run collide"
+        " (miniverl/step/seeds.py)",
     )
     _require(
         t.eval_every >= 0,
@@ -445,7 +426,7 @@ def validate(cfg: MiniVerlConfig) -> None:
             f"model.{role}.quantization={spec.quantization!r}: use one of {', '.join(QUANTIZATIONS)}",
         )
     check_quantized_rollout(cfg.model.student.quantization, r.backend, r.vllm.refresh)
-    check_teacher_routes(cfg.model)
+    check_teacher_routes(cfg.model, ModelSpec(path="builtin:teacher"))
     _require(
         t.logprob_chunk_tokens >= 0,
         f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens}: use 0 (a micro-batch at once) or a token count"

@@ -1,18 +1,22 @@
-"""Hydra entry point: `python -m miniverl.main +experiment=gkd`.
+"""The entry point: `python -m miniverl.main +experiment=gkd` (Hydra), and train(), one whole run.
 
 Side effects (config registration, Ray, wandb, logging) start here and nowhere at import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from miniverl.config import foreign_objective_key, register_configs, to_config
+from miniverl.config import MiniVerlConfig, foreign_objective_key, register_configs, to_config
 
 ERROR_EXIT_CODE = 2  # a problem the message explains (config, fault); 128+N after signal N (130 = Ctrl-C)
 HYDRA_DIR = ".hydra"  # the run's record, as Hydra would write it (conf/config.yaml turns Hydra's own off)
@@ -25,9 +29,8 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from miniverl.faults import RunInterrupted, StartupInterrupted, StartupSignals, guard_output
-    from miniverl.protocol import MiniVerlError
-    from miniverl.run import train
+    from miniverl.cluster.faults import RunInterrupted, StartupInterrupted, StartupSignals, guard_output
+    from miniverl.errors import MiniVerlError
     from miniverl.workers import quiet_library_notes
 
     guard_output()  # `| tee log` whose reader died: the run stops with a checkpoint instead of crashing
@@ -55,6 +58,108 @@ def main(cfg: DictConfig) -> None:
     print_summary(summary, run_dir)
 
 
+def train(
+    cfg: MiniVerlConfig,
+    run_dir: Path,
+    config_dict: dict[str, Any],
+    log=print,
+    after_step: Callable[[int, dict[str, list[Any]]], None] | None = None,
+    run_files: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The whole run: setup (checks, models), cluster (Ray, actors), the steps, the summary; returns the
+    summary (also written to run_dir/summary.json).
+
+    Everything that can be checked is checked before Ray starts. `after_step(step, actors)` runs after
+    each completed step (tests use it to inject faults). `run_files` (path in run_dir -> text: main's
+    .hydra/*.yaml) are written once every check has passed, so a refused run touches nothing.
+    """
+    import ray
+
+    from miniverl.checkpoints.compat import identity_hash
+    from miniverl.cluster.actors import call_all
+    from miniverl.cluster.faults import RunInterrupted, StopRequests
+    from miniverl.cluster.launch import build_actors, start_ray, teardown
+    from miniverl.errors import MiniVerlError
+    from miniverl.objectives import build_objective
+    from miniverl.observe.dashboard import RunGauges
+    from miniverl.observe.plots import write_plots
+    from miniverl.observe.summary import run_summary, version
+    from miniverl.observe.tracking import Tracker, trim_metrics
+    from miniverl.rollout.sampling import SamplingParams
+    from miniverl.setup.prepare import prepare_run
+    from miniverl.step.cadence import TrainingLoop
+    from miniverl.step.conformance import conformance_gate
+    from miniverl.step.controller import StrictSyncController
+    from miniverl.step.seeds import sampling_seed
+
+    started = time.perf_counter()
+    typed_config = dataclasses.asdict(cfg)
+    resume, setup = prepare_run(cfg, run_dir, typed_config, log)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (run_files or {}).items():  # written only now: a refused run leaves the directory as it was
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    if resume is not None:
+        for name in ("metrics.jsonl", "samples.jsonl"):  # the steps after it are done again
+            trim_metrics(run_dir / name, resume.step)
+    objective = build_objective(cfg.objective)
+    started_ray = start_ray(cfg, log)
+    tracker, actors, pg, status = None, {}, None, {"status": "failed"}
+    try:
+        actors, pg = build_actors(cfg, setup, objective)
+        log(f"[miniverl] actors ready on {setup.device} ({time.perf_counter() - started:.1f}s since start)")
+        start, first = 0, None
+        if resume is not None:
+            # The rollout side is not loaded here: the loop's first refresh publishes the restored policy
+            # and proves the engines serve it (strict sync), exactly as after any update.
+            restored = call_all(actors["learner"], "load_checkpoint", [(str(resume.path),)] * len(actors["learner"]))
+            log(f"[miniverl] resumed from {resume.path}: step {resume.step}, policy {restored[0].short()}")
+            start, first = resume.step, resume.first_eval
+        controller = StrictSyncController(
+            actors["rollout"],
+            actors["scorer"],
+            actors["learner"],
+            setup.reward_fn,
+            objective.teacher_support_k,
+            objective.loss_temperature,
+            routing=setup.routing,
+        )
+        params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
+        names = (cfg.objective.name, cfg.rollout.backend)
+        gate_seed = sampling_seed(cfg.rollout.seed, "gate", 0)
+        gate = conformance_gate(controller, setup.eval_batch, params, objective, names, log, gate_seed)
+        tr, t = cfg.tracking, cfg.trainer
+        tracker = Tracker(
+            run_dir, config_dict, tr.wandb_mode, tr.project, tr.run_name, t.total_steps, tr.progress_bar, start
+        )
+        meta = {"config": typed_config, "config_hash": identity_hash(typed_config), "miniverl_version": version()}
+        resumed_from = str(resume.path) if resume else None
+        with StopRequests() as stop:
+            loop = TrainingLoop(
+                cfg, setup, controller, actors, tracker, run_dir, meta, stop, RunGauges(), after_step, resumed_from
+            )
+            try:
+                result = loop.run(start, first)
+            except RunInterrupted:
+                status = {"status": "interrupted", "checkpoint": loop.checkpoint}
+                raise
+        wall = time.perf_counter() - started
+        status = run_summary(cfg, setup, result, actors, resumed_from, gate, str(tracker.metrics_path), wall)
+        return status
+    except MiniVerlError as e:
+        status.setdefault("error", str(e).strip().splitlines()[0])
+        raise
+    finally:
+        if tracker is not None:
+            tracker.finish(status)
+            if cfg.tracking.plots:
+                write_plots(tracker.metrics_path, run_dir, log)
+        if started_ray:
+            ray.shutdown()
+        else:
+            teardown(actors, pg)
+
+
 def continue_saved_run(cfg: DictConfig, run_dir: Path, overrides: list[str], log=print) -> DictConfig:
     """With trainer.resume=auto|<checkpoint>: the saved run's config plus what this command sets as key=value.
 
@@ -62,7 +167,7 @@ def continue_saved_run(cfg: DictConfig, run_dir: Path, overrides: list[str], log
     (data.train_files back to the built-in task). Whether the keys set now may change is compat's call.
     """
     from miniverl.checkpoints.compat import command_line_keys, resumed_config
-    from miniverl.preflight import resume_source
+    from miniverl.setup.preflight import resume_source
 
     saved = resume_source(cfg.trainer.resume, run_dir)
     if saved is None:
@@ -97,7 +202,7 @@ def check_objective_overrides(argv: list[str]) -> None:
     """`objective.<key>=v` for a key the chosen objective does not own: Hydra refuses it suggesting
     `+objective.<key>`, the wrong fix. This names the key, the objective owning it and the fix instead,
     before Hydra composes the run (and so before Ray). Raises ConfigError."""
-    from miniverl.protocol import ConfigError
+    from miniverl.errors import ConfigError
 
     keyed = [(a, a.lstrip("+~").split("=", 1)[0]) for a in argv if "=" in a and not a.startswith("-")]
     asked = [k.split(".", 1)[1] for _, k in keyed if k.startswith("objective.")]
@@ -146,7 +251,7 @@ def written(run_dir: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    from miniverl.protocol import ConfigError
+    from miniverl.errors import ConfigError
 
     try:
         check_objective_overrides(sys.argv[1:])

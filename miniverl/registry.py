@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 
 class Registry:

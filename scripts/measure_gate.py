@@ -16,14 +16,14 @@ import torch
 
 def main() -> None:
     from miniverl.config import MiniVerlConfig
-    from miniverl.conformance import conformance_gate
-    from miniverl.controller import StrictSyncController
+    from miniverl.errors import ConfigError
     from miniverl.models.lora import LoraSettings
     from miniverl.objectives.pg_k1 import PgK1Objective
-    from miniverl.protocol import ConfigError
     from miniverl.rewards import ExactMatchReward
     from miniverl.rollout.sampling import SamplingParams
-    from miniverl.run import prepare
+    from miniverl.setup.prepare import prepare
+    from miniverl.step.conformance import conformance_gate
+    from miniverl.step.controller import StrictSyncController
     from miniverl.workers import ProcessSettings
     from miniverl.workers.learner import LearnerWorker
     from miniverl.workers.rollout import RolloutWorker

@@ -23,11 +23,12 @@ def main() -> None:
     import ray
     from hydra import compose, initialize_config_dir
 
+    from miniverl.cluster.launch import build_actors, start_ray
     from miniverl.config import register_configs, to_config
-    from miniverl.controller import StrictSyncController
     from miniverl.objectives import build_objective
     from miniverl.rewards import ExactMatchReward
-    from miniverl.run import build_actors, prepare, start_ray
+    from miniverl.setup.prepare import prepare
+    from miniverl.step.controller import StrictSyncController
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=30)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miniverl.models.builtin import ArchSpec, BuiltinRecipe, SftSpec, build_model
-from tests.test_controller import parts  # noqa: F401 (strict-sync parts, shared as a fixture)
+from tests.step.test_controller import parts  # noqa: F401 (strict-sync parts, shared as a fixture)
 
 TINY_ARCH = ArchSpec(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64

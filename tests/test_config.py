@@ -10,11 +10,11 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from miniverl.actors import check_cluster_resources
+from miniverl.cluster.actors import check_cluster_resources
 from miniverl.config import MiniVerlConfig, register_configs, to_config, validate
+from miniverl.errors import ConfigError
 from miniverl.models.tokenizer import save_char_tokenizer
-from miniverl.protocol import ConfigError
-from miniverl.run import prepare
+from miniverl.setup.prepare import prepare
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

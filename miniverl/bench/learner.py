@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miniverl.protocol import RolloutBatch, TeacherScores
+from miniverl.batches import RolloutBatch, TeacherScores
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from miniverl.batches import PromptBatch
 from miniverl.models.logprobs import response_logits, token_logprobs
-from miniverl.protocol import PromptBatch
 from miniverl.rollout import Completion
 from miniverl.workers.rollout import to_rollout_batch
 

@@ -31,8 +31,8 @@ from miniverl.bench.workload import (
     lora_settings,
     make_adapter,
 )
+from miniverl.errors import ConfigError
 from miniverl.models.loading import torch_dtype
-from miniverl.protocol import ConfigError
 from miniverl.rollout import BACKENDS, Completion
 
 

@@ -7,7 +7,7 @@ import sys
 
 from miniverl.bridge.checks import VERL_ROLLOUT_ENGINES
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION, SUPPORTED_VERL_VERSIONS
-from miniverl.protocol import MiniVerlError
+from miniverl.errors import MiniVerlError
 
 REFUSALS_HELP = f"""\
 The export fails closed: it first collects every reason verl {DEFAULT_VERL_VERSION} could not reproduce the

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from miniverl.bridge.atomic import atomic_dir
+from miniverl.atomic import atomic_dir
+from miniverl.batches import RolloutBatch, TeacherScores
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION, major, miniverl_version
-from miniverl.protocol import BatchError, RolloutBatch, TeacherScores
+from miniverl.errors import BatchError, ConfigError
 
 FORMAT = "miniverl-verl-batch"
 TENSORS_FILE = "batch.safetensors"
@@ -48,6 +49,12 @@ class ExportedBatch:
     rewards: torch.Tensor | None  # [B] sequence scores
     columns: dict[str, torch.Tensor] = field(default_factory=dict)  # OPTIONAL_TOKEN_KEYS present, [B, Tr]
     manifest: dict = field(default_factory=dict)
+
+
+def refuse_existing(out: str | Path) -> None:
+    """The bridge never writes over something already there (it would lose it)."""
+    if Path(out).exists():
+        raise ConfigError(f"{out} already exists; the bridge never overwrites: pass a new --out or remove it first")
 
 
 def last_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -129,6 +136,7 @@ def save_batch(
         },
         "non_tensors": {"uid": list(batch.uid), "ground_truth": list(batch.ground_truth)},
     }
+    refuse_existing(out)
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / TENSORS_FILE))
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")

@@ -21,7 +21,7 @@ from pathlib import Path
 from miniverl.data.prompts import EVAL_SEED_OFFSET
 from miniverl.data.stream import VALID as VALID_PROMPT
 from miniverl.data.tasks import draw_examples
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 TRAIN_SEED_STRIDE = 7919  # PromptSource.batch seeds step `s` with `seed * 7919 + s` (tested to agree)
 REWARD_STYLE = "rule"  # verl's name for a programmatic reward that checks ground_truth

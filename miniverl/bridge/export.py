@@ -14,15 +14,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from miniverl.atomic import atomic_dir
 from miniverl.bridge import data as bridge_data
 from miniverl.bridge import rewards as bridge_rewards
-from miniverl.bridge.atomic import atomic_dir, refuse_existing
+from miniverl.bridge.batches import refuse_existing
 from miniverl.bridge.refusals import refuse_unless_expressible
 from miniverl.bridge.runs import load_run, model_paths
 from miniverl.bridge.spec import RunSpec
 from miniverl.bridge.translate import REWARD_FILE, command_line, nested, verl_overrides
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION, miniverl_version
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 
 def export_verl(source: str | Path, out: str | Path, verl_version: str = DEFAULT_VERL_VERSION) -> Path:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from miniverl.bridge.checks import CHECKS
 from miniverl.bridge.spec import RunSpec
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 __all__ = ["CHECKS", "Reason", "RunSpec", "VerlRefusal", "refusal_reasons", "refuse_unless_expressible"]
 

@@ -11,8 +11,8 @@ from miniverl.bridge.data import prompt_rows
 from miniverl.bridge.spec import RunSpec
 from miniverl.bridge.versions import DEFAULT_VERL_VERSION
 from miniverl.config import MiniVerlConfig, structured_schema, to_config, validate
+from miniverl.errors import ConfigError
 from miniverl.models.builtin import BuiltinRecipe, builtin_dir, parse_builtin_ref
-from miniverl.protocol import ConfigError
 
 RUN_CONFIG = Path(".hydra") / "config.yaml"
 PROBE_TEXT = "abc"  # any text the tokenizer encodes without special tokens of its own

@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Any
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 IDENTITY_PREFIXES = (
     "model.student.",

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from miniverl.protocol import MiniVerlError, PolicyIdentity
+from miniverl.atomic import atomic_dir
+from miniverl.errors import MiniVerlError
+from miniverl.policy import PolicyIdentity
 
 STATE_FILE = "state.json"
-PARTIAL_SUFFIX = ".partial"  # a folder being written; never read as a checkpoint
 HASH_CHUNK_BYTES = 1 << 20
 
 
@@ -61,31 +60,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def write_checkpoint(directory: Path, model, optimizer, identity: PolicyIdentity, meta: dict[str, Any]) -> Path:
     """Write the checkpoint to `directory`; never overwrites one, never leaves a half-written one.
 
-    Files go to a sibling `<name>.partial` folder first, which is renamed into place only when every file
-    is written and flushed: a crash, a full disk or a kill mid-write leaves the previous checkpoints as they
+    Files go to a hidden `*.partial` sibling first (miniverl/atomic.py), renamed into place only when every
+    file is written and flushed: a crash, a full disk or a kill mid-write leaves the previous checkpoints as they
     were. `meta` (step, config, ...) is stored in state.json as given.
     """
     if directory.exists():
         raise CheckpointError(f"checkpoint {directory} already exists; refusing to overwrite it (move it away first)")
-    tmp = directory.with_name(directory.name + PARTIAL_SUFFIX)
+    tmp = directory  # named in the error when the temporary folder was never made
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        model.save_pretrained(str(tmp / "adapter"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        files = {str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-        state = {
-            **meta,
-            "policy_version": identity.version,
-            "policy_digest": identity.digest,
-            "files": files,
-        }
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-        _fsync_tree(tmp)
-        tmp.rename(directory)
+        with atomic_dir(directory, fsync=True) as tmp:
+            write_files(tmp, model, optimizer, identity, meta)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
             f"could not write checkpoint {directory}: {e.strerror or e} ({e.__class__.__name__}, at"
             f" {e.filename or tmp}); the previous checkpoints are untouched. Free disk space or make the run"
@@ -94,12 +79,14 @@ def write_checkpoint(directory: Path, model, optimizer, identity: PolicyIdentity
     return directory
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush file contents before the rename publishes them (a power loss must not expose empty files)."""
-    for p in root.rglob("*"):
-        if p.is_file():
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
+def write_files(tmp: Path, model, optimizer, identity: PolicyIdentity, meta: dict[str, Any]) -> None:
+    """The checkpoint's files, and state.json with every file's digest, into the folder `tmp`."""
+    model.save_pretrained(str(tmp / "adapter"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    files = {str(p.relative_to(tmp)): file_digest(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+    state = {**meta, "policy_version": identity.version, "policy_digest": identity.digest, "files": files}
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
 
 
 def read_state(directory: Path) -> dict[str, Any]:

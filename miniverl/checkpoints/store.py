@@ -6,7 +6,8 @@ import re
 import shutil
 from pathlib import Path
 
-from miniverl.checkpoints.files import PARTIAL_SUFFIX, CheckpointError, read_state
+from miniverl.atomic import PARTIAL_SUFFIX
+from miniverl.checkpoints.files import CheckpointError, read_state
 
 CHECKPOINTS_DIR = "checkpoints"
 STEP_PATTERN = re.compile(r"^step_(\d+)$")

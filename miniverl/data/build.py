@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from miniverl.batches import PromptBatch
 from miniverl.data.files import Columns
 from miniverl.data.prompts import PromptSource
 from miniverl.data.stream import FilePromptSource
-from miniverl.protocol import PromptBatch
 
 
 class PromptStream(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 SCAN_BATCH_ROWS = 4096  # rows read from the Arrow table at a time
 SHOWN_ROWS = 3  # rows quoted in a refusal; the rest are counted

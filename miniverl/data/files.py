@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # file suffix -> datasets builder
 VERL_COLUMNS = ("data_source", "prompt", "reward_model")  # the columns that mark a verl-schema file

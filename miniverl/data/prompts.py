@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import random
 
+from miniverl.batches import PromptBatch
 from miniverl.data.tasks import TASKS, draw_examples, task_names
-from miniverl.protocol import ConfigError, PromptBatch
+from miniverl.errors import ConfigError
 
 EVAL_SEED_OFFSET = 1_000_000  # eval prompts come from a stream disjoint from every training step's
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from miniverl.batches import PromptBatch
 from miniverl.data.charset import check_encodable
 from miniverl.data.files import Columns, check_columns, is_verl_table, load_table, verl_row
 from miniverl.data.templates import encode_prompt
-from miniverl.protocol import ConfigError, PromptBatch
+from miniverl.errors import ConfigError
 
 UNKNOWN, VALID, OVERLONG = 0, 1, 2  # per-row length status, filled in as the stream reaches a row
 UNENCODABLE = 3  # set before training: the row holds characters the tokenizer cannot encode (data/charset.py)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 
 def encode_prompt(tokenizer, messages: list[dict[str, Any]], use_template: bool) -> list[int]:

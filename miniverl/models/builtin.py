@@ -77,7 +77,7 @@ TASK_SEPARATOR = "/"  # builtin:teacher/sort = the built-in teacher of data.task
 def parse_builtin_ref(path: str, default_task: str, field: str = "model path") -> tuple[str, str] | None:
     """`builtin:<role>[/<task>]` -> (role, task), the task defaulting to data.task; None for any other path."""
     from miniverl.data.tasks import TASKS, task_names
-    from miniverl.protocol import ConfigError
+    from miniverl.errors import ConfigError
 
     if not path.startswith(BUILTIN_PREFIX):
         return None
@@ -241,7 +241,7 @@ def built_accuracy(model_dir: Path) -> float:
 
 def require_competent_teacher(accuracy: float, threshold: float, recipe: BuiltinRecipe, model_dir: Path) -> None:
     """Refuse a built-in teacher that cannot do its task: distilling from it would teach nothing."""
-    from miniverl.protocol import ConfigError
+    from miniverl.errors import ConfigError
 
     if accuracy < threshold:
         raise ConfigError(

@@ -16,7 +16,7 @@ import struct
 from pathlib import Path
 from urllib.parse import urlparse
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 HUB_PROBE_TIMEOUT_S = 3.0  # a reachable hub answers a TCP connect in well under a second
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "name" or "owner/name"; dots allowed

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "nf4")  # model.<role>.quantization

@@ -15,9 +15,10 @@ import dataclasses
 
 import torch
 
+from miniverl.batches import RolloutBatch, TeacherScores
+from miniverl.errors import ConfigError
 from miniverl.models.fused_head import Support, fused_head_loss, head_logprobs
 from miniverl.models.packing import PackedRows, packed_hidden
-from miniverl.protocol import ConfigError, RolloutBatch, TeacherScores
 
 # Rows of [Tr, V] logits turned into fp32 log-probs at once in the direct path (see the module note).
 LOGPROB_CHUNK_ROWS = 4

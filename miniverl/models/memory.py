@@ -8,7 +8,7 @@ a model.
 
 from __future__ import annotations
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 GIB = 2**30
 FP32_BYTES = 4

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miniverl.protocol import RolloutBatch
+from miniverl.batches import RolloutBatch
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:

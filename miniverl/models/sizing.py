@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from miniverl.errors import ConfigError
 from miniverl.models.memory import FP32_BYTES, FUSED_CHUNK_FP32_COPIES, human
-from miniverl.protocol import ConfigError
 
 # One decoder layer's recomputed activations per token, in bytes per unit of (hidden + intermediate) size.
 LAYER_ACTIVATION_BYTES_PER_WIDTH = 14.8

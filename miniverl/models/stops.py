@@ -7,7 +7,7 @@ one id only lets every row run to max_new_tokens.
 
 from __future__ import annotations
 
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 
 def declared_eos_ids(model_path: str) -> list[int]:

@@ -43,7 +43,7 @@ def ratio_metrics(
 @dataclass(frozen=True)
 class SamplerTolerance:
     """How far the sampler's log-probs of its own sampled tokens may sit from the learner's recomputation
-    before an objective's math no longer holds (the conformance gate, miniverl/conformance.py).
+    before an objective's math no longer holds (the conformance gate, miniverl/step/conformance.py).
 
     Gaps are |log q_sampler(y_t) - log q_learner(y_t)| in nats over sampled tokens; `outside_frac` is the
     fraction of ratios q_learner / q_sampler outside [1/cap, cap]. `truncated` is True when the objective

@@ -50,7 +50,7 @@ __all__ = [
 
 def check_reward_config(cfg) -> None:
     """Names exist and a custom function's file exists; loading it waits for build_reward."""
-    from miniverl.protocol import ConfigError
+    from miniverl.errors import ConfigError
 
     if cfg.name != AUTO:
         REWARDS.require(cfg.name)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from miniverl.protocol import ConfigError, MiniVerlError, RolloutBatch
+from miniverl.batches import RolloutBatch
+from miniverl.errors import ConfigError, MiniVerlError
 
 # (name shown in errors, function)
 Picked = tuple[str, Callable]

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miniverl.errors import ConfigError
 from miniverl.models.logprobs import token_logprobs
 from miniverl.models.lora import LoraSettings, build_lora_model
-from miniverl.probe import probe_tolerance
-from miniverl.protocol import ConfigError
 from miniverl.rollout import Completion
 from miniverl.rollout.hf_reference import left_pad
 from miniverl.rollout.sampling import SamplingParams, make_generators, sample_next
+from miniverl.step.served_policy import probe_tolerance
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 LORA_GROUPS = ("qkv_lora", "o_lora", "gate_up_lora", "down_lora")

@@ -10,9 +10,9 @@ import torch
 
 from miniverl.models.logprobs import sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
-from miniverl.probe import probe_tolerance
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams, make_generators, sample_next
+from miniverl.step.served_policy import probe_tolerance
 
 
 def left_pad(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

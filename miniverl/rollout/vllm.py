@@ -20,9 +20,8 @@ import time
 
 import torch
 
+from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings
-from miniverl.probe import probe_tolerance
-from miniverl.protocol import ConfigError
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import (
@@ -36,6 +35,7 @@ from miniverl.rollout.vllm_settings import (
     merged_weights,
     vllm_lora_rank,
 )
+from miniverl.step.served_policy import probe_tolerance
 
 
 def adapter_template(model_dir: str, lora: LoraSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -67,8 +67,9 @@ class VllmBackend:
 
         self.settings, self.lora, self.model_path = settings, lora, model_path
         self.scale = lora.alpha / lora.rank  # peft's plain-LoRA scaling, which vLLM applies too
-        # miniverl/probe.py's bound for the dtype. Measured for this engine: bf16 vLLM against bf16 HF of the
-        # same weights and adapter, at most 0.098 nats over ~1M sampled tokens (docs/benchmarks/rollout-rl-sizes.md).
+        # miniverl/step/served_policy.py's bound for the dtype. Measured for this engine: bf16 vLLM against bf16
+        # HF of the same weights and adapter, at most 0.098 nats over ~1M sampled tokens
+        # (docs/benchmarks/rollout-rl-sizes.md).
         self.probe_tolerance = probe_tolerance(dtype)
         self.version = 0
         self.request = None  # the LoRARequest now served (adapter mode)

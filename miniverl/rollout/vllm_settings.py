@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from miniverl.config import check_quantized_rollout
-from miniverl.protocol import ConfigError
+from miniverl.atomic import atomic_dir
+from miniverl.errors import ConfigError
+from miniverl.rollout import check_quantized_rollout
 
 # LoRA ranks vLLM 0.26 can be started with (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -169,12 +170,9 @@ class AdapterStore:
         from safetensors.torch import save_file
 
         final = self.root / f"v{version}"
-        tmp = self.root / f".v{version}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "adapter_model.safetensors"))
-        (tmp / "adapter_config.json").write_text(json.dumps(self.config))
-        tmp.rename(final)
+        with atomic_dir(final) as tmp:
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "adapter_model.safetensors"))
+            (tmp / "adapter_config.json").write_text(json.dumps(self.config))
         for old in self.root.iterdir():
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The three actors as plain classes: a test builds them in-process; miniverl.actors makes them Ray actors."""
+"""The three actors as plain classes: a test builds them in-process; miniverl.cluster.actors makes them Ray actors."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class ProcessSettings:
     # less its CUDA context, emulated_cap_gib).
     gpu_memory_gib: float | None = None
     gpu_fraction: float = 1.0  # this actor's Ray share of its GPU (its memory budget when nothing caps it)
-    # An actor process (run.build_actors): SIGINT/SIGTERM are ignored, because a terminal's Ctrl-C, `timeout`
+    # An actor process (cluster.launch.build_actors): SIGINT/SIGTERM are ignored, because a terminal's Ctrl-C, `timeout`
     # or a scheduler signal the whole process group, and stopping (checkpoint first) is the driver's job.
     actor: bool = False
 
@@ -31,7 +31,7 @@ CUDA_CONTEXT_GIB = 0.66
 def emulated_cap_gib(card_gib: float, fraction: float, what: str) -> float:
     """An actor's torch memory cap on an emulated card of `card_gib`: its fraction of the card less its own
     CUDA context, so the actors' caps and contexts together fit the card nvidia-smi would show."""
-    from miniverl.protocol import ConfigError
+    from miniverl.errors import ConfigError
 
     cap = card_gib * fraction - CUDA_CONTEXT_GIB
     if cap <= 0:

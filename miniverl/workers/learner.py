@@ -7,21 +7,15 @@ from pathlib import Path
 
 import torch
 
+from miniverl.batches import RolloutBatch, TeacherScores
 from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
+from miniverl.errors import MiniVerlError, PolicyMismatchError
 from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
 from miniverl.models.packing import batch_micro_batches, pack_rows
-from miniverl.probe import PROBE_TOKENS, draw_probe
-from miniverl.protocol import (
-    MiniVerlError,
-    PolicyIdentity,
-    PolicyMismatchError,
-    PolicySnapshot,
-    RolloutBatch,
-    TeacherScores,
-    weights_digest,
-)
+from miniverl.policy import PolicyIdentity, PolicySnapshot, weights_digest
+from miniverl.step.served_policy import PROBE_TOKENS, draw_probe
 from miniverl.workers import ProcessSettings, memory_report, memory_share_bytes, setup_process
 
 
@@ -116,7 +110,7 @@ class LearnerWorker:
         return PolicySnapshot(self.published, weights if include_weights else {})
 
     def probe_sequences(self) -> list[list[int]]:
-        """The run's fixed strict-sync probe, drawn from this student's vocabulary (miniverl/probe.py)."""
+        """The run's fixed strict-sync probe, drawn from this student's vocabulary (miniverl/step/served_policy.py)."""
         cfg = self.model.get_base_model().config
         return draw_probe(cfg.vocab_size, getattr(cfg, "max_position_embeddings", PROBE_TOKENS))
 

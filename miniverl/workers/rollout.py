@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from miniverl.batches import PromptBatch, RolloutBatch
+from miniverl.errors import PolicyMismatchError
 from miniverl.models.loading import torch_dtype
 from miniverl.models.lora import LoraSettings
-from miniverl.protocol import (
-    PolicyIdentity,
-    PolicyMismatchError,
-    PolicySnapshot,
-    PromptBatch,
-    RolloutBatch,
-)
+from miniverl.policy import PolicyIdentity, PolicySnapshot
 from miniverl.rollout import BACKENDS, Completion
 from miniverl.rollout.sampling import SamplingParams, row_seeds
 from miniverl.workers import ProcessSettings, memory_report, setup_process

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from miniverl.batches import RolloutBatch, TeacherScores
 from miniverl.models.fused_head import chunk_logprobs
 from miniverl.models.loading import load_causal_lm, torch_dtype
 from miniverl.models.packing import batch_micro_batches, pack_rows, packed_hidden
-from miniverl.protocol import RolloutBatch, TeacherScores
 from miniverl.workers import ProcessSettings, memory_report, memory_share_bytes, setup_process
 
 

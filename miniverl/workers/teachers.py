@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from miniverl.protocol import RolloutBatch, TeacherScores, concat_scores
-from miniverl.teachers import TeacherRouting
+from miniverl.batches import RolloutBatch, TeacherScores, concat_scores
+from miniverl.setup.teachers import TeacherRouting
 from miniverl.workers import ProcessSettings, memory_report, setup_process
 from miniverl.workers.scorer import ScorerWorker
 

@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
+from miniverl.batches import RolloutBatch, TeacherScores
 from miniverl.bridge import batches
 from miniverl.bridge.versions import miniverl_version
-from miniverl.protocol import BatchError, ConfigError, RolloutBatch, TeacherScores
+from miniverl.errors import BatchError, ConfigError
 
 B, TP, TR, K = 4, 3, 5, 2
 

@@ -8,7 +8,7 @@ import pytest
 
 from miniverl.bridge import data
 from miniverl.data.prompts import PromptSource
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 
 
 class _CharTokenizer:

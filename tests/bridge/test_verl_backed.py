@@ -16,13 +16,13 @@ import pytest
 import torch
 import yaml
 
+from miniverl.batches import RolloutBatch, TeacherScores
 from miniverl.bridge import batches
 from miniverl.bridge.export import export_verl
 from miniverl.bridge.translate import flatten
 from miniverl.bridge.verl_check import KL_KINDS
 from miniverl.data.prompts import PromptSource
 from miniverl.objectives import grpo_advantages, kl_penalty
-from miniverl.protocol import RolloutBatch, TeacherScores
 from tests.bridge.helpers import set_key, write_config, write_prompt_files
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from miniverl.checkpoints.store import list_checkpoints, newest_valid, prune, st
 from miniverl.models.lora import adapter_state
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.workers.learner import LearnerWorker, NonFiniteError
-from tests.test_controller import CPU, LORA, PARAMS, make_controller
+from tests.step.test_controller import CPU, LORA, PARAMS, make_controller
 
 META = {"config": {"model": {"lora": {"rank": 4}}}, "config_hash": "h", "first_eval": {"eval/accuracy": 0.5}}
 

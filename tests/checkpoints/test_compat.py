@@ -10,8 +10,8 @@ import pytest
 from miniverl.checkpoints.compat import check_resumable, command_line_keys, identity_hash, resumed_config
 from miniverl.checkpoints.store import step_dir
 from miniverl.config import to_config
-from miniverl.preflight import resolve_resume
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
+from miniverl.setup.preflight import resolve_resume
 from tests.test_config import load
 
 

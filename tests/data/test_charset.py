@@ -9,8 +9,8 @@ import pytest
 from miniverl.data.charset import unencodable_chars
 from miniverl.data.files import Columns
 from miniverl.data.stream import FilePromptSource
+from miniverl.errors import ConfigError
 from miniverl.models.tokenizer import save_char_tokenizer
-from miniverl.protocol import ConfigError
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from miniverl.data.files import Columns, verl_rows
 from miniverl.data.stream import FilePromptSource
 from miniverl.data.templates import encode_prompt
-from miniverl.protocol import ConfigError
+from miniverl.errors import ConfigError
 from tests.chat_models import gsm8k_rows, write_jsonl, write_parquet
 
 LONG = 400  # a prompt limit no fixture prompt reaches

@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 import torch
 
+from miniverl.errors import ConfigError
 from miniverl.models.fused_head import check_fusable, fused_head_loss, head_logprobs
 from miniverl.models.logprobs import response_logits, token_logprobs
 from miniverl.models.packing import pack_rows, plan_micro_batches, row_lengths
-from miniverl.protocol import ConfigError
 from tests.objectives.test_objective_invariances import (
     REWARDS,
     assert_same,

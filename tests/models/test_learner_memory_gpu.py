@@ -28,10 +28,10 @@ def model_dir(tmp_path_factory):
 
 
 def peak_gib(model_dir, chunk: int) -> float:
+    from miniverl.batches import RolloutBatch, TeacherScores
     from miniverl.models.logprobs import packed_token_loss
     from miniverl.models.packing import pack_rows
     from miniverl.objectives.gkd import GkdObjective
-    from miniverl.protocol import RolloutBatch, TeacherScores
 
     model = build_lora_model(str(model_dir), LORA, torch.bfloat16, "cuda").train()
     g = torch.Generator().manual_seed(0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from miniverl.errors import ConfigError
 from miniverl.models.memory import GIB, check_vocab_memory, learner_logits_bytes, teacher_support_bytes
-from miniverl.protocol import ConfigError
 
 QWEN_VOCAB = 151_936  # Qwen2.5-0.5B/1.5B logits
 

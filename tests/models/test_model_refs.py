@@ -8,11 +8,11 @@ import time
 
 import pytest
 
+from miniverl.errors import ConfigError
 from miniverl.models import hub
 from miniverl.models.builtin import BuiltinRecipe, builtin_dir, require_competent_teacher
 from miniverl.models.hub import HUB_PROBE_TIMEOUT_S, resolve_model_ref, safetensors_problem
-from miniverl.protocol import ConfigError
-from miniverl.run import prepare
+from miniverl.setup.prepare import prepare
 from tests.test_config import with_models
 
 QWEN = "Qwen/Qwen2.5-0.5B-Instruct"  # the README's example: a hub id with a dot

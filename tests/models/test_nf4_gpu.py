@@ -54,9 +54,9 @@ class SumOfLogprobs:
 
 
 def test_chunked_path_matches_direct_on_nf4(model_dir):
+    from miniverl.batches import RolloutBatch
     from miniverl.models.logprobs import packed_token_loss
     from miniverl.models.packing import pack_rows
-    from miniverl.protocol import RolloutBatch
 
     model = build_lora_model(str(model_dir), LORA, torch.bfloat16, "cuda", "nf4")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

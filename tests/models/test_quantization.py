@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from miniverl.config import validate
+from miniverl.errors import ConfigError
 from miniverl.models.loading import load_causal_lm, nf4_config, require_quantization
-from miniverl.protocol import ConfigError
-from miniverl.run import prepare
+from miniverl.setup.prepare import prepare
 from tests.test_config import load, with_models
 
 

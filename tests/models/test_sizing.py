@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from miniverl.errors import ConfigError
 from miniverl.models.sizing import (
     LearnerShape,
     check_token_budget,
@@ -12,7 +13,6 @@ from miniverl.models.sizing import (
     learner_peak_bytes,
     scorer_tokens,
 )
-from miniverl.protocol import ConfigError
 
 GIB = 2**30
 # Qwen2.5-0.5B shape in bf16 with LoRA r32 on every linear layer (the learner-throughput bench's student).

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from miniverl.batches import RolloutBatch, TeacherScores
 from miniverl.config import GkdObjectiveConfig, ObjectiveConfig, PgK1ObjectiveConfig
+from miniverl.errors import ConfigError
 from miniverl.models.logprobs import response_logits, token_logprobs
 from miniverl.objectives import OBJECTIVES, build_objective, generalized_jsd, grpo_advantages, kl_penalty
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.objectives.pg_k1 import PgK1Objective
-from miniverl.protocol import ConfigError, RolloutBatch, TeacherScores
 from miniverl.workers import ProcessSettings
 from miniverl.workers.scorer import ScorerWorker
 

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from miniverl.batches import PromptBatch, RolloutBatch, TeacherScores
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.objectives.pg_k1 import PgK1Objective
-from miniverl.protocol import PromptBatch, RolloutBatch, TeacherScores
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miniverl.batches import RolloutBatch
 from miniverl.config import RewardConfig
-from miniverl.protocol import ConfigError, RolloutBatch
+from miniverl.errors import ConfigError
 from miniverl.rewards import RewardError, build_reward, check_reward_config
 from miniverl.rewards.scoring import boxed, exact_match, gsm8k, last_boxed, to_number
 

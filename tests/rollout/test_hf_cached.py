@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miniverl.batches import PromptBatch
+from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings
-from miniverl.protocol import ConfigError, PolicyIdentity, PolicySnapshot, PromptBatch
+from miniverl.policy import PolicyIdentity, PolicySnapshot
 from miniverl.rollout import BACKENDS
 from miniverl.rollout.hf_cached import HFCachedBackend
 from miniverl.rollout.hf_reference import HFReferenceBackend
@@ -234,13 +236,13 @@ def test_served_equals_the_learners_arithmetic_after_updates_at_a_small_lr_in_bf
     projection computed by the learner's peft modules. A bf16 merge W + s B A (main) is another function:
     here 94% of the merged q_proj entries still equal the base after 5 updates, and the merged layer
     differs from the peft layer in every q/k/v output of 64 random rows (measured on this model)."""
-    from miniverl.controller import StrictSyncController
     from miniverl.models.lora import load_adapter_state
     from miniverl.objectives.gkd import GkdObjective
     from miniverl.rewards import ExactMatchReward
     from miniverl.rollout.hf_cached import _Decoder
+    from miniverl.step.controller import StrictSyncController
     from miniverl.workers.learner import LearnerWorker
-    from tests.test_controller import PARAMS
+    from tests.step.test_controller import PARAMS
 
     tok, prompts, _, scorer = parts
     cpu = ProcessSettings("cpu", torch_threads=1)

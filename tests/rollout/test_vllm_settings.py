@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from miniverl.config import MiniVerlConfig
+from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model
-from miniverl.protocol import ConfigError
 from miniverl.rollout.vllm_settings import (
     ENGINE_OVERHEAD_GIB,
     AdapterStore,
@@ -109,7 +109,7 @@ def test_require_vllm_explains_what_is_missing(monkeypatch):
 
 
 def test_a_vllm_run_on_the_cpu_stops_before_any_actor(student_dir, teacher_dir):
-    from miniverl.run import prepare
+    from miniverl.setup.prepare import prepare
     from tests.test_config import with_models
 
     cfg = with_models(student_dir, teacher_dir, "rollout=vllm", "resources.device=cpu")

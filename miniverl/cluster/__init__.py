@@ -1,0 +1,1 @@
+"""The Ray plumbing: starting the actors, where they go (GPUs, placement), GPU memory, and faults."""

@@ -1,0 +1,179 @@
+"""Starting a run's cluster: Ray, then the actors on their GPUs (rollout replicas first), and tearing it down."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miniverl.cluster.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
+from miniverl.cluster.faults import shielded_children
+from miniverl.cluster.placement import plan_placement
+from miniverl.config import MiniVerlConfig
+from miniverl.models.lora import LoraSettings
+from miniverl.rollout.vllm_settings import settings_from_config
+from miniverl.setup.prepare import Setup
+from miniverl.setup.teachers import teacher_name, teacher_specs
+from miniverl.workers import ProcessSettings, emulated_cap_gib
+from miniverl.workers.learner import LearnerWorker
+from miniverl.workers.rollout import RolloutWorker
+from miniverl.workers.scorer import ScorerWorker
+from miniverl.workers.teachers import TeacherLoad, TeachersScorerWorker
+
+
+def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
+    """Connect to (or start) Ray; print the dashboard URL. Returns True when this call started Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"address": cfg.resources.ray_address, "log_to_driver": True}
+    if cfg.resources.ray_address is None:
+        # None lets Ray start the dashboard only when its packages (ray[default]) are installed.
+        kwargs["include_dashboard"] = None if cfg.resources.dashboard else False
+    with shielded_children():  # a signal to the whole process group must not kill Ray under the driver
+        ctx = ray.init(**kwargs)
+    url = getattr(ctx, "dashboard_url", None)
+    log(f"[miniverl] Ray dashboard: http://{url}" if url else "[miniverl] Ray dashboard: not running")
+    return True
+
+
+def resolve_gpus(cfg: MiniVerlConfig, device: str) -> int:
+    """GPUs to place actors on: resources.gpus, or 1 when the run computes on CUDA, else 0."""
+    if cfg.resources.gpus is None:
+        return 1 if device == "cuda" else 0
+    return cfg.resources.gpus
+
+
+def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str, list[Any]], Any]:
+    """One rollout replica and learner rank per GPU (one of each without GPUs), and a scorer replica
+    on each of those GPUs or on each of resources.scorer_gpus dedicated GPUs.
+
+    Rollout replicas start first (an engine such as vLLM claims its memory budget at start). With
+    GPUs, every replica sits in its GPU's placement bundle and takes its fraction of that GPU.
+    """
+    import ray
+
+    res = cfg.resources
+    gpus = resolve_gpus(cfg, setup.device)
+    plan = plan_placement(res, gpus)
+    check_cluster_resources(plan.totals(), ray.cluster_resources())
+    pg = gpu_placement_group(plan.bundle_cpus) if plan.bundle_cpus else None
+
+    def gpu_cap_gib(actor: str) -> float | None:
+        """The actor's torch cap on the emulated GPU (resources.emulate_gpu_gib), or None without emulation."""
+        emulated = setup.device == "cuda" and res.emulate_gpu_gib
+        return emulated_cap_gib(res.emulate_gpu_gib, plan.num_gpus[actor], f"{actor} share") if emulated else None
+
+    def start(cls, actor: str, i: int, *args, **kwargs):
+        share = plan.num_gpus[actor]
+        process = ProcessSettings(setup.device, res.torch_threads, gpu_cap_gib(actor), share, actor=True)
+        place = (pg, plan.bundle[actor][i]) if pg else None
+        return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
+
+    lora = LoraSettings.from_config(cfg.model.lora)
+    t, m = cfg.trainer, cfg.model
+    student, teacher = setup.paths["student"], setup.paths.get("teacher")
+    learner_args = (
+        student,
+        lora,
+        m.student.dtype,
+        objective,
+        t.lr,
+        t.weight_decay,
+        t.max_grad_norm,
+        t.micro_batch_size,
+    )
+    options = {}
+    if cfg.rollout.backend == "vllm":
+        options = {"settings": settings_from_config(cfg, plan.num_gpus["rollout"], gpu_cap_gib("rollout"))}
+    elif m.student.quantization != "none":  # hf_reference serves the 4-bit base as the learner loads it
+        options = {"quantization": m.student.quantization}
+    rollouts = [
+        start(RolloutWorker, "rollout", i, cfg.rollout.backend, student, lora, m.student.dtype, backend_options=options)
+        for i in range(plan.count["rollout"])
+    ]
+    _wait_ready("rollout", rollouts)  # before the others claim memory
+    if setup.routing is not None:  # several teachers: one scorer actor holds them all (workers/teachers.py)
+        loads = {
+            teacher_name(role): TeacherLoad(setup.paths[role], spec.dtype, spec.quantization)
+            for role, spec in teacher_specs(m).items()
+        }
+        scorers = [
+            start(
+                TeachersScorerWorker,
+                "scorer",
+                i,
+                loads,
+                setup.routing,
+                t.micro_batch_size,
+                vocab_size=setup.vocab_size,
+                chunk_tokens=t.logprob_chunk_tokens,
+                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            )
+            for i in range(plan.count["scorer"])
+        ]
+    actors = {
+        "rollout": rollouts,
+        "scorer": scorers
+        if setup.routing is not None
+        else [
+            start(
+                ScorerWorker,
+                "scorer",
+                i,
+                teacher,
+                m.teacher.dtype,
+                t.micro_batch_size,
+                vocab_size=setup.vocab_size,
+                quantization=m.teacher.quantization,
+                chunk_tokens=t.logprob_chunk_tokens,
+                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            )
+            for i in range(plan.count["scorer"])
+        ],
+        "learner": [
+            start(
+                LearnerWorker,
+                "learner",
+                i,
+                *learner_args,
+                rank=i,
+                world_size=plan.count["learner"],
+                on_nonfinite=t.on_nonfinite,
+                quantization=m.student.quantization,
+                logprob_chunk_tokens=t.logprob_chunk_tokens,
+                gradient_checkpointing=t.gradient_checkpointing,
+                max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                max_row_tokens=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+            )
+            for i in range(plan.count["learner"])
+        ],
+    }
+    _wait_ready("scorer", actors["scorer"])
+    _wait_ready("learner", actors["learner"])
+    if plan.count["learner"] > 1:
+        host, port = call(actors["learner"][0], "distributed_address")
+        call_all(actors["learner"], "init_distributed", [(host, port)] * plan.count["learner"])
+    return actors, pg
+
+
+def _wait_ready(name: str, group: list[Any]) -> None:
+    """Surface a constructor failure here, naming the actor."""
+    import ray
+
+    for i, actor in enumerate(group):
+        try:
+            ray.get(actor.__ray_ready__.remote())
+        except Exception as e:
+            raise RuntimeError(f"the {name} actor (replica {i}) failed to start: {e}") from e
+
+
+def teardown(actors: dict[str, list[Any]], pg) -> None:
+    """Stop the actors and free their placement group, so a later run in this Ray cluster can start."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for group in actors.values():
+        for actor in group:
+            ray.kill(actor)
+    if pg is not None:
+        remove_placement_group(pg)

@@ -1,0 +1,171 @@
+"""What the driver checks and loads before any actor starts: the device, the models (built-in ones built on
+first use), vocabularies, stop ids, prompts and their rewards (Setup); prepare_run adds the run's other checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miniverl.batches import PromptBatch
+from miniverl.config import MiniVerlConfig, validate
+from miniverl.data.build import PromptStream, build_prompt_source
+from miniverl.errors import ConfigError
+from miniverl.models.builtin import (
+    BuiltinRecipe,
+    built_accuracy,
+    ensure_builtin_models,
+    parse_builtin_ref,
+    require_competent_teacher,
+)
+from miniverl.models.hub import check_model_dir, resolve_model_ref
+from miniverl.models.loading import (
+    check_same_vocabulary,
+    load_model_config,
+    load_tokenizer,
+    require_quantization,
+    shared_vocab_size,
+)
+from miniverl.models.logprobs import check_plain_logits
+from miniverl.models.memory import check_vocab_memory
+from miniverl.models.stops import resolve_stop_ids
+from miniverl.objectives import build_objective
+from miniverl.rewards import SourceReward, build_reward
+from miniverl.rollout.vllm_settings import require_vllm
+from miniverl.setup.preflight import (
+    ResumePoint,
+    check_device_settings,
+    check_gpu_request,
+    check_lora_targets,
+    check_tracking,
+    resolve_resume,
+)
+from miniverl.setup.teachers import TeacherRouting, check_sources_routed, routing_of, teacher_specs
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("resources.device=cuda but this machine has no usable CUDA GPU; use resources.device=cpu")
+    return requested
+
+
+USER_MODEL_FIX = "re-save the model (save_pretrained) or download it again"
+
+
+def resolve_model_paths(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
+    """Model directories or hub ids for the student and every teacher; built-in models are built on first use.
+
+    Keys: "student", and "teacher" (model.teacher) or "teachers.<name>" (model.teachers.<name>). Each role
+    resolves on its own, so a local model for one role and a built-in one for another works; a built-in ref
+    `builtin:teacher/<task>` names another task's teacher. A built-in teacher below
+    model.builtin_min_teacher_accuracy stops the run.
+    """
+    specs = {"student": cfg.model.student.path, **{r: s.path for r, s in teacher_specs(cfg.model).items()}}
+    out, builtin = {}, {}
+    for role, path in specs.items():
+        ref = parse_builtin_ref(path, cfg.data.task, f"model.{role}.path")
+        if ref is not None:
+            builtin[role] = ref
+        else:
+            out[role] = resolve_model_ref(path, f"model.{role}.path", USER_MODEL_FIX)
+    for task in dict.fromkeys(task for _, task in builtin.values()):  # each recipe built once, in order
+        recipe = BuiltinRecipe(task, cfg.data.min_len, cfg.data.max_len)
+        roles = tuple(which for which, t in builtin.values() if t == task)
+        built = ensure_builtin_models(cfg.model.cache_dir, recipe, log, roles)
+        for role, (which, _) in ((r, ref) for r, ref in builtin.items() if ref[1] == task):
+            fix = f"delete {built[which].parent} so the built-in models are rebuilt (scripts/build_models.py)"
+            check_model_dir(built[which], f"model.{role}.path={specs[role]} (cached)", fix)
+            out[role] = str(built[which])
+        if "teacher" in roles:
+            accuracy = built_accuracy(built["teacher"])
+            log(f"[miniverl] built-in teacher for task {recipe.task!r}: greedy accuracy {accuracy:.3f}")
+            require_competent_teacher(accuracy, cfg.model.builtin_min_teacher_accuracy, recipe, built["teacher"])
+    return out
+
+
+@dataclass
+class Setup:
+    """Everything checked and loaded in the driver before any actor starts."""
+
+    device: str
+    paths: dict[str, str]
+    tokenizer: Any
+    prompts: PromptStream  # prompts.batch(step, g): the step's prompts, a pure function of (seed, step)
+    eval_batch: PromptBatch
+    stop_token_ids: tuple[int, ...]
+    vocab_size: int  # logits compared by distillation (the student's; the scorer drops a teacher's extra)
+    reward_fn: SourceReward
+    routing: TeacherRouting | None = None  # several teachers (model.teachers); None: model.teacher scores all
+
+
+def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
+    """Validate the config, resolve models, check vocabularies, stop ids, prompts and their rewards."""
+    validate(cfg)
+    device = resolve_device(cfg.resources.device)
+    if cfg.rollout.backend == "vllm":
+        require_vllm(device)
+    teachers = teacher_specs(cfg.model)
+    for role, spec in (("student", cfg.model.student), *teachers.items()):
+        require_quantization(spec.quantization, device, f"model.{role}.quantization")
+    paths = resolve_model_paths(cfg, log)
+    student_tok = load_tokenizer(paths["student"], "model.student.path", USER_MODEL_FIX)
+    configs = {role: load_model_config(paths[role], f"model.{role}.path", USER_MODEL_FIX) for role in paths}
+    for role, config in configs.items():
+        check_plain_logits(config, f"model.{role}.path={paths[role]!r}")
+    v_student = configs["student"].vocab_size
+    for role in teachers:  # every teacher meets the vocabulary rules on its own
+        teacher_tok = load_tokenizer(paths[role], f"model.{role}.path", USER_MODEL_FIX)
+        check_same_vocabulary(student_tok, teacher_tok, paths["student"], paths[role])
+        vocab_size = shared_vocab_size(v_student, configs[role].vocab_size, len(student_tok))
+    t, r = cfg.trainer, cfg.rollout
+    check_vocab_memory(
+        cfg.data.prompts_per_step * r.n,
+        r.max_new_tokens,
+        vocab_size,
+        build_objective(cfg.objective).teacher_support_k,
+        t.micro_batch_size,
+        t.logprob_chunk_tokens,
+        t.vocab_memory_budget_gib,
+        t.max_tokens_per_micro_batch,
+    )
+    stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
+    d = cfg.data
+    source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)
+    eval_batch = source.eval_batch(d.eval_prompts)
+    reward_fn = build_reward(cfg.reward, student_tok)
+    seen_sources = eval_batch.data_source + source.batch(0, d.prompts_per_step).data_source
+    reward_fn.check_sources(seen_sources)
+    routing = routing_of(cfg.model)
+    check_sources_routed(routing, seen_sources)
+    return Setup(device, paths, student_tok, source, eval_batch, stops, vocab_size, reward_fn, routing)
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def prepare_run(
+    cfg: MiniVerlConfig, run_dir: Path, typed_config: dict[str, Any], log=print
+) -> tuple[ResumePoint | None, Setup]:
+    """Every check that can run before Ray, cheapest first, then the driver's setup (prepare).
+
+    Returns (resume, setup): the checkpoint this run continues (None for a fresh start) and the Setup.
+    `typed_config` is the config as a plain dict (dataclasses.asdict), compared with a checkpoint's.
+    """
+    import ray
+
+    validate(cfg)
+    resume = resolve_resume(cfg, run_dir, typed_config, log)  # first: a used run directory costs nothing
+    device = resolve_device(cfg.resources.device)  # the device checks come before models are built or loaded
+    check_device_settings(cfg, device)
+    check_gpu_request(cfg, device, cuda_device_count(), ray.is_initialized())
+    setup = prepare(cfg, log)
+    check_lora_targets(setup.paths["student"], cfg.model.lora.target_modules)
+    check_tracking(cfg.tracking.wandb_mode)
+    return resume, setup

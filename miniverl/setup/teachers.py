@@ -1,0 +1,157 @@
+"""Several teachers in one run, one per data source (multi-teacher on-policy distillation, docs/multi_teacher.md).
+
+The config names teachers (`model.teachers.<name>`) and routes rows to them by their verl `data_source`
+(`model.teacher_by_source`, then `model.default_teacher`). This module holds the routing table, the checks
+that run before Ray starts (each one names the fix), and the step metrics per source and per teacher. With
+`model.teachers` empty the run has one teacher, `model.teacher`, and nothing here changes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miniverl.errors import ConfigError, MiniVerlError
+from miniverl.objectives.aggregation import masked_mean
+
+SINGLE_TEACHER_ROLE = "teacher"  # setup.paths key of model.teacher; named teachers are "teachers.<name>"
+
+
+class RoutingError(MiniVerlError):
+    """A row's data_source has no teacher: the run stops rather than score it with the wrong one."""
+
+
+@dataclass(frozen=True)
+class TeacherRouting:
+    """Which named teacher scores a row: `by_source[data_source]`, else `default` (None: no default)."""
+
+    by_source: dict[str, str]
+    default: str | None
+
+    def teacher_of(self, source: str) -> str:
+        name = self.by_source.get(source, self.default)
+        if name is None:
+            known = ", ".join(sorted(self.by_source)) or "none"
+            raise RoutingError(
+                f"data_source {source!r} has no teacher (model.teacher_by_source routes: {known}; no"
+                f" model.default_teacher); add '+model.teacher_by_source.{source}=<teacher>' or set"
+                " model.default_teacher=<teacher>"
+            )
+        return name
+
+    def split(self, data_source: list[str]) -> dict[str, list[int]]:
+        """Row indices per teacher, teachers in order of their first row, rows in batch order."""
+        out: dict[str, list[int]] = {}
+        for i, source in enumerate(data_source):
+            out.setdefault(self.teacher_of(source), []).append(i)
+        return out
+
+
+def routing_of(model) -> TeacherRouting | None:
+    """The routing of ModelConfig `model`; None for a single-teacher run (model.teachers empty)."""
+    if not model.teachers:
+        return None
+    return TeacherRouting(dict(model.teacher_by_source), model.default_teacher)
+
+
+def teacher_specs(model) -> dict[str, object]:
+    """The run's teachers by setup role: {"teacher": model.teacher} or {"teachers.<name>": spec, ...}.
+
+    A role reads as the config key under `model.` (errors say `model.teachers.sort.path=...`)."""
+    if not model.teachers:
+        return {SINGLE_TEACHER_ROLE: model.teacher}
+    return {f"teachers.{name}": spec for name, spec in model.teachers.items()}
+
+
+def teacher_name(role: str) -> str:
+    return role.split(".", 1)[1] if role.startswith("teachers.") else role
+
+
+def check_teacher_routes(model, default_teacher) -> None:
+    """Config-only checks of ModelConfig `model`, before any model is resolved: names, routes, dtypes.
+
+    `default_teacher` is model.teacher's default ModelSpec (config.py owns it; config imports this module)."""
+    from miniverl.models.loading import DTYPES, QUANTIZATIONS
+
+    teachers, routes, default = model.teachers, model.teacher_by_source, model.default_teacher
+    if not teachers:
+        if routes or default is not None:
+            raise ConfigError(
+                "model.teacher_by_source / model.default_teacher route rows to named teachers, but"
+                " model.teachers is empty; define them as model.teachers.<name> (path, dtype, quantization),"
+                " or drop the routes to use the single model.teacher"
+            )
+        return
+    if model.teacher != default_teacher:
+        raise ConfigError(
+            f"model.teacher is set ({model.teacher.path}) and so is model.teachers ({', '.join(teachers)}): with"
+            " named teachers model.teacher is not used; move it into model.teachers.<name> and route to it"
+        )
+    known = ", ".join(sorted(teachers))
+    for name, spec in teachers.items():
+        if not spec.path:
+            raise ConfigError(f"model.teachers.{name}.path is empty: give a model directory, hub id or builtin ref")
+        if not (spec.dtype == "auto" or spec.dtype in DTYPES):
+            raise ConfigError(f"model.teachers.{name}.dtype={spec.dtype!r}: use auto or one of {', '.join(DTYPES)}")
+        if spec.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"model.teachers.{name}.quantization={spec.quantization!r}: use one of {', '.join(QUANTIZATIONS)}"
+            )
+    for source, name in routes.items():
+        if name not in teachers:
+            raise ConfigError(
+                f"model.teacher_by_source.{source}={name!r} is not a teacher; model.teachers has: {known}."
+                f" Route it to one of those, or add model.teachers.{name}.path=..."
+            )
+    if default is not None and default not in teachers:
+        raise ConfigError(f"model.default_teacher={default!r} is not a teacher; model.teachers has: {known}")
+    unused = sorted(set(teachers) - set(routes.values()) - {default})
+    if unused:
+        raise ConfigError(
+            f"model.teachers.{unused[0]} gets no rows: no model.teacher_by_source entry routes to it and it is not"
+            f" model.default_teacher; route a source to it ('+model.teacher_by_source.<data_source>={unused[0]}'),"
+            " make it the default, or remove it (every teacher holds its weights in the scorer)"
+        )
+
+
+def check_sources_routed(routing: TeacherRouting | None, sources: list[str]) -> None:
+    """Every data_source seen before training (held-out set, step 0) has a teacher: fails before Ray."""
+    if routing is None:
+        return
+    for source in sorted(set(sources)):
+        try:
+            routing.teacher_of(source)
+        except RoutingError as e:
+            raise ConfigError(str(e)) from None
+
+
+def source_metrics(
+    data_source: list[str],
+    routing: TeacherRouting,
+    response_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    rewards: torch.Tensor,
+) -> dict[str, float]:
+    """Per data_source and per teacher: the k1 reverse KL of the sampled tokens, accuracy, rows.
+
+    Keys `by_source/<source>/{reverse_kl,accuracy,rows}` and `by_teacher/<name>/{...}`. Shapes: response_mask,
+    rollout_log_probs, teacher_log_probs [B, Tr]; rewards [B]. The KL is the controller's reverse_kl
+    restricted to those rows (tokens of the rows pooled, as the overall value).
+    """
+    mask = response_mask.float()
+    k1 = rollout_log_probs - teacher_log_probs  # [B, Tr]
+    out: dict[str, float] = {}
+
+    def add(prefix: str, rows: list[int]) -> None:
+        idx = torch.tensor(rows, dtype=torch.long)
+        out[f"{prefix}/reverse_kl"] = float(masked_mean(k1[idx], mask[idx]))
+        out[f"{prefix}/accuracy"] = float((rewards[idx] > 0.5).float().mean())
+        out[f"{prefix}/rows"] = float(len(rows))
+
+    for source in sorted(set(data_source)):
+        add(f"by_source/{source}", [i for i, s in enumerate(data_source) if s == source])
+    for name, rows in sorted(routing.split(data_source).items()):
+        add(f"by_teacher/{name}", rows)
+    return out

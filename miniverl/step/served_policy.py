@@ -1,0 +1,106 @@
+"""The served policy is the published one: strict sync proven by probe, by what a rollout replica computes,
+not by what it was sent.
+
+A digest of the adapter a replica was handed says nothing about the weights it samples with: hf_cached
+decodes from merged copies of them, vLLM from fused, padded, recast LoRA buffers, and no adapter digest
+sees the base model (a bf16 base served against an NF4 learner differs by 1.66 nats per token:
+DESIGN.md). So after every refresh a probe (a few fixed token sequences, the same for the whole run, and
+recent on-policy rows: miniverl/step/sync.py) goes through each replica's serving path and through the
+learner. Two separate tests: the gap test (the served log-probs match the learner's within the replica's
+tolerance) and the change test (when the learner's probe moved, the served one moved beyond the
+replica's own noise).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl.errors import PolicyMismatchError
+
+PROBE_SEQUENCES = 4
+PROBE_TOKENS = 64  # per sequence: 4 x 63 = 252 compared log-probs, one short prefill on any engine
+PROBE_SEED = 20_260_829  # fixed: the probe is a property of the run, never of a step
+
+# Max |served - learner| log-prob (nats) over the probe, same weights, fp32 on the CPU (hf_reference and
+# hf_cached against the learner's peft forward; the built-in student, a tiny trained and a tiny random
+# model; three random adapters each): at most 8.6e-6 (docs/benchmarks/probe-tolerance-cpu.md). 1e-3
+# leaves two orders of magnitude for other CPUs and BLAS builds and sits far below what one optimizer
+# step moves the probe in the default run (median 0.71, min 0.28 nats over 40 steps), so a replica that
+# missed a single refresh is caught.
+FP32_PROBE_TOLERANCE = 1e-3
+# bf16/fp16: vLLM bf16 against HF bf16 differs by mean 0.08 and p99 0.28 nats on sampled tokens
+# (DESIGN.md, H200), and hf_cached bf16 against the bf16 learner by at most 0.25 over a probe (CPU, the
+# built-in student; the same page). A probe takes the max over ~250 tokens, about the p99.6 of such a
+# distribution, so its bound must sit well above 0.28: 0.75 leaves ~2.5x margin, and still refuses a
+# base served in another precision or quantization (NF4 vs bf16: mean 1.66 nats, DESIGN.md). A bf16 step
+# moves the probe far less than this (hundredths of a nat at lr 2e-5), so a stale bf16 replica is caught
+# by the change test (check_changed), never by this bound.
+HALF_PROBE_TOLERANCE = 0.75
+
+
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """The probe tolerance (nats) of an engine computing in `dtype`."""
+    return HALF_PROBE_TOLERANCE if dtype in (torch.bfloat16, torch.float16) else FP32_PROBE_TOLERANCE
+
+
+def draw_probe(vocab_size: int, max_positions: int, seed: int = PROBE_SEED) -> list[list[int]]:
+    """PROBE_SEQUENCES sequences of token ids drawn uniformly from [0, vocab_size), deterministically.
+
+    Any ids work: the probe compares two computations of the same function, not a model's quality.
+    """
+    if vocab_size < 2:
+        raise ValueError(f"a probe needs a vocabulary of at least 2 tokens, got {vocab_size}")
+    length = max(2, min(PROBE_TOKENS, max_positions))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (PROBE_SEQUENCES, length), generator=g).tolist()
+
+
+def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    """max |a - b| over two ragged lists of log-probs of the same shape."""
+    if [len(r) for r in a] != [len(r) for r in b]:
+        raise PolicyMismatchError(
+            f"probe log-probs have row lengths {[len(r) for r in a]} and {[len(r) for r in b]}; an engine must"
+            " return one log-prob per probe token after the first"
+        )
+    return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0)
+
+
+def check_gap(
+    replica: int, version: int, served: list[list[float]], learner: list[list[float]], tolerance: float
+) -> float:
+    """The gap test: how far may this engine sit from the learner? Raise PolicyMismatchError when the
+    served probe is more than `tolerance` nats from the learner's; return the max gap (nats)."""
+    gap = max_gap(served, learner)
+    if gap > tolerance:
+        raise PolicyMismatchError(
+            f"rollout replica {replica} serves probe log-probs up to {gap:.3g} nats away from the learner's"
+            f" v{version} (its backend's tolerance is {tolerance:g}); it does not serve the published policy"
+            " (stale or half-loaded weights, another base model or dtype), so the run stops before this step."
+            " Check the replica's weight sync, and that rollout and learner load the same model and dtype"
+        )
+    return gap
+
+
+# The learner must have moved the probe by more than this many times the replica's own noise before a
+# served probe that stayed within that noise counts as stale. For a deterministic replica (every HF
+# backend: same weights, same inputs, bit-identical log-probs) the noise is 0 and the test reads: the
+# learner's probe changed in any bit, the served one in none.
+CHANGE_MARGIN = 4.0
+
+
+def check_changed(replica: int, version: int, served_moved: float, learner_moved: float, noise: float) -> None:
+    """The change test: did the replica load what was published? Its noise floor is the replica's own
+    determinism (`noise`: the max gap between two probes of the same weights, 0 when bit-identical).
+
+    `served_moved` and `learner_moved` are max |now - previous refresh| over the probe sequences both
+    refreshes scored (nats). A served probe that stayed within its noise while the learner's moved by
+    more than CHANGE_MARGIN x that noise is stale, however small the learner's move: a bf16 step at lr
+    2e-5 moves the probe by hundredths of a nat, far inside any gap tolerance.
+    """
+    if learner_moved > CHANGE_MARGIN * noise and served_moved <= noise:
+        raise PolicyMismatchError(
+            f"rollout replica {replica} serves the probe log-probs of the previous refresh (moved"
+            f" {served_moved:.3g} nats, within its own noise of {noise:.3g}), although the learner's v{version}"
+            f" moved them by {learner_moved:.3g} nats: the engine kept its old weights, so the run stops before"
+            " this step. Check the replica's weight sync"
+        )

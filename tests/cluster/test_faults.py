@@ -1,0 +1,158 @@
+"""Faults through real Ray actors on the CPU: exact resume after a signal, a killed actor, a NaN loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from miniverl.checkpoints.store import list_checkpoints, step_dir
+from miniverl.cluster.faults import ActorDiedError, RunInterrupted
+from miniverl.workers.learner import NonFiniteError
+from tests.test_config import with_models
+
+pytestmark = pytest.mark.slow
+TIMING = ("time/", "rollout_tokens_per_s")  # wall-clock metrics: allowed to differ
+# And the strict-sync probe's diagnostics: they compare the policy with the one proven before it, which in
+# a resumed run is the conformance gate's trial adapter (and the gate, not a step, proves the restored one).
+SYNC_HISTORY = ("probe_",)
+CPUS = 4
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def config(student_dir, teacher_dir, *overrides: str):
+    return with_models(
+        student_dir,
+        teacher_dir,
+        "resources.device=cpu",
+        "resources.torch_threads=1",
+        "data.prompts_per_step=4",
+        "data.eval_prompts=4",
+        "rollout.max_new_tokens=5",
+        "model.lora.rank=4",
+        "tracking=disabled",
+        "tracking.progress_bar=false",
+        "tracking.plots=false",
+        "resources.rollout.num_cpus=0.25",
+        "resources.scorer.num_cpus=0.25",
+        "resources.learner.num_cpus=0.25",
+        *overrides,
+    )
+
+
+def quiet(*_args) -> None:
+    pass
+
+
+def metrics(run_dir) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING + SYNC_HISTORY)} for r in lines]
+
+
+def adapter(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter" / "adapter_model.safetensors"))
+
+
+def wait_all_cpus_free(ray) -> None:
+    """The actors of a stopped run were killed: every CPU is free again (released asynchronously)."""
+    for _ in range(100):
+        if ray.available_resources().get("CPU", 0) == CPUS:
+            return
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == CPUS, ray.available_resources()
+
+
+def test_sigterm_then_resume_reproduces_the_uninterrupted_run_exactly(ray_session, student_dir, teacher_dir, tmp_path):
+    from miniverl.main import train
+
+    steps = ("trainer.total_steps=4", "trainer.eval_every=2", "trainer.save_every=3")
+    whole = train(config(student_dir, teacher_dir, *steps), tmp_path / "whole", {}, quiet)
+
+    def sigterm_at_2(step, _actors):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `kill <pid>` would; the loop finishes step 2 first
+
+    cut = tmp_path / "cut"
+    with pytest.raises(RunInterrupted, match="SIGTERM after step 2") as info:
+        train(config(student_dir, teacher_dir, *steps), cut, {}, quiet, after_step=sigterm_at_2)
+    assert info.value.exit_code == 128 + signal.SIGTERM
+    assert list_checkpoints(cut) == [step_dir(cut, 2)]  # the last completed step, off the save_every cadence
+    assert json.loads((cut / "summary.json").read_text())["status"] == "interrupted"
+    wait_all_cpus_free(ray_session)
+
+    notes = []
+    resumed = train(config(student_dir, teacher_dir, *steps, "trainer.resume=auto"), cut, {}, notes.append)
+    assert resumed["resumed_from"] == str(step_dir(cut, 2))
+    assert any("resumed from" in n and "step 2" in n for n in notes)
+    assert metrics(cut) == metrics(tmp_path / "whole")  # every step's loss, KL, accuracy, version: identical
+    a, b = adapter(tmp_path / "whole" / "checkpoints" / "step_00000004"), adapter(step_dir(cut, 4))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for key in ("start_reverse_kl", "end_reverse_kl", "start_accuracy", "end_accuracy"):
+        assert resumed[key] == whole[key], key
+
+
+@pytest.mark.parametrize("role", ["rollout", "scorer", "learner"])
+def test_a_killed_actor_stops_the_run_naming_it_and_resume_continues(
+    ray_session, student_dir, teacher_dir, tmp_path, role
+):
+    from miniverl.main import train
+
+    steps = ("trainer.total_steps=3", "trainer.eval_every=0", "trainer.save_every=1")
+
+    def kill_after_1(step, actors):
+        if step == 1:
+            ray_session.kill(actors[role][0])
+
+    run = tmp_path / "run"
+    with pytest.raises(ActorDiedError) as info:
+        train(config(student_dir, teacher_dir, *steps), run, {}, quiet, after_step=kill_after_1)
+    message = str(info.value)
+    assert f"the {role} replica 0 actor died during step 2" in message
+    assert str(step_dir(run, 1)) in message and "trainer.resume=auto" in message
+    assert list_checkpoints(run) == [step_dir(run, 1)]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and "died during step 2" in summary["error"]
+    wait_all_cpus_free(ray_session)
+
+    done = train(config(student_dir, teacher_dir, *steps, "trainer.resume=auto"), run, {}, quiet)
+    assert done["status"] == "finished" and done["resumed_from"] == str(step_dir(run, 1))
+    assert [r["step"] for r in metrics(run)] == [0, 1, 2, 3]
+    assert [r["policy_version"] for r in metrics(run)[1:]] == [0, 1, 2]
+
+
+def test_nan_loss_through_ray_stops_before_anything_poisoned_is_saved(
+    ray_session, student_dir, teacher_dir, tmp_path, monkeypatch
+):
+    from ray import cloudpickle
+
+    import miniverl.main
+    import miniverl.objectives
+    import tests.checkpoints.test_checkpoint_files as injected
+    from miniverl.objectives import build_objective
+
+    cloudpickle.register_pickle_by_value(injected)  # the actor gets the class itself, not an import path
+    monkeypatch.setattr(
+        miniverl.objectives, "build_objective", lambda c: injected.PoisonedObjective(build_objective(c), 2)
+    )
+    steps = ("trainer.total_steps=3", "trainer.eval_every=0", "trainer.save_every=1")
+    run = tmp_path / "run"
+    with pytest.raises(NonFiniteError, match="not finite at policy v1"):
+        miniverl.main.train(config(student_dir, teacher_dir, *steps), run, {}, quiet)
+    assert list_checkpoints(run) == [step_dir(run, 1)]
+    assert all(torch.isfinite(t).all() for t in adapter(step_dir(run, 1)).values())
+    assert [r["step"] for r in metrics(run)] == [0, 1]  # the poisoned step logged nothing
+    wait_all_cpus_free(ray_session)

@@ -1,0 +1,155 @@
+"""Every setting is checked before Ray starts, naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from miniverl.config import validate
+from miniverl.errors import ConfigError
+from miniverl.setup.preflight import check_lora_targets, has_wandb_credentials, linear_layer_names
+from tests.test_config import load, with_models
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.student.dtype=bf16", "model.student.dtype='bf16': use auto or one of float32, bfloat16, float16"),
+        ("model.teacher.dtype=fp32", "model.teacher.dtype='fp32'"),
+        ("model.lora.rank=0", "model.lora.rank=0: a LoRA adapter needs rank >= 1"),
+        ("model.lora.alpha=0", "model.lora.alpha=0.0: must be > 0"),
+        ("model.lora.dropout=1.0", r"model.lora.dropout=1.0: must be in \[0, 1\)"),
+        ("model.lora.target_modules=[]", "model.lora.target_modules is empty"),
+        ("trainer.save_every=-1", "trainer.save_every=-1"),
+        ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints=0: keep at least 1"),
+        ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore': use skip or stop"),
+        ("trainer.resume=''", "trainer.resume is empty"),
+        # issue 17: each of these failed late (after Ray) or without the key and value
+        ("resources.torch_threads=-1", "resources.torch_threads=-1: use 0 \\(all cores\\) or a thread count"),
+        ("rollout.top_k=-1", "rollout.top_k=-1: use 0 \\(off\\)"),
+        ("rollout.top_p=1.5", "rollout.top_p=1.5: use a value in \\(0, 1\\]"),
+        ("data.train_files=[7]", "data.train_files=\\[7\\]: give a file path or a list of them"),
+        ("data.max_unencodable_rows=-1", "data.max_unencodable_rows=-1"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load(override))
+
+
+def test_lora_targets_are_checked_against_the_models_linear_layers(student_dir):
+    names = linear_layer_names(str(student_dir))
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= names
+    check_lora_targets(str(student_dir), ["q_proj", "down_proj"])
+    with pytest.raises(ConfigError, match=r"names \['query_key_value'\], which the student .* linear layers are"):
+        check_lora_targets(str(student_dir), ["q_proj", "query_key_value"])
+
+
+def test_wandb_credentials_come_from_the_environment_or_netrc(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert not has_wandb_credentials()
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password secret\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert has_wandb_credentials()
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert has_wandb_credentials()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("model.lora.target_modules=[q_proj,c_attn]",), r"names \['c_attn'\]"),
+        (("tracking=online",), "tracking.wandb_mode=online but no wandb credentials"),
+        (("resources.device=cpu", "resources.emulate_gpu_gib=16"), "resources.emulate_gpu_gib=16.0 caps GPU memory"),
+        (("resources.device=cpu", "model.student.dtype=float16"), "model.student.dtype=float16 is a GPU dtype"),
+        # issue 17: gpus on the CPU failed after Ray suggesting resources.device=cpu; scorer_gpus was ignored
+        (
+            ("resources.device=cpu", "resources.gpus=4"),
+            r"resources.gpus=4 and .* ask for 4 GPUs, but this machine has 0",
+        ),
+        (("resources.device=cpu", "resources.scorer_gpus=2"), r"resources.scorer_gpus=2 gives the teacher GPUs"),
+    ],
+)
+def test_model_credential_and_device_checks_fail_before_ray(
+    student_dir, teacher_dir, tmp_path, monkeypatch, overrides, message
+):
+    import ray
+
+    from miniverl.main import train
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with wandb credentials
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert not ray.is_initialized()
+    cfg = with_models(student_dir, teacher_dir, *overrides)
+    with pytest.raises(ConfigError, match=message):
+        train(cfg, tmp_path / "run", {}, log=lambda *_: None)
+    assert not ray.is_initialized()  # refused before Ray started
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_emulated_card_counts_each_actors_cuda_context():
+    """Each actor's torch cap is its share of the card less its CUDA context (0.66 GiB measured), so the
+    whole device stays inside the card; a share that leaves nothing is refused before Ray."""
+    from miniverl.setup.preflight import check_device_settings
+    from miniverl.workers import CUDA_CONTEXT_GIB, emulated_cap_gib
+
+    assert emulated_cap_gib(16, 0.3, "x") == pytest.approx(4.8 - CUDA_CONTEXT_GIB)
+    shares = {"rollout": 0.4, "scorer": 0.3, "learner": 0.3}
+    caps = sum(emulated_cap_gib(16, f, a) for a, f in shares.items())
+    assert caps + 3 * CUDA_CONTEXT_GIB == pytest.approx(16)
+    check_device_settings(load("resources.emulate_gpu_gib=16"), "cuda")
+    with pytest.raises(ConfigError, match=r"resources.learner.num_gpus=0.03 of resources.emulate_gpu_gib=16 is 0.48"):
+        check_device_settings(load("resources.emulate_gpu_gib=16", "resources.learner.num_gpus=0.03"), "cuda")
+
+
+def test_a_cache_dir_that_is_a_file_names_the_key(tmp_path):
+    """Issue 17: model.cache_dir=<a file> was a NotADirectoryError traceback."""
+    file = tmp_path / "cache"
+    file.write_text("")
+    with pytest.raises(ConfigError, match=r"model.cache_dir='.*cache' is a file, not a directory"):
+        validate(load(f"model.cache_dir={file}"))
+
+
+def test_a_model_path_that_is_a_file_says_so(student_dir, tmp_path):
+    """Issue 17: model.student.path=<a file> said "does not exist"."""
+    from miniverl.setup.prepare import prepare
+
+    file = tmp_path / "model.safetensors"
+    file.write_text("")
+    cfg = with_models(file, student_dir)
+    with pytest.raises(ConfigError, match=r"model.student.path='.*model.safetensors' is a file, not a model directory"):
+        prepare(cfg, log=lambda *_: None)
+
+
+def test_a_custom_reward_with_the_wrong_signature_fails_before_ray(student_dir, teacher_dir, tmp_path):
+    """Issue 17: clear, but only after Ray was up (21 s in), when the first row was scored."""
+    from miniverl.setup.prepare import prepare
+
+    (tmp_path / "reward.py").write_text("def score(response, answer):\n    return 1.0\n")
+    cfg = with_models(student_dir, teacher_dir, f"reward.custom_function={tmp_path}/reward.py:score")
+    with pytest.raises(ConfigError, match=r"signature score\(response, answer\) cannot take the four arguments"):
+        prepare(cfg, log=lambda *_: None)
+
+
+def test_prompt_files_accept_a_string_or_a_list():
+    """Issue 17: data.train_files=path/train.parquet (verl's docs) was a Hydra type error."""
+    cfg = load("data.train_files=data/train.parquet", "data.val_files=[a.jsonl,b.jsonl]")
+    assert cfg.data.train_files == ["data/train.parquet"] and cfg.data.val_files == ["a.jsonl", "b.jsonl"]
+    assert load().data.train_files == []
+
+
+def test_gpus_asked_for_must_exist_unless_an_existing_ray_cluster_has_them():
+    """Issue 17: resources.gpus=4 resources.device=cpu failed after Ray started, suggesting resources.device=cpu."""
+    from miniverl.setup.preflight import check_gpu_request
+
+    cpu_two = load("resources.device=cpu", "resources.gpus=2", "resources.scorer_gpus=1")
+    with pytest.raises(ConfigError, match=r"ask for 3 GPUs, but this machine has 0 .* drop resources.gpus"):
+        check_gpu_request(cpu_two, "cpu", cuda_devices=0, ray_running=False)
+    check_gpu_request(cpu_two, "cpu", cuda_devices=0, ray_running=True)  # a cluster with logical GPUs (tests)
+    check_gpu_request(load("resources.gpus=2", "resources.ray_address=auto"), "cuda", 0, False)  # checked there
+    with pytest.raises(ConfigError, match=r"ask for 2 GPUs, but this machine has 1 CUDA devices"):
+        check_gpu_request(load("resources.gpus=2"), "cuda", cuda_devices=1, ray_running=False)
+    check_gpu_request(load(), "cuda", cuda_devices=1, ray_running=False)  # the default: one GPU
+    check_gpu_request(load(), "cpu", cuda_devices=0, ray_running=False)

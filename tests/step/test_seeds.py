@@ -1,0 +1,54 @@
+"""One seed scheme (miniverl/step/seeds.py): no two (rollout.seed, purpose, step) share a sampling seed."""
+
+from __future__ import annotations
+
+import pytest
+
+from miniverl.errors import ConfigError
+from miniverl.rollout.sampling import row_seeds
+from miniverl.step.seeds import MAX_BASE_SEED, PURPOSES, STEP_STRIDE, sampling_seed
+
+
+def test_no_collisions_across_purposes_steps_and_rollout_seeds():
+    """main: the evaluation sample used rollout.seed + 17 (= training step 17's seed at rollout.seed 0)
+    and the gate 7919 (= step 7919's)."""
+    seeds = {
+        (base, purpose, step): sampling_seed(base, purpose, step)
+        for base in (0, 1, 2, MAX_BASE_SEED - 1)
+        for purpose in PURPOSES
+        for step in (0, 1, 17, 7919, STEP_STRIDE - 1)
+    }
+    assert len(set(seeds.values())) == len(seeds)
+    assert sampling_seed(0, "eval", 0) != sampling_seed(0, "train", 17)
+    assert sampling_seed(0, "gate", 0) != sampling_seed(0, "train", 7919)
+    assert sampling_seed(3, "train", 5) == 3 * 100_003 + 5  # training keeps its seeds (and its numbers)
+
+
+def test_row_seeds_of_different_calls_never_meet():
+    a = row_seeds(sampling_seed(MAX_BASE_SEED - 1, "gate", STEP_STRIDE - 1), 1000)
+    b = row_seeds(sampling_seed(0, "train", 0), 1000)
+    assert len(set(a) | set(b)) == 2000 and max(a) < 2**63 - 1
+
+
+def test_out_of_range_inputs_say_which_setting():
+    with pytest.raises(ValueError, match="unknown seed purpose 'test'"):
+        sampling_seed(0, "test", 0)
+    with pytest.raises(ValueError, match=r"rollout.seed=-1: must be in \[0, "):
+        sampling_seed(-1, "train", 0)
+    with pytest.raises(ValueError, match="lower trainer.total_steps"):
+        sampling_seed(0, "train", STEP_STRIDE)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.total_steps=100003", "trainer.total_steps=100003: sampling seeds"),
+        ("rollout.seed=-2", "rollout.seed=-2"),
+    ],
+)
+def test_config_validation_refuses_seeds_that_would_collide(override, message):
+    from miniverl.config import validate
+    from tests.test_config import load
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load(override))

@@ -1,0 +1,102 @@
+"""One owner of the served policy (miniverl/step/sync.py): a stale replica is caught at its first stale refresh
+in any dtype and at any learning rate, an honest one never is, and a run refreshes updates + 1 times."""
+
+from __future__ import annotations
+
+import pytest
+
+from miniverl.errors import PolicyMismatchError
+from miniverl.objectives.gkd import GkdObjective
+from miniverl.rewards import ExactMatchReward
+from miniverl.step.controller import StrictSyncController
+from miniverl.workers.learner import LearnerWorker
+from miniverl.workers.rollout import RolloutWorker
+from tests.step.test_controller import CPU, LORA, PARAMS, StaleRolloutWorker
+
+
+def build(parts, student_dir, rollout_cls, backend: str, dtype: str, lr: float):
+    tok, _, _, scorer = parts
+    learner = LearnerWorker(str(student_dir), LORA, dtype, GkdObjective(0.5, 1.0, 0), lr, 0.0, 1.0, 2, CPU)
+    rollout = rollout_cls(backend, str(student_dir), LORA, dtype, CPU)
+    return StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0), learner
+
+
+@pytest.mark.parametrize("backend", ["hf_reference", "hf_cached"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("lr", [2e-3, 2e-4, 2e-5])
+def test_a_stale_replica_is_caught_at_its_first_stale_refresh(parts, student_dir, backend, dtype, lr):
+    """In bf16 a step moves the probe by hundredths of a nat, far inside the 0.75-nat gap tolerance (main
+    trained 17 steps on v0's samples at lr 2e-4 and never stopped at 2e-5): the change test catches it."""
+    prompts = parts[1]
+    ctl, learner = build(parts, student_dir, StaleRolloutWorker, backend, dtype, lr)
+    ctl.step(prompts, PARAMS)  # v0: the first load is honest
+    with pytest.raises(PolicyMismatchError, match="rollout replica 0 serves"):
+        ctl.step(prompts, PARAMS)  # v1 acknowledged, v0 served
+    assert learner.version == 1  # not one update on stale samples
+
+
+HONEST_STEPS = 200
+
+
+@pytest.mark.parametrize(("backend", "dtype", "lr"), [("hf_cached", "bfloat16", 2e-5), ("hf_cached", "float32", 2e-3)])
+def test_an_honest_replica_is_never_flagged(parts, student_dir, backend, dtype, lr):
+    """200 CPU steps, each one refresh whose probe the learner moved: no false alarm from either test."""
+    prompts = parts[1]
+    ctl, learner = build(parts, student_dir, RolloutWorker, backend, dtype, lr)
+    moved = []
+    for _ in range(HONEST_STEPS):
+        metrics = ctl.step(prompts, PARAMS)
+        moved.append(metrics["probe_learner_moved"])
+    assert learner.version == HONEST_STEPS and ctl.sync.refreshes == HONEST_STEPS
+    assert sum(m > 0 for m in moved) >= HONEST_STEPS - 1  # every refresh after the first had a move to follow
+
+
+class AdapterDroppingWorker(RolloutWorker):
+    """Serves the base model whatever it is sent (lora_B zeroed): exact at v0, where lora_B is 0."""
+
+    def load_policy(self, snapshot):
+        dropped = {k: v * 0 if "lora_B" in k else v for k, v in snapshot.weights.items()}
+        return super().load_policy(type(snapshot)(snapshot.identity, dropped))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_gate_serves_a_non_zero_adapter_first(parts, student_dir, dtype):
+    """At v0 a replica that drops the adapter serves exactly the published policy; the gate's trial adapter
+    exposes it before any step (fp32: its gap; bf16: the change test at v0's refresh)."""
+    ctl, learner = build(parts, student_dir, AdapterDroppingWorker, "hf_cached", dtype, 1e-3)
+    ctl.ensure_served()  # v0 alone: passes
+    ctl, learner = build(parts, student_dir, AdapterDroppingWorker, "hf_cached", dtype, 1e-3)
+    with pytest.raises(PolicyMismatchError, match="rollout replica 0 serves"):
+        ctl.sync.prove_trial_adapter()
+        ctl.ensure_served()
+    assert learner.version == 0 and ctl.sync.refreshes == 0
+
+
+def test_an_honest_replica_passes_the_trial_adapter(parts, student_dir):
+    ctl, learner = build(parts, student_dir, RolloutWorker, "hf_cached", "bfloat16", 1e-3)
+    assert ctl.sync.prove_trial_adapter() <= ctl.sync.tolerances[0]
+    assert ctl.ensure_served().version == 0 and ctl.sync.last_probe["probe_learner_moved"] > 0
+    assert ctl.sync.refreshes == 1 and learner.published.version == 0
+
+
+def test_refresh_stages_are_timed_in_the_order_the_actors_run_them(monkeypatch):
+    """time/refresh/<stage>: each stage's share is the wait for its handles after the previous stage ended."""
+    import time
+
+    import miniverl.step.sync as sync
+
+    costs = {"a": 0.05, "b": 0.0, "c": 0.1}
+    monkeypatch.setattr(sync, "settle", lambda handles: time.sleep(costs[handles[0]]))
+    split = sync._stage_times([("first", ["a"]), ("second", ["b"]), ("third", ["c"])])
+    assert list(split) == ["time/refresh/first", "time/refresh/second", "time/refresh/third"]
+    assert split["time/refresh/first"] >= 0.05 and split["time/refresh/third"] >= 0.1
+    assert split["time/refresh/second"] < 0.05
+
+
+def test_a_step_logs_the_refresh_split_beside_its_total(parts, student_dir):
+    """In-process every stage has run before it is waited for: the split is logged and sums within the total."""
+    ctl, _ = build(parts, student_dir, RolloutWorker, "hf_reference", "float32", 1e-4)
+    metrics = ctl.step(parts[1], PARAMS)
+    stages = [k for k in metrics if k.startswith("time/refresh/")]
+    assert sorted(stages) == sorted(f"time/refresh/{s}" for s in ("learner_probe", "publish", "load", "served_probe"))
+    assert sum(metrics[k] for k in stages) <= metrics["time/refresh"]
