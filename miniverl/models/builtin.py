@@ -15,7 +15,6 @@ import hashlib
 import json
 import math
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,11 +117,11 @@ def build_model(target: Path, recipe: BuiltinRecipe, arch: ArchSpec, sft: SftSpe
     """Train one model of `arch` on the recipe's task with `sft` and save it (with the tokenizer) to `target`."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+    from miniverl.atomic import atomic_dir
     from miniverl.models.tokenizer import save_char_tokenizer
 
-    tmp = target.with_name(f"{target.name}.tmp-{random.getrandbits(32):08x}")
-    tmp.mkdir(parents=True)
-    try:
+    # another process building the same model may finish first: its copy is kept (keep_existing)
+    with atomic_dir(target, keep_existing=True) as tmp:
         save_char_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(str(tmp))
         torch.manual_seed(sft.seed)
@@ -147,13 +146,6 @@ def build_model(target: Path, recipe: BuiltinRecipe, arch: ArchSpec, sft: SftSpe
         }
         (tmp / "build.json").write_text(json.dumps(info, indent=2))
         log(f"[miniverl] built {target.name}: greedy accuracy {acc:.3f} in {info['train_seconds']:.0f}s")
-        if target.exists():  # another process won the race; keep its copy
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _examples(recipe: BuiltinRecipe, rng: random.Random, n: int) -> list[Example]:
