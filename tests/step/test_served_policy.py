@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miniverl.batches import PromptBatch
 from miniverl.errors import PolicyMismatchError
 from miniverl.models.lora import LoraSettings, adapter_state, load_adapter_state
 from miniverl.objectives.gkd import GkdObjective
@@ -26,7 +25,6 @@ from miniverl.step.served_policy import (
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
-from miniverl.workers.scorer import ScorerWorker
 
 LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"), init_seed=0)
 CPU = ProcessSettings("cpu", torch_threads=1)  # see conftest: one thread for tiny models
@@ -84,17 +82,6 @@ def test_probe_rows_of_another_shape_are_refused():
 
 
 # --- real backends through the controller ---------------------------------------------------------------
-
-
-@pytest.fixture()
-def parts(student_dir, teacher_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(student_dir))
-    prompts = PromptBatch([tok("abc>")["input_ids"], tok("de>")["input_ids"]], ["p0", "p1"], ["cba", "ed"])
-    learner = LearnerWorker(str(student_dir), LORA, "float32", GkdObjective(0.5, 1.0, 0), 5e-2, 0.0, 1.0, 2, CPU)
-    scorer = ScorerWorker(str(teacher_dir), "float32", 4, CPU)
-    return tok, prompts, learner, scorer
 
 
 def controller(rollout, parts) -> StrictSyncController:
