@@ -295,6 +295,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
                 gradient_checkpointing=t.gradient_checkpointing,
                 max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
                 max_row_tokens=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                staleness=t.staleness,
             )
             for i in range(plan.count["learner"])
         ],
@@ -384,6 +385,7 @@ def train(
             objective.teacher_support_k,
             objective.loss_temperature,
             routing=setup.routing,
+            staleness=cfg.trainer.staleness,
         )
         params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
         names = (cfg.objective.name, cfg.rollout.backend)
