@@ -43,7 +43,7 @@ from miniverl.teachers import TeacherRouting, source_metrics
 # How per-rank learner metrics combine: most are sums over the step's tokens (each rank divides by the
 # whole step's token count); these are equal on every rank, or a maximum.
 SAME_ON_EVERY_RANK = ("grad_norm", "response_tokens")
-MAX_OVER_RANKS = ("sampler_gap_max", "policy_drift_max")
+MAX_OVER_RANKS = ("sampler_gap_max", "policy_drift_max", "ratio_max")
 
 
 def _as_list(x: Any) -> list[Any]:

@@ -222,7 +222,8 @@ class LearnerWorker:
         logprobs, terms = logprobs.cpu(), (None if terms is None else terms.cpu())
         mask = batch.response_mask.bool()
         gap = ((logprobs if behaviour is None else behaviour) - batch.rollout_log_probs).abs()[mask]
-        drift = (logprobs - batch.rollout_log_probs).abs()[mask]  # the sampler against the policy updated now
+        delta = (logprobs - batch.rollout_log_probs)[mask]  # log of q_theta / q_sampler: the policy updated now
+        drift = delta.abs()
         # The objective's metrics over this rank's rows, as a share of the step's tokens (ranks' shares add up).
         with torch.no_grad():
             _, metrics = self.objective.loss_from_terms(logprobs, terms, batch, scores, advantages, num_tokens)
@@ -261,22 +262,25 @@ class LearnerWorker:
             "response_tokens": num_tokens,
             "reverse_kl": reverse_kl / max(num_tokens, 1),
             **extra,
-            **self._lag_metrics(sums["drift_abs"], drift, num_tokens),
+            **self._lag_metrics(sums["drift_abs"], delta, num_tokens),
         }
 
     def busy_window(self) -> tuple[float, float]:
         """When the last update ran (wall-clock epoch seconds, this host's clock; see RolloutWorker.busy_window)."""
         return self.window
 
-    def _lag_metrics(self, drift_abs: float, drift: torch.Tensor, num_tokens: int) -> dict[str, float]:
+    def _lag_metrics(self, drift_abs: float, delta: torch.Tensor, num_tokens: int) -> dict[str, float]:
         """In a run that allows a lag: how far the policy being updated sits from the sampler on the step's
-        tokens (the sampler gap plus the policy's change since the version that sampled; equal to the
-        sampler gap at lag 0). None in strict sync (the controller logs the lag itself as `staleness`)."""
+        tokens (`delta` = log q_theta - log q_sampler; the sampler gap plus the policy's change since the
+        version that sampled, equal to the sampler gap at lag 0), and the largest importance ratio (the
+        objective logs ratio_mean and clipped_ratio_frac). None in strict sync (the controller logs the lag
+        itself as `staleness`)."""
         if not self.staleness:
             return {}
         return {
             "policy_drift_mean": drift_abs / max(num_tokens, 1),
-            "policy_drift_max": drift.max().item() if drift.numel() else 0.0,
+            "policy_drift_max": delta.abs().max().item() if delta.numel() else 0.0,
+            "ratio_max": delta.max().exp().item() if delta.numel() else 1.0,
         }
 
     def _check_lag(self, batch: RolloutBatch) -> int:
