@@ -108,9 +108,11 @@ class StrictSyncController:
 
     @learners.setter
     def learners(self, learners: list[Any]) -> None:
-        """Other learner actors (a restored one): the policy they hold must be published and proven anew."""
+        """Other learner actors (a restored one): the policy they hold must be published and proven anew, and a
+        rollout in flight (of a version they never published) is dropped, as on resume."""
         self._learners = self.sync.learners = _as_list(learners)
         self.sync.learner_updated()
+        self.in_flight = None
 
     def ensure_served(self) -> PolicyIdentity:
         """The policy the rollout side provably serves; published and proven at most once per learner

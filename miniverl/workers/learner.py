@@ -240,8 +240,8 @@ class LearnerWorker:
         # A lagging batch's tokens come from an older policy: its estimate of the current policy's reverse KL
         # weighs each token's log-ratio by the truncated importance ratio q_theta / q_sampler.
         if lag:
-            weight = importance_ratio(logprobs, batch.rollout_log_probs).clamp(max=DEFAULT_IS_CAP)
-            k1 = weight * (logprobs - scores.teacher_log_probs)
+            w = importance_ratio(logprobs, batch.rollout_log_probs).clamp(max=DEFAULT_IS_CAP)  # [B, Tr]
+            k1 = w * (logprobs - scores.teacher_log_probs)
         else:
             k1 = batch.rollout_log_probs - scores.teacher_log_probs
         reverse_kl = float((k1 * batch.response_mask).sum())
