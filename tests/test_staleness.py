@@ -134,16 +134,21 @@ def test_a_sampler_that_is_another_policy_is_still_caught_one_version_behind(sta
     assert lrn.version == 1
 
 
-def test_a_policy_that_moved_further_than_one_lag_allows_is_refused(stale, student_dir):
+def test_a_large_honest_update_is_reported_as_drift_not_refused_as_a_sampler_gap(stale, student_dir):
+    """One huge step moves the policy far from the version that sampled; the sampler still serves exactly what
+    the learner computes under that version, so the step trains. Compared against the current policy, GKD's
+    0.5-nat bound would have refused it (the default run's first update alone moves 0.6 nats: measured)."""
     _, prompts, _, rollout, scorer = stale
-    lrn = learner(student_dir, 1, lr=5.0)  # one huge step
+    lrn = learner(student_dir, 1, lr=5.0)
     rollout.load_policy(lrn.publish_policy())
     v0 = rollout.generate(prompts, PARAMS)
     s0 = scorer.score(v0, 0, 1.0)
     lrn.update(v0, s0, None)
     lrn.publish_policy()
-    with pytest.raises(SamplerGapError, match="sampled one version behind"):
-        lrn.update(v0, s0, None)
+    metrics = lrn.update(v0, s0, None)
+    assert lrn.version == 2 and metrics["sampler_gap_mean"] < 1e-4
+    assert metrics["policy_drift_mean"] > lrn.objective.sampler_tolerance.max_mean_gap  # beyond the gap's bound
+    assert metrics["ratio_max"] > 1.0
 
 
 def test_pg_k1_one_version_behind_takes_its_advantage_from_the_current_policy(stale, student_dir, monkeypatch):

@@ -66,12 +66,3 @@ class SamplerTolerance:
     def max_outside_frac(self) -> float:
         """The fraction of ratios outside [1/cap, cap] no correction excuses (as max_mean_gap)."""
         return max(self.outside_frac, TIS_MAX_OUTSIDE_FRAC) if self.truncated else self.outside_frac
-
-
-def lag_drift_bound(tolerance: SamplerTolerance) -> float:
-    """The mean |log q_theta - log q_sampler| (nats) a batch one policy version behind may reach on its sampled
-    tokens: the sampler gap plus one update's change. It is a real policy change, not a mismatch, so it is held
-    to what truncated importance sampling can correct (TIS_MAX_MEAN_GAP: PG-k1 weighs every token by the
-    ratio), or to the objective's own bound when that is looser (GKD's 0.5: a sampler that is plainly another
-    policy). The sampler gap itself stays held to the objective's bound against the version that sampled."""
-    return max(tolerance.max_mean_gap, TIS_MAX_MEAN_GAP)

@@ -13,7 +13,7 @@ from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
 from miniverl.models.packing import batch_micro_batches, pack_rows
-from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio, lag_drift_bound
+from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.probe import PROBE_TOKENS, draw_probe
 from miniverl.protocol import (
     MiniVerlError,
@@ -248,8 +248,6 @@ class LearnerWorker:
         if self.world_size > 1:
             self._sum_gradients()
         self._check_sampler_gap(sums["gap_abs"], sums["gap_max"], num_tokens)
-        if lag:
-            self._check_drift(sums["drift_abs"], num_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         skipped = self._step_if_finite(sums["loss"], float(grad_norm))
         self.window = (start, time.time())
@@ -329,24 +327,6 @@ class LearnerWorker:
                 f" nats from the learner's v{self.version}, above the objective's per-step bound of"
                 f" {tolerance.max_mean_gap:g}; the update was not applied. The rollout side does not sample"
                 " what the learner computes: serve the same model, dtype and quantization on both sides"
-            )
-
-    def _check_drift(self, drift_abs: float, num_tokens: int) -> None:
-        """A lagging batch: refuse the step when the policy moved further since the version that sampled than
-        the objective's correction covers (ratios.lag_drift_bound), before optimizer.step()."""
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            total = torch.tensor([drift_abs], device=self.device)
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            drift_abs = float(total)
-        mean, bound = drift_abs / max(num_tokens, 1), lag_drift_bound(self.objective.sampler_tolerance)
-        if mean > bound:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise SamplerGapError(
-                f"the policy v{self.version} sits mean {mean:.3g} nats from the sampler's log-probs of this step's"
-                f" {num_tokens} tokens (sampled one version behind), above the bound of {bound:g} a one-version lag"
-                " may reach; the update was not applied. Lower trainer.lr, or use trainer.staleness=0"
             )
 
     def _sum_gradients(self) -> None:
