@@ -14,6 +14,7 @@ from typing import Any
 from miniverl.errors import ConfigError
 
 NONFINITE_POLICIES = ("skip", "stop")
+STALENESS_LEVELS = (0, 1)  # trainer.staleness: policy versions a batch may lag the learner
 
 
 @dataclass
@@ -223,6 +224,10 @@ class TrainerConfig:
     # A non-finite loss or gradient: skip (drop this optimizer step, the policy stays as it was) or stop
     # (end the run with an error). Either way the poisoned update is never applied, published or saved.
     on_nonfinite: str = "stop"
+    # Policy versions a training batch may lag the learner it updates (docs/objectives.md, "One-step-stale
+    # rollouts"). 0: strict sync, every batch comes from the policy just published. 1: the rollout of step k+1
+    # (sampled from v_k, proven served) and its scoring run while the learner updates on step k's batch.
+    staleness: int = 0
     seed: int = 0
 
 
@@ -411,6 +416,11 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"trainer.on_nonfinite={t.on_nonfinite!r}: use {' or '.join(NONFINITE_POLICIES)}",
     )
     _require(bool(t.resume), "trainer.resume is empty: use none, auto or a checkpoint directory")
+    _require(
+        t.staleness in STALENESS_LEVELS,
+        f"trainer.staleness={t.staleness}: use 0 (strict sync) or 1 (the next rollout overlaps the update, one policy"
+        " version behind); a larger lag is not supported (its importance correction and resume are not built)",
+    )
     lora = cfg.model.lora
     _require(lora.rank >= 1, f"model.lora.rank={lora.rank}: a LoRA adapter needs rank >= 1 (e.g. 16)")
     _require(lora.alpha > 0, f"model.lora.alpha={lora.alpha}: must be > 0 (commonly 2 x rank)")

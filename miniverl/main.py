@@ -123,6 +123,7 @@ def train(
             objective.teacher_support_k,
             objective.loss_temperature,
             routing=setup.routing,
+            staleness=cfg.trainer.staleness,
         )
         params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
         names = (cfg.objective.name, cfg.rollout.backend)

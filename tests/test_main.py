@@ -101,6 +101,14 @@ def test_bad_values_fail_before_anything_starts(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_lag_other_than_0_or_1_fails_before_ray(tmp_path):
+    proc = run_main("+experiment=gkd", "trainer.staleness=2", f"hydra.run.dir={tmp_path}", timeout=120)
+    assert proc.returncode == 2
+    assert "miniverl: error: trainer.staleness=2: use 0 (strict sync) or 1" in proc.stderr
+    assert "Ray dashboard" not in proc.stdout  # before Ray started
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written
+
+
 def test_a_second_run_into_the_same_directory_is_refused_at_start(tmp_path, student_dir, teacher_dir):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     (tmp_path / "summary.json").write_text('{"status": "finished"}')

@@ -143,6 +143,24 @@ def _pg_reward_weight(s: RunSpec) -> str | None:
     )
 
 
+def _staleness(s: RunSpec) -> str | None:
+    lag = s.cfg.trainer.staleness
+    if lag == 0:
+        return None
+    # Read in the verl 0.9.1 wheel: verl/experimental/one_step_off_policy is its one-step-off setting, but as a
+    # separate entry point (python -m verl.experimental.one_step_off_policy.main_ppo) whose trainer builds its
+    # rollout manager without a teacher client and never starts the teacher pool, and which needs the rollout on
+    # GPUs of its own (hybrid_engine=false, rollout.n_gpus_per_node). fully_async_policy bounds staleness by a
+    # fraction of samples (async_training.staleness_threshold), not by policy versions.
+    return (
+        f"trainer.staleness={lag}: verl 0.9.1's one-step-off-policy trainer (verl.experimental.one_step_off_policy,"
+        " its own entry point) runs PPO without distillation: it starts no teacher and hands its rollouts no"
+        " teacher client, so the distillation losses are not computed there, and it needs the rollout on GPUs of"
+        " its own (actor_rollout_ref.hybrid_engine=false); export with trainer.staleness=0 (verl's main_ppo is"
+        " synchronous)"
+    )
+
+
 def _lora(s: RunSpec) -> str | None:
     lora = s.cfg.model.lora
     problems = []
@@ -259,6 +277,7 @@ CHECKS: tuple[Callable[[RunSpec], str | None], ...] = (
     _pg_discount,
     _pg_kl_in_advantage,
     _pg_reward_weight,
+    _staleness,
     _lora,
     _batch_sizes,
     _stop_token_ids,

@@ -144,6 +144,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
                 gradient_checkpointing=t.gradient_checkpointing,
                 max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
                 max_row_tokens=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                staleness=t.staleness,
             )
             for i in range(plan.count["learner"])
         ],

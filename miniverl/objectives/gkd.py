@@ -177,7 +177,11 @@ class GkdObjective:
     def from_config(cls, cfg) -> GkdObjective:
         return cls(beta=cfg.beta, loss_temperature=cfg.loss_temperature, teacher_topk=cfg.teacher_topk)
 
-    def prepare(self, batch, scores, rewards, ref_log_prob) -> torch.Tensor | None:
+    # GKD's loss reads no sampler log-prob, so a lagging batch needs no current-policy pass: its states come
+    # from a policy one version behind, and the divergence is minimized at every state (docs/objectives.md).
+    needs_current_logprobs = False
+
+    def prepare(self, batch, scores, rewards, ref_log_prob, current_log_probs=None) -> torch.Tensor | None:
         return None  # GKD needs no batch-level advantages
 
     def token_terms(self, logits, scores) -> torch.Tensor:

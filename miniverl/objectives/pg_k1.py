@@ -139,13 +139,22 @@ class PgK1Objective:
     def from_config(cls, cfg) -> PgK1Objective:
         return cls(cfg.discount, cfg.is_cap, cfg.kl_coef, cfg.kl_kind, cfg.reward_coef)
 
-    def prepare(self, batch, scores, rewards, ref_log_prob) -> torch.Tensor:
-        """Whole-batch advantages (groups and discounting need every row). Shapes: -> [B, Tr]."""
+    # A batch one version behind (trainer.staleness=1) takes its advantage from the current policy's log-probs
+    # (the learner computes them before the update); the importance ratio stays against the sampler's.
+    needs_current_logprobs = True
+
+    def prepare(self, batch, scores, rewards, ref_log_prob, current_log_probs=None) -> torch.Tensor:
+        """Whole-batch advantages (groups and discounting need every row). Shapes: -> [B, Tr].
+
+        `current_log_probs` [B, Tr]: for a batch sampled by an older policy, the learner's log-probs of its
+        tokens under the policy being updated; they replace the sampler's as q_old in the k1 reward and the
+        reference penalty, so the expected gradient stays that of the current policy's reverse KL
+        (docs/objectives.md, "One-step-stale rollouts"). None: the sampler is the current policy."""
         from miniverl.objectives.advantages import grpo_advantages
         from miniverl.objectives.kl import kl_penalty
 
         mask = batch.response_mask.float()
-        old = batch.rollout_log_probs
+        old = batch.rollout_log_probs if current_log_probs is None else current_log_probs
         token_reward = (scores.teacher_log_probs - old) * mask
         if self.kl_coef > 0:
             if ref_log_prob is None:

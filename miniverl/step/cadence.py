@@ -2,8 +2,10 @@
 
 It starts at any step (a resumed run starts after its checkpoint): the prompts of a step and its
 sampling seeds are pure functions of the step, so steps k+1.. are the same whether or not the run
-stopped at k. Setting up (checks, models, resume) is in miniverl/setup/, starting Ray and the actors in
-miniverl/cluster/launch.py, the whole run in miniverl/main.py (train).
+stopped at k. With trainer.staleness=1 a checkpoint does not hold the rollout in flight: a resumed run
+samples its first step from the checkpointed policy (docs/reliability.md). Setting up (checks, models,
+resume) is in miniverl/setup/, starting Ray and the actors in miniverl/cluster/launch.py, the whole run in
+miniverl/main.py (train).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from miniverl.batches import PromptBatch
 from miniverl.checkpoints.store import prune, step_dir
 from miniverl.cluster.actors import call
 from miniverl.cluster.faults import RunInterrupted, StopRequests, actor_names, dead_actor_error
@@ -101,8 +104,9 @@ class TrainingLoop:
         self.first_eval = last = first_eval
         for step in range(start, t.total_steps):
             done = self.current = step + 1
-            params = dataclasses.replace(self.params, seed=sampling_seed(self.cfg.rollout.seed, "train", step))
-            metrics = self.controller.step(self.setup.prompts.batch(step, self.cfg.data.prompts_per_step), params)
+            # trainer.staleness=1: the next step's rollout starts during this step's update (controller.py)
+            upcoming = self._step_inputs(step + 1) if t.staleness and done < t.total_steps else None
+            metrics = self.controller.step(*self._step_inputs(step), upcoming)
             metrics["data/overlong_filtered"] = self.setup.prompts.overlong_count
             used = device_used_gib() if self.setup.device == "cuda" else None
             if used is not None:  # after every refresh: a flat curve shows no memory leak per policy version
@@ -120,6 +124,11 @@ class TrainingLoop:
             if self.stop.requested and done < t.total_steps:
                 self._interrupt(done, saved)
         return LoopResult(first_eval, last, self.checkpoint)
+
+    def _step_inputs(self, step: int) -> tuple[PromptBatch, SamplingParams]:
+        """The prompts and sampling settings of `step`: pure functions of the step (a resumed run sees the same)."""
+        params = dataclasses.replace(self.params, seed=sampling_seed(self.cfg.rollout.seed, "train", step))
+        return self.setup.prompts.batch(step, self.cfg.data.prompts_per_step), params
 
     def _observe(self, done: int, metrics: dict[str, float]) -> None:
         self.tracker.log(done, metrics)

@@ -5,6 +5,11 @@ replica serves the learner's policy, at most once per learner version. The adapt
 to the replicas once, never through the driver: the driver reads only the policy's identity (its version
 and the learner's digest).
 
+With `staleness=1` (trainer.staleness) the rollout of step k+1 is submitted, from the policy the learner
+holds before step k's update (proven served like any other), before that update starts, so generation and
+scoring run while the learner trains; step k+1 then trains on it, one version behind (docs/objectives.md,
+"One-step-stale rollouts"). Nothing else changes: the same refresh, stamp check and learner refusal.
+
 Each role may have several replicas (one per GPU when scaled out): rollout and scorer replicas take
 contiguous shards of whole prompt groups, learner ranks take shards of the batch and sum their
 gradients. With one replica of each, every shard is the whole batch.
@@ -14,12 +19,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from miniverl.batches import PromptBatch, RolloutBatch, TeacherScores, concat_rollouts, concat_scores, group_bounds
-from miniverl.cluster.actors import call_all, fetch, submit
+from miniverl.cluster.actors import call_all, fetch, settle, submit
 from miniverl.errors import PolicyMismatchError
 from miniverl.objectives.aggregation import masked_mean
 from miniverl.policy import PolicyIdentity
@@ -30,11 +36,33 @@ from miniverl.step.sync import PolicySync
 # How per-rank learner metrics combine: most are sums over the step's tokens (each rank divides by the
 # whole step's token count); these are equal on every rank, or a maximum.
 SAME_ON_EVERY_RANK = ("grad_norm", "response_tokens")
-MAX_OVER_RANKS = ("sampler_gap_max",)
+MAX_OVER_RANKS = ("sampler_gap_max", "policy_drift_max", "ratio_max")
 
 
 def _as_list(x: Any) -> list[Any]:
     return list(x) if isinstance(x, list | tuple) else [x]
+
+
+@dataclass
+class InFlight:
+    """A rollout submitted to the replicas and not collected yet: its handles (Ray refs, or values
+    in-process), the replicas' busy-window handles, the identity proven served when it was submitted, and
+    the prompt uids it samples (the step it belongs to)."""
+
+    parts: list[Any]
+    windows: list[Any]
+    identity: PolicyIdentity
+    uid: list[str]
+
+
+def overlap_seconds(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """Seconds two wall-clock intervals (start, end) have in common; 0 when they are disjoint."""
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def span(windows: list[tuple[float, float]]) -> tuple[float, float]:
+    """The interval from the first start to the last end of several actors' busy windows."""
+    return min(w[0] for w in windows), max(w[1] for w in windows)
 
 
 class StrictSyncController:
@@ -50,10 +78,12 @@ class StrictSyncController:
         loss_temperature: float,
         probe: list[list[int]] | None = None,
         routing: TeacherRouting | None = None,
+        staleness: int = 0,
     ) -> None:
         """`probe`: the fixed token sequences every refresh is verified on; None draws them from the learner's
         vocabulary at the first refresh (miniverl.step.served_policy.draw_probe). `routing`: several teachers
-        (miniverl/setup/teachers.py): each step also logs metrics per source and teacher."""
+        (miniverl/setup/teachers.py): each step also logs metrics per source and teacher. `staleness`
+        (trainer.staleness): 1 overlaps the next step's rollout with this step's update."""
         self.routing = routing
         self.rollouts, self.scorers = _as_list(rollout), _as_list(scorer)
         self._learners = _as_list(learner)
@@ -61,6 +91,9 @@ class StrictSyncController:
         self.teacher_support_k = teacher_support_k
         self.loss_temperature = loss_temperature
         self.sync = PolicySync(self.rollouts, self.learners, probe)
+        self.staleness = staleness
+        self.in_flight: InFlight | None = None  # the next step's rollout, submitted during this step's update
+        self._last_update = (0.0, 0.0)  # the learners' busy window in the previous step
 
     @property
     def learners(self) -> list[Any]:
@@ -68,9 +101,11 @@ class StrictSyncController:
 
     @learners.setter
     def learners(self, learners: list[Any]) -> None:
-        """Other learner actors (a restored one): the policy they hold must be published and proven anew."""
+        """Other learner actors (a restored one): the policy they hold must be published and proven anew, and a
+        rollout in flight (of a version they never published) is dropped, as on resume."""
         self._learners = self.sync.learners = _as_list(learners)
         self.sync.learner_updated()
+        self.in_flight = None
 
     def ensure_served(self) -> PolicyIdentity:
         """The policy the rollout side provably serves; published and proven at most once per learner
@@ -81,17 +116,29 @@ class StrictSyncController:
     def last_probe(self) -> dict[str, float]:
         return self.sync.last_probe
 
-    def sample(self, prompts: PromptBatch, params: SamplingParams, identity: PolicyIdentity) -> RolloutBatch:
+    def submit_sample(self, prompts: PromptBatch, params: SamplingParams, identity: PolicyIdentity) -> InFlight:
+        """Start generating on every replica (its shard of whole prompt groups) without waiting."""
         shards = [(a, b) for a, b in group_bounds(prompts.uid, len(self.rollouts)) if b > a]
-        parts = call_all(
-            self.rollouts[: len(shards)],
-            "generate",
-            [(prompts.select(list(range(a, b))), params, a * params.n) for a, b in shards],
-        )
-        rollouts = concat_rollouts(parts)
-        if rollouts.policy_version != identity.version:
-            raise PolicyMismatchError(f"rollouts are stamped v{rollouts.policy_version}, expected v{identity.version}")
-        return rollouts
+        replicas = self.rollouts[: len(shards)]
+        parts = [
+            submit(r, "generate", prompts.select(list(range(a, b))), params, a * params.n)
+            for r, (a, b) in zip(replicas, shards)
+        ]
+        windows = [submit(r, "busy_window") for r in replicas]  # runs right after that replica's generate
+        return InFlight(parts, windows, identity, list(prompts.uid))
+
+    def collect(self, flight: InFlight) -> tuple[RolloutBatch, tuple[float, float]]:
+        """Wait for a submitted rollout; returns it and the replicas' busy window. Its stamp must be the
+        version proven served when it was submitted."""
+        rollouts = concat_rollouts(fetch(flight.parts))
+        if rollouts.policy_version != flight.identity.version:
+            raise PolicyMismatchError(
+                f"rollouts are stamped v{rollouts.policy_version}, expected v{flight.identity.version}"
+            )
+        return rollouts, span(fetch(flight.windows))
+
+    def sample(self, prompts: PromptBatch, params: SamplingParams, identity: PolicyIdentity) -> RolloutBatch:
+        return self.collect(self.submit_sample(prompts, params, identity))[0]
 
     def score(self, rollouts: RolloutBatch, support_k: int | None) -> list[tuple[Any, int, int]]:
         """The teacher's scores of `rollouts`, one part per scorer replica: (handle, first row, end row).
@@ -130,30 +177,66 @@ class StrictSyncController:
             self.sync.learner_updated()
         return metrics
 
-    def step(self, prompts: PromptBatch, params: SamplingParams) -> dict[str, float]:
-        t0 = time.perf_counter()
-        identity = self.ensure_served()
-        t1 = time.perf_counter()
-        rollouts = self.sample(prompts, params, identity)
+    def step(
+        self,
+        prompts: PromptBatch,
+        params: SamplingParams,
+        upcoming: tuple[PromptBatch, SamplingParams] | None = None,
+    ) -> dict[str, float]:
+        """One step on `prompts`. With staleness 1, `upcoming` is the next step's (prompts, params): its rollout
+        is submitted from the policy the learner holds now, before this step's update, and the next call
+        trains on it; None (the last step) submits nothing. A step with nothing in flight (the first, or the
+        first after a resume) samples its own batch from the current policy (lag 0).
+
+        The time split sums to the step's wall time: refresh (publish and prove), generate (waiting for this
+        step's rollout: all of it in strict sync, what is left of it when it ran during the last update),
+        score (the teacher scoring this step's rows, waited for in the driver without fetching the scores, and
+        the rewards) and update (the learner's update)."""
+        times = dict.fromkeys(("refresh", "generate", "score", "update"), 0.0)
+        t0 = mark = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            times[phase] += now - mark
+            mark = now
+
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            identity = self.ensure_served()
+            lap("refresh")
+            flight = self.submit_sample(prompts, params, identity)
+        elif flight.uid != list(prompts.uid):
+            raise RuntimeError(f"the rollout in flight was sampled for prompts {flight.uid[:2]}..., not this step's")
+        rollouts, generated = self.collect(flight)
         self.sync.remember(rollouts)
-        t2 = time.perf_counter()
+        lap("generate")
+        identity = self.ensure_served()  # the learner's current version (a no-op in strict sync: proven above)
+        lap("refresh")
+        if self.staleness and upcoming is not None:
+            self.in_flight = self.submit_sample(*upcoming, identity)
         scores = self.score(rollouts, self.teacher_support_k)  # handles; the learner fetches them
         rewards = self.reward_fn(rollouts)
-        t3 = time.perf_counter()
-        metrics = self.update(rollouts, scores, rewards)  # time/update includes the wait for the scores
-        t4 = time.perf_counter()
+        # The update cannot start before its scores exist (Ray resolves them first), so waiting here costs a
+        # round trip and keeps time/score the teacher's and time/update the learner's (the 4080 recipe's run 3
+        # logged score 0.13 s and update 7.18 s when the wait was inside the update).
+        settle([handle for handle, _, _ in scores])
+        lap("score")
+        metrics = self.update(rollouts, scores, rewards)
+        overlap = overlap_seconds(generated, self._last_update)  # this step's rollout against the last update
+        self._last_update = span(fetch([submit(learner, "busy_window") for learner in self.learners]))
+        lap("update")
         return {
             **metrics,  # reverse_kl among them: the learner holds the teacher's log-probs
             **rollout_metrics(rollouts, rewards),
             **self.routed_metrics(rollouts, scores, rewards),
             **self.last_probe,
-            "policy_version": identity.version,
-            "time/refresh": t1 - t0,
-            "time/generate": t2 - t1,
-            "time/score": t3 - t2,
-            "time/update": t4 - t3,
-            "time/step": t4 - t0,
-            "rollout_tokens_per_s": float(rollouts.response_mask.sum()) / max(t2 - t1, 1e-9),
+            "policy_version": rollouts.policy_version,
+            "staleness": identity.version - rollouts.policy_version,
+            **{f"time/{phase}": seconds for phase, seconds in times.items()},
+            "time/step": mark - t0,
+            "time/overlap": overlap,
+            "rollout_tokens_per_s": float(rollouts.response_mask.sum()) / max(generated[1] - generated[0], 1e-9),
         }
 
     def routed_metrics(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
 from miniverl.models.packing import batch_micro_batches, pack_rows
+from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.policy import PolicyIdentity, PolicySnapshot, weights_digest
 from miniverl.step.served_policy import PROBE_TOKENS, draw_probe
 from miniverl.workers import ProcessSettings, memory_report, memory_share_bytes, setup_process
@@ -25,6 +27,19 @@ class NonFiniteError(MiniVerlError):
 
 class SamplerGapError(PolicyMismatchError):
     """A step's sampled tokens sit further from the learner's log-probs than the objective tolerates."""
+
+
+class StaleBatchError(PolicyMismatchError):
+    """A batch sampled by a policy more versions behind the learner than trainer.staleness allows (or ahead
+    of it, or by a version this learner never published)."""
+
+    def __init__(self, message: str, batch_version: int, learner_version: int, staleness: int) -> None:
+        super().__init__(message)
+        self.batch_version, self.learner_version, self.staleness = batch_version, learner_version, staleness
+
+    @property
+    def lag(self) -> int:
+        return self.learner_version - self.batch_version
 
 
 class LearnerWorker:
@@ -47,6 +62,7 @@ class LearnerWorker:
         gradient_checkpointing: bool = False,
         max_tokens_per_micro_batch: int = 0,
         max_row_tokens: int = 0,
+        staleness: int = 0,
     ) -> None:
         """The last four come from the run (model.student.quantization, trainer.logprob_chunk_tokens,
         trainer.gradient_checkpointing, trainer.max_tokens_per_micro_batch): `quantization` nf4 loads a 4-bit
@@ -55,7 +71,9 @@ class LearnerWorker:
         decoder activations; a micro-batch holds at most `max_tokens_per_micro_batch` padded tokens (0: sized
         from this actor's memory share on a GPU, models/sizing.py; `micro_batch_size` rows of the batch's
         longest on the CPU; models/packing.py). `max_row_tokens`: the longest row the run can produce
-        (prompt limit + new tokens), which a GPU share must hold."""
+        (prompt limit + new tokens), which a GPU share must hold. `staleness` (trainer.staleness): policy
+        versions a batch may lag this learner; with 1 the learner keeps the adapter of the last published
+        versions, to hold a lagging batch's sampler to the version that sampled it."""
         self.device = setup_process(process)
         self.rank, self.world_size = rank, world_size
         self.model = build_lora_model(model_path, lora, torch_dtype(dtype, self.device), self.device, quantization)
@@ -79,6 +97,11 @@ class LearnerWorker:
         self.version = 0  # number of optimizer steps taken; the policy after k updates is version k
         self.published: PolicyIdentity | None = None
         self.on_nonfinite = on_nonfinite  # skip | stop (trainer.on_nonfinite)
+        self.staleness = staleness
+        # version -> adapter weights of every version published within the lag window (staleness > 0 only):
+        # a batch of version v is scored under v's adapter for the sampler-gap check (docs/objectives.md)
+        self.behaviour: dict[int, dict[str, torch.Tensor]] = {}
+        self.window = (0.0, 0.0)  # wall-clock start and end (epoch s) of the last update call
 
     def distributed_address(self) -> tuple[str, int]:
         """Host and a free port for rank 0 to host the process-group rendezvous."""
@@ -107,6 +130,9 @@ class LearnerWorker:
         alone), and its weights unless only the identity is needed (ranks > 0)."""
         weights = adapter_state(self.model)
         self.published = PolicyIdentity(self.version, weights_digest(weights))
+        if self.staleness:  # the versions a batch may still come from; older ones are dropped
+            self.behaviour = {v: w for v, w in self.behaviour.items() if v >= self.version - self.staleness}
+            self.behaviour[self.version] = weights
         return PolicySnapshot(self.published, weights if include_weights else {})
 
     def probe_sequences(self) -> list[list[int]]:
@@ -146,22 +172,29 @@ class LearnerWorker:
         rewards: torch.Tensor | None,
         num_step_tokens: int | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on one strictly on-policy batch; refuses data of any other policy version.
+        """One optimizer step on a batch of a policy version this learner published, at most
+        `staleness` versions behind it (strict sync: exactly the current one); refuses any other.
 
         With several data-parallel ranks, each gets a shard of whole groups and `num_step_tokens`, the
         response tokens of the whole step: gradients are summed across ranks, so the step equals the
         single-rank step on the full batch. Metrics are this rank's sums over the step's tokens.
+
+        A lagging batch (sampled by v < the learner's version; docs/objectives.md, "One-step-stale
+        rollouts"): the sampler-gap check compares the sampler with the learner's log-probs under the
+        version that sampled (its adapter kept since it was published), and the change since then is
+        reported as `policy_drift_*`; PG-k1's advantage takes the current policy's log-probs, its importance
+        ratio stays against the sampler's; the step's `reverse_kl` is importance-weighted to the current policy.
         """
-        if self.published is None or batch.policy_version != self.version or self.published.version != self.version:
-            raise PolicyMismatchError(
-                f"learner is at policy v{self.version} (published:"
-                f" {self.published.short() if self.published else 'nothing'}) but the batch was sampled by"
-                f" v{batch.policy_version}; strict sync trains only on rollouts of the policy it just published"
-            )
+        start = time.time()
+        lag = self._check_lag(batch)
         if scores.teacher_log_probs.shape != batch.responses.shape:
             raise ValueError("teacher scores do not match the rollout batch shape")
         ref = self._reference_logprobs(batch) if self.objective.needs_reference else None
-        advantages = self.objective.prepare(batch, scores, rewards, ref)
+        # the learner's log-probs of the sampled tokens under the version that sampled them, and (PG-k1's
+        # advantage) under the current one; at lag 0 both are the update's own, so nothing extra is computed
+        behaviour = self._logprobs_under(self.behaviour[batch.policy_version], batch) if lag else None
+        current = self._policy_logprobs(batch) if lag and self.objective.needs_current_logprobs else None
+        advantages = self.objective.prepare(batch, scores, rewards, ref, current)
         num_tokens = int(batch.response_mask.sum()) if num_step_tokens is None else num_step_tokens
         # [B, Tr] per-token results, filled per micro-batch on the device (one copy back, no sync per micro-batch)
         logprobs = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)
@@ -182,7 +215,9 @@ class LearnerWorker:
                 terms[at] = term
         logprobs, terms = logprobs.cpu(), (None if terms is None else terms.cpu())
         mask = batch.response_mask.bool()
-        gap = (logprobs - batch.rollout_log_probs).abs()[mask]
+        gap = ((logprobs if behaviour is None else behaviour) - batch.rollout_log_probs).abs()[mask]
+        delta = (logprobs - batch.rollout_log_probs)[mask]  # log of q_theta / q_sampler: the policy updated now
+        drift = delta.abs()
         # The objective's metrics over this rank's rows, as a share of the step's tokens (ranks' shares add up).
         with torch.no_grad():
             _, metrics = self.objective.loss_from_terms(logprobs, terms, batch, scores, advantages, num_tokens)
@@ -191,16 +226,25 @@ class LearnerWorker:
         sums = {
             "gap_abs": gap.sum().item(),
             "gap_max": gap.max().item() if gap.numel() else 0.0,
+            "drift_abs": drift.sum().item(),
             "loss": loss_sum.item(),
         }
         # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
         # teacher's scores come straight from the scorer: a sum over this rank's tokens / the step's tokens.
-        reverse_kl = float(((batch.rollout_log_probs - scores.teacher_log_probs) * batch.response_mask).sum())
+        # A lagging batch's tokens come from an older policy: its estimate of the current policy's reverse KL
+        # weighs each token's log-ratio by the truncated importance ratio q_theta / q_sampler.
+        if lag:
+            w = importance_ratio(logprobs, batch.rollout_log_probs).clamp(max=DEFAULT_IS_CAP)  # [B, Tr]
+            k1 = w * (logprobs - scores.teacher_log_probs)
+        else:
+            k1 = batch.rollout_log_probs - scores.teacher_log_probs
+        reverse_kl = float((k1 * batch.response_mask).sum())
         if self.world_size > 1:
             self._sum_gradients()
         self._check_sampler_gap(sums["gap_abs"], sums["gap_max"], num_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         skipped = self._step_if_finite(sums["loss"], float(grad_norm))
+        self.window = (start, time.time())
         return {
             "skipped_step": float(skipped),
             "loss": sums["loss"],
@@ -210,7 +254,52 @@ class LearnerWorker:
             "response_tokens": num_tokens,
             "reverse_kl": reverse_kl / max(num_tokens, 1),
             **extra,
+            **self._lag_metrics(sums["drift_abs"], delta, num_tokens),
         }
+
+    def busy_window(self) -> tuple[float, float]:
+        """When the last update ran (wall-clock epoch seconds, this host's clock; see RolloutWorker.busy_window)."""
+        return self.window
+
+    def _lag_metrics(self, drift_abs: float, delta: torch.Tensor, num_tokens: int) -> dict[str, float]:
+        """In a run that allows a lag: how far the policy being updated sits from the sampler on the step's
+        tokens (`delta` = log q_theta - log q_sampler; the sampler gap plus the policy's change since the
+        version that sampled, equal to the sampler gap at lag 0), and the largest importance ratio (the
+        objective logs ratio_mean and clipped_ratio_frac). None in strict sync (the controller logs the lag
+        itself as `staleness`)."""
+        if not self.staleness:
+            return {}
+        return {
+            "policy_drift_mean": drift_abs / max(num_tokens, 1),
+            "policy_drift_max": delta.abs().max().item() if delta.numel() else 0.0,
+            "ratio_max": delta.max().exp().item() if delta.numel() else 1.0,
+        }
+
+    def _check_lag(self, batch: RolloutBatch) -> int:
+        """The batch's lag (learner version - batch version), refused unless 0 <= lag <= staleness, the
+        batch's version was published by this learner, and the current policy was published (so the next
+        rollout can be proven to come from it)."""
+        lag = self.version - batch.policy_version
+        published = self.published is not None and self.published.version == self.version
+        known = lag == 0 or batch.policy_version in self.behaviour
+        if published and 0 <= lag <= self.staleness and known:
+            return lag
+        if not published:
+            why = "strict sync trains only on rollouts of the policy it just published"
+        elif lag < 0:
+            why = "the batch comes from a policy the learner has not reached"
+        elif lag > self.staleness:
+            why = f"its lag of {lag} versions exceeds trainer.staleness={self.staleness}"
+        else:
+            why = f"the learner never published v{batch.policy_version} in this process (restored from a checkpoint?)"
+        raise StaleBatchError(
+            f"learner is at policy v{self.version} (published:"
+            f" {self.published.short() if self.published else 'nothing'}) but the batch was sampled by"
+            f" v{batch.policy_version}: {why}; the update was not applied",
+            batch.policy_version,
+            self.version,
+            self.staleness,
+        )
 
     def _check_sampler_gap(self, gap_abs: float, gap_max: float, num_tokens: int) -> None:
         """Refuse the step before optimizer.step() when the sampler's log-probs of the step's tokens sit
@@ -263,15 +352,29 @@ class LearnerWorker:
         )
         return tokens
 
-    @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference policy is the student with its adapter disabled. Shapes: -> [B, Tr] (CPU)."""
-        out = torch.zeros(batch.responses.shape, dtype=torch.float32)
         with self.model.disable_adapter():
-            for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
-                packed = pack_rows(batch, rows)
-                out[packed.rows, packed.cols] = packed_logprobs(self.model, packed, self.chunk_tokens).cpu()
+            return self._policy_logprobs(batch)
+
+    @torch.no_grad()
+    def _policy_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The sampled tokens' log-probs under the model as it is now, without gradient. Shapes: -> [B, Tr] (CPU)."""
+        out = torch.zeros(batch.responses.shape, dtype=torch.float32)
+        for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
+            packed = pack_rows(batch, rows)
+            out[packed.rows, packed.cols] = packed_logprobs(self.model, packed, self.chunk_tokens).cpu()
         return out
+
+    def _logprobs_under(self, weights: dict[str, torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
+        """`_policy_logprobs` under another adapter (a published version's); the learner's own is put back.
+        Shapes: -> [B, Tr] (CPU)."""
+        own = adapter_state(self.model)
+        load_adapter_state(self.model, weights)
+        try:
+            return self._policy_logprobs(batch)
+        finally:
+            load_adapter_state(self.model, own)
 
     def _step_if_finite(self, loss: float, grad_norm: float) -> bool:
         """Apply the optimizer step unless the loss or a gradient is NaN/inf; returns True when skipped.
@@ -320,6 +423,7 @@ class LearnerWorker:
         set_rng_state(torch.load(path / "rng.pt", weights_only=False))
         self.version = int(state["policy_version"])
         self.published = None
+        self.behaviour = {}  # a batch sampled before the checkpoint is never trained on after it (loop.py)
         restored = PolicyIdentity(self.version, weights_digest(adapter_state(self.model)))
         if restored.digest != state["policy_digest"]:
             raise CheckpointError(

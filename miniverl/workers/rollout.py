@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from miniverl.batches import PromptBatch, RolloutBatch
@@ -34,6 +36,7 @@ class RolloutWorker:
             **(backend_options or {}),
         )
         self.served: PolicyIdentity | None = None
+        self.window = (0.0, 0.0)  # wall-clock start and end (epoch s) of the last generate call
 
     def load_policy(self, snapshot: PolicySnapshot) -> PolicyIdentity:
         """Load the snapshot and serve under its name. No digest here: the probe proves what is served."""
@@ -56,9 +59,17 @@ class RolloutWorker:
         """
         if self.served is None:
             raise PolicyMismatchError("the rollout worker serves no published policy yet; call load_policy first")
+        start = time.time()
         seeds = row_seeds(params.seed, len(prompts) * params.n, first_row)
         completions = self.backend.generate(prompts.prompt_ids, params, seeds)
-        return to_rollout_batch(prompts, completions, params.n, self.served.version)
+        batch = to_rollout_batch(prompts, completions, params.n, self.served.version)
+        self.window = (start, time.time())
+        return batch
+
+    def busy_window(self) -> tuple[float, float]:
+        """When the last generate call ran (wall-clock epoch seconds, this host's clock): the controller
+        measures how long a rollout overlapped the learner's update (trainer.staleness=1)."""
+        return self.window
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)

@@ -33,6 +33,7 @@ CASES = {
     "pg_discount": {"objective.discount": 0.5},
     "pg_kl_in_advantage": {"objective.kl_coef": 0.1},
     "pg_reward_weight": {"objective.reward_coef": 0.5},
+    "staleness": {"trainer.staleness": 1},
     "lora": {"model.lora.dropout": 0.05},
     "batch_sizes": {"trainer.micro_batch_size": 3},
     "stop_token_ids": {"rollout.stop_token_ids": [5]},

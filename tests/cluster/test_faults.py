@@ -105,6 +105,37 @@ def test_sigterm_then_resume_reproduces_the_uninterrupted_run_exactly(ray_sessio
         assert resumed[key] == whole[key], key
 
 
+def test_sigterm_with_a_rollout_in_flight_checkpoints_and_the_resumed_run_samples_from_the_checkpoint(
+    ray_session, student_dir, teacher_dir, tmp_path
+):
+    """trainer.staleness=1 through Ray: the next step's rollout is in flight when the signal's step ends. The
+    checkpoint holds the learner (not that rollout); the resumed run keeps every step up to it, samples its
+    first step from the checkpointed policy (lag 0) and lags one version after that. The rollout actually
+    overlapped the update (actor-side windows), which strict sync never does."""
+    from miniverl.main import train
+
+    steps = ("trainer.total_steps=4", "trainer.eval_every=2", "trainer.save_every=3", "trainer.staleness=1")
+    train(config(student_dir, teacher_dir, *steps), tmp_path / "whole", {}, quiet)
+    raw = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in raw[1:]] == [0, 0, 1, 2] and [r["staleness"] for r in raw[1:]] == [0, 1, 1, 1]
+    assert raw[1]["time/overlap"] == 0.0 and any(r["time/overlap"] > 0 for r in raw[2:])
+
+    def sigterm_at_2(step, _actors):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    cut = tmp_path / "cut"
+    with pytest.raises(RunInterrupted, match="SIGTERM after step 2"):
+        train(config(student_dir, teacher_dir, *steps), cut, {}, quiet, after_step=sigterm_at_2)
+    assert list_checkpoints(cut) == [step_dir(cut, 2)]
+    wait_all_cpus_free(ray_session)
+    resumed = train(config(student_dir, teacher_dir, *steps, "trainer.resume=auto"), cut, {}, quiet)
+    assert resumed["status"] == "finished"
+    got, want = metrics(cut), metrics(tmp_path / "whole")
+    assert got[:3] == want[:3]  # step 0 (evaluation), 1 and 2: the uninterrupted run's
+    assert [(r["policy_version"], r["staleness"]) for r in got[3:]] == [(2, 0), (2, 1)]
+
+
 @pytest.mark.parametrize("role", ["rollout", "scorer", "learner"])
 def test_a_killed_actor_stops_the_run_naming_it_and_resume_continues(
     ray_session, student_dir, teacher_dir, tmp_path, role

@@ -257,3 +257,30 @@ def test_mismatched_shapes_and_bad_settings_are_rejected():
         truncated_pg_loss(a, a, a, torch.ones(2, 3), is_cap=0.5)
     with pytest.raises(ValueError, match="no response tokens"):
         pg_k1_loss(a, a, a, torch.zeros(2, 3))
+
+
+def test_one_version_behind_the_current_policys_advantage_keeps_the_reverse_kl_gradient():
+    """Exact enumeration at one state, vocabulary 4: tokens sampled by an older policy q_b, learner q_theta.
+    With A = log p - log q_theta (detached: the current policy's log-probs, as the learner passes them for a
+    lagging batch) and rho = q_theta / q_b untruncated, E_{y~q_b}[grad loss] is the gradient of
+    KL(q_theta || p). With the sampler's log-probs in the advantage (A = log p - log q_b) it is not: the
+    one-version policy change would bias every token's signal."""
+    theta = torch.tensor([0.3, -0.2, 1.0, -1.0], dtype=torch.float64, requires_grad=True)
+    log_b = torch.log_softmax(torch.tensor([0.0, 0.1, 0.8, -0.6], dtype=torch.float64), 0)  # the sampler
+    log_p = torch.log_softmax(torch.tensor([1.0, 0.0, -1.0, 0.5], dtype=torch.float64), 0)  # the teacher
+
+    def expected_grad(log_old_for_advantage) -> torch.Tensor:
+        lq = torch.log_softmax(theta, 0)
+        total = torch.zeros((), dtype=torch.float64)
+        for y in range(4):  # E_{y ~ q_b}: weight each sampled token by the sampler's probability
+            lp, old, teacher = (t[y].reshape(1, 1) for t in (lq, log_b, log_p))  # [1, 1]
+            adv = k1_advantages(teacher, log_old_for_advantage(lq)[y].reshape(1, 1), torch.ones(1, 1))
+            loss, _ = truncated_pg_loss(lp, old, adv, torch.ones(1, 1), is_cap=float("inf"))
+            total = total + log_b[y].exp() * loss
+        (g,) = torch.autograd.grad(total, theta)
+        return g
+
+    lq = torch.log_softmax(theta, 0)
+    (kl_grad,) = torch.autograd.grad((lq.exp() * (lq - log_p)).sum(), theta)
+    torch.testing.assert_close(expected_grad(lambda lq: lq.detach()), kl_grad)
+    assert not torch.allclose(expected_grad(lambda lq: log_b), kl_grad, atol=1e-3)

@@ -23,6 +23,8 @@ from tests.test_config import load, with_models
         ("trainer.keep_checkpoints=0", "trainer.keep_checkpoints=0: keep at least 1"),
         ("trainer.on_nonfinite=ignore", "trainer.on_nonfinite='ignore': use skip or stop"),
         ("trainer.resume=''", "trainer.resume is empty"),
+        ("trainer.staleness=2", r"trainer.staleness=2: use 0 \(strict sync\) or 1"),
+        ("trainer.staleness=-1", r"trainer.staleness=-1: use 0 \(strict sync\) or 1"),
         # issue 17: each of these failed late (after Ray) or without the key and value
         ("resources.torch_threads=-1", "resources.torch_threads=-1: use 0 \\(all cores\\) or a thread count"),
         ("rollout.top_k=-1", "rollout.top_k=-1: use 0 \\(off\\)"),

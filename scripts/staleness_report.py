@@ -1,0 +1,85 @@
+"""Summarize a strict and a one-step-stale run (scripts/bench_staleness_cpu.sh) into
+docs/benchmarks/staleness-cpu.json: eval reverse KL and accuracy, s/step, overlap, lag and ratio statistics.
+MINIVERL_LOAD_LOG names an optional file of `epoch load1 load5 load15` lines sampled during the runs (the
+machine is shared: the mean load says how much of the wall time was someone else's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+STEP_KEYS = ("time/step", "time/refresh", "time/generate", "time/score", "time/update", "time/overlap")
+LAG_KEYS = (
+    "staleness",
+    "sampler_gap_mean",
+    "policy_drift_mean",
+    "policy_drift_max",
+    "clipped_ratio_frac",
+    "ratio_mean",
+)
+
+
+def mean_load(log: Path | None, start: float, end: float) -> float | None:
+    """Mean 1-minute load average over [start, end] from lines `epoch load1 load5 load15` (None: no log)."""
+    if log is None or not log.exists():
+        return None
+    values = [
+        float(p[1]) for p in (line.split() for line in log.read_text().splitlines()) if start <= float(p[0]) <= end
+    ]
+    return round(statistics.fmean(values), 2) if values else None
+
+
+def run_numbers(run: Path, wall: Path, load_log: Path | None = None) -> dict:
+    summary = json.loads((run / "summary.json").read_text())
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r.get("step", 0) > 0 and "time/step" in r]
+    start, end = map(float, wall.read_text().split())
+    out = {
+        "start_reverse_kl": summary["start_reverse_kl"],
+        "end_reverse_kl": summary["end_reverse_kl"],
+        "start_accuracy": summary["start_accuracy"],
+        "end_accuracy": summary["end_accuracy"],
+        "steps": len(steps),
+        "command_seconds": round(end - start, 1),
+        "mean_load_average_1min": mean_load(load_log, start, end),
+        "train_wall_seconds": round(summary["wall_seconds"], 1),
+        "eval": {r["step"]: r["eval/reverse_kl"] for r in lines if "eval/reverse_kl" in r},
+    }
+    for key in STEP_KEYS:
+        values = [r[key] for r in steps[1:]]  # the first step builds caches and warms up
+        out[f"median {key}"] = round(statistics.median(values), 4)
+        out[f"sum {key}"] = round(sum(values), 1)
+    for key in LAG_KEYS:
+        values = [r[key] for r in steps[1:] if key in r]
+        if values:
+            out[f"mean {key}"] = statistics.fmean(values)
+            out[f"max {key}"] = max(values)
+    return out
+
+
+def main(root: str, extra: str) -> None:
+    base = Path(root)
+    load_log = Path(os.environ["MINIVERL_LOAD_LOG"]) if "MINIVERL_LOAD_LOG" in os.environ else None
+    strict = run_numbers(base / "staleness0", base / "staleness0.wall", load_log)
+    stale = run_numbers(base / "staleness1", base / "staleness1.wall", load_log)
+    ratio = stale["end_reverse_kl"] / strict["end_reverse_kl"]
+    out = {
+        "date": __import__("datetime").date.today().isoformat(),
+        "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other work, no GPU",
+        "command": f"bash scripts/bench_staleness_cpu.sh {extra}".strip(),
+        "runs": {"staleness=0": strict, "staleness=1": stale},
+        "end_reverse_kl_stale_over_strict": ratio,
+        "target": "end eval reverse KL of staleness=1 within 10% of staleness=0",
+        "target_met": abs(ratio - 1.0) <= 0.10,
+    }
+    path = Path("docs/benchmarks/staleness-cpu.json")
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
