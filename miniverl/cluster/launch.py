@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from miniverl.cluster.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
@@ -43,6 +44,16 @@ def resolve_gpus(cfg: MiniVerlConfig, device: str) -> int:
     return cfg.resources.gpus
 
 
+def actor_threads(torch_threads: int, staleness: int, cores: int) -> int:
+    """Torch threads per actor. 0 (resources.torch_threads' default) gives each actor every core, right while the
+    actors compute one at a time (strict sync); with trainer.staleness=1 the rollout runs beside the update, and
+    two all-core pools on 2 CPU cores made a stale step 4.5x slower than strict sync, one thread each 1.39x
+    faster (docs/benchmarks/staleness-cpu.md), so the cores are split between the two. An explicit count wins."""
+    if torch_threads or not staleness:
+        return torch_threads
+    return max(1, cores // 2)
+
+
 def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str, list[Any]], Any]:
     """One rollout replica and learner rank per GPU (one of each without GPUs), and a scorer replica
     on each of those GPUs or on each of resources.scorer_gpus dedicated GPUs.
@@ -65,7 +76,8 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
 
     def start(cls, actor: str, i: int, *args, **kwargs):
         share = plan.num_gpus[actor]
-        process = ProcessSettings(setup.device, res.torch_threads, gpu_cap_gib(actor), share, actor=True)
+        threads = actor_threads(res.torch_threads, cfg.trainer.staleness, os.cpu_count() or 1)
+        process = ProcessSettings(setup.device, threads, gpu_cap_gib(actor), share, actor=True)
         place = (pg, plan.bundle[actor][i]) if pg else None
         return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
 
