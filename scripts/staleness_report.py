@@ -1,7 +1,8 @@
 """Summarize a strict and a one-step-stale run (scripts/bench_staleness_cpu.sh) into
 docs/benchmarks/staleness-cpu.json: eval reverse KL and accuracy, s/step, overlap, lag and ratio statistics.
 MINIVERL_LOAD_LOG names an optional file of `epoch load1 load5 load15` lines sampled during the runs (the
-machine is shared: the mean load says how much of the wall time was someone else's)."""
+machine is shared: the mean load says how much of the wall time was someone else's). MINIVERL_STALENESS_JSON
+names another output file (a second seed's pair, say)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def main(root: str, extra: str) -> None:
         "target": "end eval reverse KL of staleness=1 within 10% of staleness=0",
         "target_met": abs(ratio - 1.0) <= 0.10,
     }
-    path = Path("docs/benchmarks/staleness-cpu.json")
+    path = Path(os.environ.get("MINIVERL_STALENESS_JSON", "docs/benchmarks/staleness-cpu.json"))
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 
