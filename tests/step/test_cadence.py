@@ -13,18 +13,23 @@ from tests.step.test_controller import CPU, LORA, make_controller
 from tests.test_config import load
 
 
-def run_loop(parts, student_dir, run_dir, *overrides: str, controller=None):
-    tok, prompts, _, _ = parts
-    if controller is None:
-        controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
-    setup = SimpleNamespace(
+def loop_setup(tok, prompts, reward_fn) -> SimpleNamespace:
+    """What TrainingLoop reads of a run's Setup: the same prompts every step, on the CPU."""
+    return SimpleNamespace(
         prompts=SimpleNamespace(batch=lambda step, g: prompts, overlong_count=0),
         eval_batch=prompts,
         tokenizer=tok,
         stop_token_ids=(tok.eos_token_id,),
         device="cpu",
-        reward_fn=controller.reward_fn,
+        reward_fn=reward_fn,
     )
+
+
+def run_loop(parts, student_dir, run_dir, *overrides: str, controller=None):
+    tok, prompts, _, _ = parts
+    if controller is None:
+        controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
+    setup = loop_setup(tok, prompts, controller.reward_fn)
     cfg = load("rollout.max_new_tokens=5", "trainer.eval_every=0", *overrides)
     run_dir.mkdir(parents=True, exist_ok=True)  # train() makes it; the loop expects it
     tracker = Tracker(run_dir, {}, "disabled", "p", None, cfg.trainer.total_steps, False)

@@ -179,11 +179,11 @@ def test_overlap_of_two_windows():
 def run_stale_loop(stale, student_dir, run_dir, start: int = 0, checkpoint: str | None = None):
     """The loop in-process with trainer.staleness=1 (4 steps, a checkpoint every 2); from `checkpoint` a fresh
     learner and controller continue at `start`, as a resumed run does. Returns the per-step metrics."""
-    from types import SimpleNamespace
 
     from miniverl.cluster.faults import StopRequests
     from miniverl.observe.tracking import Tracker
     from miniverl.step.cadence import TrainingLoop
+    from tests.step.test_cadence import loop_setup
     from tests.test_config import load
 
     tok, prompts, _, _, scorer = stale
@@ -194,14 +194,7 @@ def run_stale_loop(stale, student_dir, run_dir, start: int = 0, checkpoint: str 
         first = {"eval/reverse_kl": 0.0, "eval/accuracy": 0.0}
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
     ctl = controller((tok, prompts, lrn, rollout, scorer))
-    setup = SimpleNamespace(
-        prompts=SimpleNamespace(batch=lambda step, g: prompts, overlong_count=0),
-        eval_batch=prompts,
-        tokenizer=tok,
-        stop_token_ids=(tok.eos_token_id,),
-        device="cpu",
-        reward_fn=ctl.reward_fn,
-    )
+    setup = loop_setup(tok, prompts, ctl.reward_fn)
     cfg = load(
         "rollout.max_new_tokens=5",
         "trainer.eval_every=0",
