@@ -249,9 +249,9 @@ class ResourcesConfig:
     scorer_gpus: int = 0
     ray_address: str | None = None  # None starts a local Ray cluster
     dashboard: bool = True  # start the Ray dashboard when the installed Ray has it
-    torch_threads: int = (
-        0  # per actor; 0 = all cores (the actors compute one at a time), half of them each with trainer.staleness=1
-    )
+    # Torch threads per actor; 0 = all cores (the actors compute one at a time), half of them each with
+    # trainer.staleness=1 (the rollout and the update compute at once: cluster/launch.py::actor_threads).
+    torch_threads: int = 0
     emulate_gpu_gib: float | None = None  # cap each actor at num_gpus * this many GiB (16 = RTX 4080)
     rollout: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.4))
     scorer: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))

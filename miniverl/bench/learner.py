@@ -95,14 +95,8 @@ def exact_sampler(learner, batch: RolloutBatch) -> RolloutBatch:
     Updates at the bench's lr move the policy far less than that bound. Shapes: rollout_log_probs [B, Tr]."""
     import dataclasses
 
-    from miniverl.models.logprobs import packed_logprobs
-    from miniverl.models.packing import batch_micro_batches, pack_rows
-
-    logprobs = torch.zeros(batch.responses.shape, dtype=torch.float32)
     learner.model.eval()
-    for rows in batch_micro_batches(batch, learner.max_tokens, learner.micro_batch_size):
-        packed = pack_rows(batch, rows)
-        logprobs[packed.rows, packed.cols] = packed_logprobs(learner.model, packed, learner.chunk_tokens).cpu()
+    logprobs = learner.policy_logprobs(batch)
     return dataclasses.replace(batch, rollout_log_probs=logprobs)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -158,10 +160,17 @@ class LearnerWorker:
 
     def probe_logprobs_with(self, snapshot: PolicySnapshot, sequences: list[list[int]]) -> list[list[float]]:
         """probe_logprobs under another adapter (a trial snapshot's), then the learner's own is put back."""
-        own = adapter_state(self.model)
-        load_adapter_state(self.model, snapshot.weights)
-        try:
+        with self._adapter(snapshot.weights):
             return self.probe_logprobs(sequences)
+
+    @contextmanager
+    def _adapter(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+        """The model under another adapter (a trial snapshot's, a published version's) inside the block; the
+        learner's own adapter is put back afterwards, also when the block raises."""
+        own = adapter_state(self.model)
+        load_adapter_state(self.model, weights)
+        try:
+            yield
         finally:
             load_adapter_state(self.model, own)
 
@@ -192,8 +201,11 @@ class LearnerWorker:
         ref = self._reference_logprobs(batch) if self.objective.needs_reference else None
         # the learner's log-probs of the sampled tokens under the version that sampled them, and (PG-k1's
         # advantage) under the current one; at lag 0 both are the update's own, so nothing extra is computed
-        behaviour = self._logprobs_under(self.behaviour[batch.policy_version], batch) if lag else None
-        current = self._policy_logprobs(batch) if lag and self.objective.needs_current_logprobs else None
+        behaviour = None
+        if lag:
+            with self._adapter(self.behaviour[batch.policy_version]):
+                behaviour = self.policy_logprobs(batch)
+        current = self.policy_logprobs(batch) if lag and self.objective.needs_current_logprobs else None
         advantages = self.objective.prepare(batch, scores, rewards, ref, current)
         num_tokens = int(batch.response_mask.sum()) if num_step_tokens is None else num_step_tokens
         # [B, Tr] per-token results, filled per micro-batch on the device (one copy back, no sync per micro-batch)
@@ -217,7 +229,6 @@ class LearnerWorker:
         mask = batch.response_mask.bool()
         gap = ((logprobs if behaviour is None else behaviour) - batch.rollout_log_probs).abs()[mask]
         delta = (logprobs - batch.rollout_log_probs)[mask]  # log of q_theta / q_sampler: the policy updated now
-        drift = delta.abs()
         # The objective's metrics over this rank's rows, as a share of the step's tokens (ranks' shares add up).
         with torch.no_grad():
             _, metrics = self.objective.loss_from_terms(logprobs, terms, batch, scores, advantages, num_tokens)
@@ -226,7 +237,6 @@ class LearnerWorker:
         sums = {
             "gap_abs": gap.sum().item(),
             "gap_max": gap.max().item() if gap.numel() else 0.0,
-            "drift_abs": drift.sum().item(),
             "loss": loss_sum.item(),
         }
         # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
@@ -254,14 +264,14 @@ class LearnerWorker:
             "response_tokens": num_tokens,
             "reverse_kl": reverse_kl / max(num_tokens, 1),
             **extra,
-            **self._lag_metrics(sums["drift_abs"], delta, num_tokens),
+            **self._lag_metrics(delta, num_tokens),
         }
 
     def busy_window(self) -> tuple[float, float]:
         """When the last update ran (wall-clock epoch seconds, this host's clock; see RolloutWorker.busy_window)."""
         return self.window
 
-    def _lag_metrics(self, drift_abs: float, delta: torch.Tensor, num_tokens: int) -> dict[str, float]:
+    def _lag_metrics(self, delta: torch.Tensor, num_tokens: int) -> dict[str, float]:
         """In a run that allows a lag: how far the policy being updated sits from the sampler on the step's
         tokens (`delta` = log q_theta - log q_sampler; the sampler gap plus the policy's change since the
         version that sampled, equal to the sampler gap at lag 0), and the largest importance ratio (the
@@ -269,9 +279,10 @@ class LearnerWorker:
         itself as `staleness`)."""
         if not self.staleness:
             return {}
+        drift = delta.abs()
         return {
-            "policy_drift_mean": drift_abs / max(num_tokens, 1),
-            "policy_drift_max": delta.abs().max().item() if delta.numel() else 0.0,
+            "policy_drift_mean": drift.sum().item() / max(num_tokens, 1),
+            "policy_drift_max": drift.max().item() if delta.numel() else 0.0,
             "ratio_max": delta.max().exp().item() if delta.numel() else 1.0,
         }
 
@@ -355,26 +366,17 @@ class LearnerWorker:
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference policy is the student with its adapter disabled. Shapes: -> [B, Tr] (CPU)."""
         with self.model.disable_adapter():
-            return self._policy_logprobs(batch)
+            return self.policy_logprobs(batch)
 
     @torch.no_grad()
-    def _policy_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The sampled tokens' log-probs under the model as it is now, without gradient. Shapes: -> [B, Tr] (CPU)."""
+    def policy_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The sampled tokens' log-probs under the model as it is now (adapter and mode as set), without gradient,
+        in the update's micro-batches. Shapes: -> [B, Tr] (CPU)."""
         out = torch.zeros(batch.responses.shape, dtype=torch.float32)
         for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
             packed = pack_rows(batch, rows)
             out[packed.rows, packed.cols] = packed_logprobs(self.model, packed, self.chunk_tokens).cpu()
         return out
-
-    def _logprobs_under(self, weights: dict[str, torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
-        """`_policy_logprobs` under another adapter (a published version's); the learner's own is put back.
-        Shapes: -> [B, Tr] (CPU)."""
-        own = adapter_state(self.model)
-        load_adapter_state(self.model, weights)
-        try:
-            return self._policy_logprobs(batch)
-        finally:
-            load_adapter_state(self.model, own)
 
     def _step_if_finite(self, loss: float, grad_norm: float) -> bool:
         """Apply the optimizer step unless the loss or a gradient is NaN/inf; returns True when skipped.
@@ -423,7 +425,7 @@ class LearnerWorker:
         set_rng_state(torch.load(path / "rng.pt", weights_only=False))
         self.version = int(state["policy_version"])
         self.published = None
-        self.behaviour = {}  # a batch sampled before the checkpoint is never trained on after it (loop.py)
+        self.behaviour = {}  # a batch sampled before the checkpoint is never trained on after it (step/cadence.py)
         restored = PolicyIdentity(self.version, weights_digest(adapter_state(self.model)))
         if restored.digest != state["policy_digest"]:
             raise CheckpointError(

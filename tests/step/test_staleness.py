@@ -159,7 +159,7 @@ def test_pg_k1_one_version_behind_takes_its_advantage_from_the_current_policy(st
     s0 = scorer.score(v0, None, 1.0)
     lrn.update(v0, s0, None)
     lrn.publish_policy()
-    current = lrn._policy_logprobs(v0)  # v1's log-probs of v0's tokens
+    current = lrn.policy_logprobs(v0)  # v1's log-probs of v0's tokens
     seen = []
     prepare = lrn.objective.prepare
     monkeypatch.setattr(lrn.objective, "prepare", lambda *a: seen.append(prepare(*a)) or seen[-1])
