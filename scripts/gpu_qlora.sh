@@ -7,7 +7,9 @@
 #                       the learner's peak at the real vocabulary, direct vs chunked)
 #   cell-OBJ-QUANT-BACKEND   one miniverl.main run of +experiment=gkd_4080 under 16 GB caps:
 #                       OBJ gkd|pg_k1, QUANT bf16|nf4 (student and teacher), BACKEND hf_cached|vllm;
-#                       $STEPS steps (default: 52 for the two headline cells, 12 for the others)
+#                       $STEPS steps (default: 52 for the two headline cells, 12 for the others); $OVERRIDES (space-
+#                       separated Hydra overrides) are added to the cell and $TAG, when set, is appended to its name
+#                       (e.g. TAG=stale1 OVERRIDES=trainer.staleness=1 -> cell-gkd-bf16-hf_cached-stale1)
 #   compare             miniVERL and TRL's GKDTrainer on the comparison shape (16 prompts x 1 x 512 tokens,
 #                       LoRA r32, beta 0.5, on-policy), one after the other in this call
 #   report              python -m miniverl.bench.e2e_report $OUT: the table of every cell run so far
@@ -40,7 +42,8 @@ for step in "$@"; do
       case " $HEADLINE " in *" $step "*) default_steps=52 ;; *) default_steps=12 ;; esac
       extra=("objective=$obj" "rollout=$backend")
       [ "$quant" = nf4 ] && extra+=(model.student.quantization=nf4 model.teacher.quantization=nf4)
-      miniverl "$step" "${STEPS:-$default_steps}" "${extra[@]}" ;;
+      read -r -a more <<< "${OVERRIDES:-}"
+      miniverl "$step${TAG:+-$TAG}" "${STEPS:-$default_steps}" "${extra[@]}" "${more[@]}" ;;
     compare)
       models
       miniverl compare-miniverl 12 data.prompts_per_step=16 rollout.n=1 trainer.micro_batch_size=16
