@@ -253,6 +253,10 @@ class ResourcesConfig:
     # trainer.staleness=1 (the rollout and the update compute at once: cluster/launch.py::actor_threads).
     torch_threads: int = 0
     emulate_gpu_gib: float | None = None  # cap each actor at num_gpus * this many GiB (16 = RTX 4080)
+    # How the learner's adapter reaches the rollout replicas at a refresh: auto = left in the learner's GPU
+    # memory and copied device to device (CUDA IPC) when every replica shares the learner's GPU, else through
+    # the host; host = always CPU copies through Ray's object store (miniverl/step/sync.py).
+    weight_sync: str = "auto"
     rollout: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.4))
     scorer: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
     learner: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
@@ -508,6 +512,11 @@ def validate(cfg: MiniVerlConfig) -> None:
     )
     threads = cfg.resources.torch_threads
     _require(threads >= 0, f"resources.torch_threads={threads}: use 0 (all cores) or a thread count >= 1")
+    _require(
+        cfg.resources.weight_sync in ("auto", "host"),
+        f"resources.weight_sync={cfg.resources.weight_sync!r}: use auto (on the GPU when the rollout shares the"
+        " learner's GPU) or host (CPU copies)",
+    )
     g = cfg.resources.gpus
     _require(g is None or g >= 0, f"resources.gpus={g}: use null (auto), 0 (CPU only) or a GPU count")
     _require(

@@ -124,6 +124,7 @@ def train(
             objective.loss_temperature,
             routing=setup.routing,
             staleness=cfg.trainer.staleness,
+            weight_sync=cfg.resources.weight_sync,
         )
         params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
         names = (cfg.objective.name, cfg.rollout.backend)

@@ -1,11 +1,30 @@
-"""Which policy a component holds: its identity (version and weights digest) and what the learner publishes."""
+"""Which policy a component holds: its identity (version and weights digest) and what the learner publishes.
+
+The learner publishes its adapter one of two ways (resources.weight_sync, chosen once per run by
+miniverl/step/sync.py):
+- through the host: CPU copies of the tensors in the snapshot (Ray's object store carries them);
+- on the device, when every rollout replica sits on the learner's GPU: the learner copies the adapter into one
+  flat buffer of its own GPU memory and the snapshot carries that buffer's CUDA IPC handle and layout
+  (`SharedWeights`); a replica maps the buffer and copies the adapter device to device. Nothing adapter-sized
+  crosses the host, so a refresh does no O(adapter) work on the CPU.
+
+The digest (the policy's name) is computed where the tensors are, by integer arithmetic that gives the same
+result on any device (`weights_digest`), so publishing on the GPU needs no copy to the host either.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+DIGEST_PREFIX = "fp1-"  # digests without it are the SHA-256 digests of checkpoints written before fp1
+ALIGN = 16  # bytes: every tensor of a flat buffer starts at a multiple (dtype views, vectorized copies)
+CHUNK = 1 << 22  # int16 words per fingerprint pass: bounds its int64 temporaries at 32 MiB each
+MODULUS = (1 << 61) - 1  # a prime; each pass adds < 2**56, so the running sums never overflow int64
 
 
 @dataclass(frozen=True)
@@ -16,29 +35,146 @@ class PolicyIdentity:
     digest: str
 
     def short(self) -> str:
-        return f"v{self.version}:{self.digest[:12]}"
+        return f"v{self.version}:{self.digest.removeprefix(DIGEST_PREFIX)[:12]}"
 
 
-@dataclass
-class PolicySnapshot:
-    """What the learner publishes: its identity and the trainable weights (CPU tensors)."""
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one named tensor sits in a flat byte buffer."""
 
-    identity: PolicyIdentity
-    weights: dict[str, torch.Tensor]
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # bytes from the buffer's start, a multiple of ALIGN
+    nbytes: int
+
+
+def flat_layout(weights: dict[str, torch.Tensor]) -> tuple[TensorSlot, ...]:
+    """Slots for `weights` in sorted-name order, each aligned to ALIGN bytes."""
+    slots, offset = [], 0
+    for name in sorted(weights):
+        t = weights[name]
+        nbytes = t.numel() * t.element_size()
+        slots.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return tuple(slots)
+
+
+def layout_bytes(layout: tuple[TensorSlot, ...]) -> int:
+    return max((s.offset + -(-s.nbytes // ALIGN) * ALIGN for s in layout), default=0)
+
+
+def slot_views(flat: torch.Tensor, layout: tuple[TensorSlot, ...]) -> dict[str, torch.Tensor]:
+    """Each slot of a flat uint8 buffer as a tensor of its dtype and shape (views: no copy)."""
+    return {s.name: flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in layout}
+
+
+def pack(weights: dict[str, torch.Tensor], layout: tuple[TensorSlot, ...], out: torch.Tensor | None = None):
+    """`weights` copied into one flat uint8 buffer (`out`, reused when given; padding bytes stay zero).
+    Shapes: -> [layout_bytes(layout)] uint8 on the tensors' device."""
+    if out is None:
+        device = next(iter(weights.values())).device if weights else torch.device("cpu")
+        out = torch.zeros(layout_bytes(layout), dtype=torch.uint8, device=device)
+    for name, view in slot_views(out, layout).items():
+        view.copy_(weights[name].detach())
+    return out
+
+
+def _fingerprint(flat: torch.Tensor) -> list[int]:
+    """Two position-weighted sums of the buffer's 16-bit words modulo a prime, computed where the buffer is.
+    Exact integer arithmetic: the same numbers on any device. A change of any single word changes both sums
+    (word delta and weight are non-zero and their product is smaller than the modulus). Not a cryptographic
+    hash: it names policies and catches corruption, it does not resist someone forging weights."""
+    words = flat.view(torch.int16) if flat.numel() % 2 == 0 else torch.cat([flat, flat.new_zeros(1)]).view(torch.int16)
+    sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), CHUNK):
+        w = words[start : start + CHUNK].to(torch.int64) + 32768  # [c] in [0, 65535]
+        pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=flat.device)
+        sums[0] += (w * ((pos * 40503 + 1) % 65521 + 1)).sum()
+        sums[1] += (w * ((pos * 7919 + 17) % 65519 + 1)).sum()
+        sums %= MODULUS
+    return sums.tolist()
+
+
+def flat_digest(flat: torch.Tensor, layout: tuple[TensorSlot, ...]) -> str:
+    """The digest of a packed buffer: names, dtypes, shapes and offsets, and the fingerprint of its bytes."""
+    h = hashlib.sha256()
+    for s in layout:
+        h.update(f"{s.name}|{s.dtype}|{s.shape}|{s.offset}|{s.nbytes};".encode())
+    h.update(repr(_fingerprint(flat)).encode())
+    return DIGEST_PREFIX + h.hexdigest()
 
 
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over sorted names, dtypes, shapes and raw bytes of `weights`.
+    """The policy's name: `flat_digest` of `weights` packed in sorted-name order, on the tensors' device.
 
-    The policy's name, computed only by the learner (when it publishes, saves or restores a checkpoint;
-    never by a rollout engine). It proves nothing about what a rollout engine serves (merged or fused
-    copies, the base model): the strict-sync probe does that (miniverl/step/served_policy.py).
+    Computed only by the learner (when it publishes, saves or restores a checkpoint; never by a rollout
+    engine). It proves nothing about what a rollout engine serves (merged or fused copies, the base model):
+    the strict-sync probe does that (miniverl/step/served_policy.py).
     """
+    layout = flat_layout(weights)
+    return flat_digest(pack(weights, layout), layout)
+
+
+def sha256_digest(weights: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over sorted names, dtypes, shapes and raw bytes: the digest checkpoints recorded before fp1."""
     h = hashlib.sha256()
     for name in sorted(weights):
         t = weights[name].detach().to("cpu").contiguous()
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # the buffer itself: no bytes copy
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
     return h.hexdigest()
+
+
+def digest_matches(weights: dict[str, torch.Tensor], recorded: str) -> bool:
+    """Whether `weights` carry the digest a checkpoint recorded, whichever scheme recorded it."""
+    if recorded.startswith(DIGEST_PREFIX):
+        return weights_digest(weights) == recorded
+    return sha256_digest(weights) == recorded
+
+
+# Buffers this process shared, by key: a process cannot map its own CUDA IPC handle, so a snapshot opened where
+# it was made (in-process actors: tests, benchmarks) reads the buffer itself.
+_OWN: dict[int, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """A published adapter left in the learner's GPU memory: the CUDA IPC handle of one flat buffer
+    (torch.multiprocessing.reductions.reduce_tensor: a rebuild function and its arguments) and its layout.
+    The buffer is the learner's and is rewritten at its next publish; a replica copies out of it at once."""
+
+    handle: tuple[Any, tuple]
+    layout: tuple[TensorSlot, ...]
+    pid: int  # the process that owns the buffer
+    key: int
+
+    @classmethod
+    def of(cls, flat: torch.Tensor, layout: tuple[TensorSlot, ...]) -> SharedWeights:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _OWN[id(flat)] = flat
+        return cls(reduce_tensor(flat), layout, os.getpid(), id(flat))
+
+    def open(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors as views of the mapped buffer (same GPU, another process)."""
+        if self.pid == os.getpid():
+            return slot_views(_OWN[self.key], self.layout)
+        rebuild, args = self.handle
+        return slot_views(rebuild(*args), self.layout)
+
+
+@dataclass
+class PolicySnapshot:
+    """What the learner publishes: its identity and the trainable weights, as CPU tensors (`weights`) or left
+    on the learner's GPU (`shared`, with `weights` empty)."""
+
+    identity: PolicyIdentity
+    weights: dict[str, torch.Tensor]
+    shared: SharedWeights | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter, wherever it travelled: CPU tensors, or views of the learner's mapped GPU buffer."""
+        return self.weights if self.shared is None else self.shared.open()

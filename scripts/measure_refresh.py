@@ -5,7 +5,9 @@
 Only a refresh (`controller.ensure_served()` after marking the served policy out of date: publish, hand
 over, load, verify) is timed, repeated on the default experiment's actors, so a tree before and after a
 refresh change can be compared on a busy machine in short alternating runs (the whole step's time moves
-with every other load on the machine).
+with every other load on the machine). Prints one JSON line: the median, each stage's median
+(`time/refresh/<stage>`) and whether the adapter went on the device (resources.weight_sync). Without an update
+in between, the probe holds only the fixed sequences (a run adds a few on-policy rows to it).
 """
 
 from __future__ import annotations
@@ -44,18 +46,34 @@ def main() -> None:
         actors, _ = build_actors(cfg, setup, objective)
         reward = ExactMatchReward(setup.tokenizer)
         ctl = StrictSyncController(
-            actors["rollout"], actors["scorer"], actors["learner"], reward, objective.teacher_support_k, 1.0
+            actors["rollout"],
+            actors["scorer"],
+            actors["learner"],
+            reward,
+            objective.teacher_support_k,
+            1.0,
+            weight_sync=cfg.resources.weight_sync,
         )
         ctl.ensure_served()  # first refresh: reads the probe and tolerances, measures the replica's noise
-        times = []
+        times, stages = [], {}
         for _ in range(args.repeats):
             ctl.sync.learner_updated()  # republish the same version: a refresh without an update
             t0 = time.perf_counter()
             ctl.ensure_served()
             times.append(time.perf_counter() - t0)
+            for k, v in ctl.last_probe.items():
+                if k.startswith("time/refresh/"):
+                    stages.setdefault(k.removeprefix("time/refresh/"), []).append(v)
     finally:
         ray.shutdown()
-    print(json.dumps({"median_ms": statistics.median(times) * 1e3, "times_ms": [round(t * 1e3, 2) for t in times]}))
+    result = {
+        "weight_sync": cfg.resources.weight_sync,
+        "on_device": ctl.sync.on_device,
+        "median_ms": statistics.median(times) * 1e3,
+        "stage_median_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in stages.items()},
+        "times_ms": [round(t * 1e3, 2) for t in times],
+    }
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ def test_wrong_types_fail_in_hydra():
         (["data.task=sorting"], "unknown task 'sorting'"),
         (["+experiment=pg_k1", "rollout.temperature=0.7"], "pg_k1 samples at temperature 1"),
         (["rollout.n=0"], "rollout.n=0"),
+        (["resources.weight_sync=nvlink"], "resources.weight_sync='nvlink': use auto .* or host"),
         (["data.min_len=5", "data.max_len=2"], "min_len <= max_len"),
         (["objective=pg_k1", "objective.kl_kind=k4"], "objective.kl_kind"),
         (["tracking.wandb_mode=maybe"], "wandb_mode"),

@@ -6,7 +6,7 @@
 - `packed_logprobs`: the same layout without gradient (the reference policy).
 - `response_logits` + `token_logprobs`: the direct way, the model's own forward over the left-padded batch
   with its [B, Tr, V] logits; the exactness reference of the tests and the bench's oracle.
-- `sequence_logprobs`: probes (fixed token sequences), a few rows per forward.
+- `sequence_logprobs`: probes (fixed token sequences), the decoder once and the LM head in chunks.
 """
 
 from __future__ import annotations
@@ -70,27 +70,27 @@ def right_pad(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor
     return ids, mask
 
 
-def unpad_logprobs(logprobs: torch.Tensor, sequences: list[list[int]]) -> list[list[float]]:
-    """Per-sequence lists from right-padded next-token log-probs. Shapes: logprobs [B, T-1] -> ragged."""
-    return [row[: len(s) - 1].tolist() for row, s in zip(logprobs.float().cpu(), sequences)]
-
-
-SEQUENCE_CHUNK_ROWS = 2
+# Positions per LM-head chunk of a probe: [512, V] bf16 logits and their fp32 copy are 0.45 GiB at a 152k
+# vocabulary, inside any actor's share of a 16 GB card (the conformance gate sends 64 rows of ~270 tokens).
+SEQUENCE_CHUNK_TOKENS = 512
 
 
 @torch.no_grad()
 def sequence_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
-    """log p(seq[t] | seq[:t]) for t = 1..len-1 of each sequence, temperature 1, fp32, through `model`."""
+    """log p(seq[t] | seq[:t]) for t = 1..len-1 of each sequence, temperature 1, fp32, through `model`: its
+    decoder once over the right-padded sequences (no mask: a causal model's real positions never see trailing
+    padding, as in the learner's packed rows), then the LM head a chunk of positions at a time (no [B, T, V])."""
     device = next(model.parameters()).device
-    out: list[list[float]] = []
-    # A few rows per forward: the conformance gate sends 64 rows of ~270 tokens, whose [B, T, V] bf16 logits
-    # at a 152k vocabulary (5.1 GiB) overran the learner's 4.8 GiB share of a 16 GB card (H200, 16 GB emulation).
-    for start in range(0, len(sequences), SEQUENCE_CHUNK_ROWS):
-        part = sequences[start : start + SEQUENCE_CHUNK_ROWS]
-        ids, mask = right_pad(part)  # [b, T] each
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits  # [b, T, V]
-        out += unpad_logprobs(token_logprobs(logits[:, :-1], ids[:, 1:].to(device)), part)
-        del logits
+    ids, mask = right_pad(sequences)  # [B, T] each
+    decoder, head = lm_parts(model)
+    hidden = decoder(input_ids=ids.to(device), use_cache=False).last_hidden_state  # [B, T, H]
+    rows, cols = mask[:, 1:].nonzero(as_tuple=True)  # positions that predict a real next token, row-major
+    picked = hidden[rows.to(device), cols.to(device)]  # [N, H]
+    flat = head_logprobs(picked, head, ids[rows, cols + 1], SEQUENCE_CHUNK_TOKENS).cpu().tolist()  # [N]
+    out, start = [], 0
+    for s in sequences:
+        out.append(flat[start : start + len(s) - 1])
+        start += len(s) - 1
     return out
 
 

@@ -47,11 +47,16 @@ def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: 
     return get_peft_model(base, config)
 
 
-def adapter_state(model) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under peft's portable names, copied to the CPU."""
+def live_adapter(model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's portable names, where they live (the model's own storage: no copy)."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model).items()}
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's portable names, copied to the CPU."""
+    return {k: v.to("cpu", copy=True) for k, v in live_adapter(model).items()}
 
 
 def load_adapter_state(model, weights: dict[str, torch.Tensor]) -> None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from miniverl.errors import ConfigError
+from miniverl.models.fused_head import head_logprobs
 from miniverl.models.logprobs import token_logprobs
 from miniverl.models.lora import LoraSettings, build_lora_model
 from miniverl.rollout import Completion
@@ -38,6 +39,7 @@ LORA_GROUPS = ("qkv_lora", "o_lora", "gate_up_lora", "down_lora")
 CACHE_COLUMN_QUANTUM = 64
 # The strict-sync probe's last tokens go through the decode step itself (the CUDA graphs generate replays):
 # a stale or wrong graph, not only stale weights, shows in the probe. 8 steps cost 8 decode launches.
+PROBE_CHUNK_TOKENS = 512  # prefill positions per LM-head chunk of a probe (as models/logprobs.py)
 PROBE_DECODE_STEPS = 8  # cache length rounds up to this, so slightly longer prompts reuse buffers and graphs
 
 
@@ -307,16 +309,17 @@ class HFCachedBackend:
         width_p = max(lens)
         cache = self._reserve(rows, width_p + tail)
         h = self._prefill_hidden(heads, 1, cache)  # [R, P, E], left-padded
-        out = []
-        for i, head in enumerate(heads):
-            logits = self.decoder.lm_head(h[i, width_p - len(head) :])  # [len, V]: the last predicts the next
-            ids = torch.tensor(sequences[i][1 : len(head) + 1], device=self.device)
-            out.append(token_logprobs(logits[None], ids[None])[0].tolist())
-        if tail == 1:
-            return out
-        cache.first_column[:rows] = width_p - torch.tensor(lens, device=self.device)
-        cache.positions[:rows] = torch.tensor(lens, device=self.device) - 1
-        cache.column.fill_(width_p - 1)
+        # Every prefill position at once (row-major; the last of each predicts the first tail token), the LM
+        # head a chunk at a time, one copy to the host at the end (a .tolist() per row waits for the GPU each time).
+        rows_p = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]).to(self.device)
+        cols_p = torch.cat([torch.arange(width_p - n, width_p) for n in lens]).to(self.device)
+        targets = torch.tensor([t for s, n in zip(sequences, lens) for t in s[1 : n + 1]], device=self.device)
+        prefill = head_logprobs(h[rows_p, cols_p], self.decoder.lm_head, targets, PROBE_CHUNK_TOKENS)  # [sum lens]
+        decoded = []  # [R] per decode step
+        if tail > 1:
+            cache.first_column[:rows] = width_p - torch.tensor(lens, device=self.device)
+            cache.positions[:rows] = torch.tensor(lens, device=self.device) - 1
+            cache.column.fill_(width_p - 1)
         for step in range(tail - 1):  # feed the token after the prefix (and those after it), score the next
             fed = [s[n + step] for s, n in zip(sequences, lens)]
             cache.tokens[:rows] = torch.tensor(fed, device=self.device)
@@ -324,8 +327,13 @@ class HFCachedBackend:
             cache.column.add_(1)
             logits = self._decode(self._width(rows, rows))[:rows]  # [R, V]
             ids = torch.tensor([s[n + step + 1] for s, n in zip(sequences, lens)], device=self.device)
-            for i, lp in enumerate(token_logprobs(logits[:, None], ids[:, None])[:, 0].tolist()):
-                out[i].append(lp)
+            decoded.append(token_logprobs(logits[:, None], ids[:, None])[:, 0])
+        flat = prefill.tolist()
+        steps = torch.stack(decoded, dim=1).tolist() if decoded else [[] for _ in lens]  # [R, tail - 1]
+        out, start = [], 0
+        for n, tail_lp in zip(lens, steps):
+            out.append(flat[start : start + n] + tail_lp)
+            start += n
         return out
 
     @property

@@ -125,9 +125,11 @@ class VllmBackend:
 
     # -- refresh ---------------------------------------------------------------------------------------
     def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
-        """Serve `weights` (peft names, CPU tensors) as a new policy version."""
+        """Serve `weights` (peft names; CPU tensors, or GPU ones mapped from the learner's buffer, which are
+        copied to the host here: the adapter store writes files and the learner rewrites its buffer later)."""
         from vllm.lora.request import LoRARequest
 
+        weights = {k: v.to("cpu", copy=True) if v.is_cuda else v for k, v in weights.items()}
         self._wake()
         self.version += 1
         if self.store is not None:

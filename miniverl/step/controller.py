@@ -79,18 +79,20 @@ class StrictSyncController:
         probe: list[list[int]] | None = None,
         routing: TeacherRouting | None = None,
         staleness: int = 0,
+        weight_sync: str = "auto",
     ) -> None:
         """`probe`: the fixed token sequences every refresh is verified on; None draws them from the learner's
         vocabulary at the first refresh (miniverl.step.served_policy.draw_probe). `routing`: several teachers
         (miniverl/setup/teachers.py): each step also logs metrics per source and teacher. `staleness`
-        (trainer.staleness): 1 overlaps the next step's rollout with this step's update."""
+        (trainer.staleness): 1 overlaps the next step's rollout with this step's update. `weight_sync`
+        (resources.weight_sync): how the adapter reaches the replicas (miniverl/step/sync.py)."""
         self.routing = routing
         self.rollouts, self.scorers = _as_list(rollout), _as_list(scorer)
         self._learners = _as_list(learner)
         self.reward_fn = reward_fn
         self.teacher_support_k = teacher_support_k
         self.loss_temperature = loss_temperature
-        self.sync = PolicySync(self.rollouts, self.learners, probe)
+        self.sync = PolicySync(self.rollouts, self.learners, probe, weight_sync)
         self.staleness = staleness
         self.in_flight: InFlight | None = None  # the next step's rollout, submitted during this step's update
         self._last_update = (0.0, 0.0)  # the learners' busy window in the previous step

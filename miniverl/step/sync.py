@@ -12,6 +12,12 @@ A refresh is proven by two separate tests on a probe (miniverl/step/served_polic
   replica fails it at its first stale refresh, however small the step was.
 The probe holds fixed sequences (the same for the whole run) and the most recent on-policy rows (the
 tokens a trained adapter moves most). The change test compares only sequences both refreshes scored.
+
+How the adapter travels is decided once, at the first refresh (resources.weight_sync): `auto` leaves it on
+the learner's GPU when every rollout replica reports the learner's physical GPU (its UUID), and each replica
+copies it device to device from the mapped buffer (miniverl/policy.py, SharedWeights); otherwise, and always
+with `host`, CPU copies go through Ray's object store. The conformance gate's trial adapter always goes
+through the host (it is made once per run).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from miniverl.errors import PolicyMismatchError
 from miniverl.policy import PolicyIdentity
 from miniverl.step.served_policy import check_changed, check_gap, max_gap
 
+WEIGHT_SYNC = ("auto", "host")
 RECENT_ROWS = 2  # on-policy rows of the last training batch added to the probe (one short prefill more)
 TRIAL_SEED = 1  # the conformance gate's non-zero adapter (one per run; the same in every run)
 # lora_B of the trial adapter: with lora_A's default init (|A x| ~ 1 per rank) and alpha/r ~ 2, a delta of
@@ -47,9 +54,16 @@ def _probe_rows(batch: RolloutBatch, count: int) -> list[tuple[int, ...]]:
 class PolicySync:
     """Publishes the learner's policy to every rollout replica and proves each serves it."""
 
-    def __init__(self, rollouts: list[Any], learners: list[Any], probe: list[list[int]] | None = None) -> None:
-        """`probe`: the fixed sequences; None draws them from the learner's vocabulary at the first refresh."""
+    def __init__(
+        self, rollouts: list[Any], learners: list[Any], probe: list[list[int]] | None = None, weight_sync: str = "auto"
+    ) -> None:
+        """`probe`: the fixed sequences; None draws them from the learner's vocabulary at the first refresh.
+        `weight_sync` (resources.weight_sync): auto | host, see the module note."""
+        if weight_sync not in WEIGHT_SYNC:
+            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC}, got {weight_sync!r}")
         self.rollouts, self.learners = rollouts, learners
+        self.weight_sync = weight_sync
+        self.on_device: bool | None = None  # decided at the first refresh
         self.fixed = None if probe is None else [tuple(s) for s in probe]
         self.identity: PolicyIdentity | None = None  # what every replica provably serves now
         self.refreshes = 0  # publish-and-prove rounds so far
@@ -84,6 +98,14 @@ class PolicySync:
         self.identity = None  # the replicas hold the trial adapter now
         return self.last_probe["probe_gap_max"]
 
+    def _shares_the_learners_gpu(self) -> bool:
+        """Whether the adapter can stay on the device: weight_sync auto, learner rank 0 on a GPU, and every
+        rollout replica on that same physical GPU."""
+        if self.weight_sync != "auto":
+            return False
+        learner, *replicas = fetch([submit(a, "device_uuid") for a in (self.learners[0], *self.rollouts)])
+        return learner is not None and all(r == learner for r in replicas)
+
     def _sequences(self) -> list[tuple[int, ...]]:
         seen: dict[tuple[int, ...], None] = {}
         for s in (*self.fixed, *self._carried, *self._recent):
@@ -99,6 +121,8 @@ class PolicySync:
             self.fixed = [tuple(s) for s in call(self.learners[0], "probe_sequences")]
         if not self.tolerances:
             self.tolerances = fetch([submit(r, "probe_tolerance") for r in self.rollouts])
+        if self.on_device is None:
+            self.on_device = self._shares_the_learners_gpu()
         sequences = self._sequences()
         probe = [list(s) for s in sequences]
         first = not self.noise
@@ -108,7 +132,7 @@ class PolicySync:
             others = []
         else:
             learner = submit(self.learners[0], "probe_logprobs", probe)
-            snapshot = submit(self.learners[0], "publish_policy")
+            snapshot = submit(self.learners[0], "publish_policy", True, self.on_device)
             others = [submit(rank, "publish_policy", False) for rank in self.learners[1:]]
         loaded = [submit(r, "load_policy", snapshot) for r in self.rollouts]
         served = [submit(r, "probe_logprobs", probe) for r in self.rollouts]

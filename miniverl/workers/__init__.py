@@ -99,3 +99,11 @@ def memory_report(device: str) -> dict[str, float]:
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
     }
+
+
+def gpu_uuid(device: str) -> str | None:
+    """The UUID of the physical GPU this process computes on (its CUDA device 0), None on the CPU. Two actors
+    with the same UUID share one GPU whatever CUDA_VISIBLE_DEVICES calls it in each."""
+    if device != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(0).uuid)

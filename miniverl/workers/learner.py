@@ -15,12 +15,21 @@ from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_stat
 from miniverl.errors import MiniVerlError, PolicyMismatchError
 from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
-from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
+from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, live_adapter, load_adapter_state
 from miniverl.models.packing import batch_micro_batches, pack_rows
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
-from miniverl.policy import PolicyIdentity, PolicySnapshot, weights_digest
+from miniverl.policy import (
+    PolicyIdentity,
+    PolicySnapshot,
+    SharedWeights,
+    digest_matches,
+    flat_digest,
+    flat_layout,
+    pack,
+    weights_digest,
+)
 from miniverl.step.served_policy import PROBE_TOKENS, draw_probe
-from miniverl.workers import ProcessSettings, memory_report, memory_share_bytes, setup_process
+from miniverl.workers import ProcessSettings, gpu_uuid, memory_report, memory_share_bytes, setup_process
 
 
 class NonFiniteError(MiniVerlError):
@@ -104,6 +113,8 @@ class LearnerWorker:
         # a batch of version v is scored under v's adapter for the sampler-gap check (docs/objectives.md)
         self.behaviour: dict[int, dict[str, torch.Tensor]] = {}
         self.window = (0.0, 0.0)  # wall-clock start and end (epoch s) of the last update call
+        self._flat: torch.Tensor | None = None  # the adapter published on the device (publish_policy)
+        self._shared: SharedWeights | None = None  # that buffer's CUDA IPC handle, made once
 
     def distributed_address(self) -> tuple[str, int]:
         """Host and a free port for rank 0 to host the process-group rendezvous."""
@@ -127,15 +138,38 @@ class LearnerWorker:
         backend = "nccl" if self.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size)
 
-    def publish_policy(self, include_weights: bool = True) -> PolicySnapshot:
+    def publish_policy(self, include_weights: bool = True, on_device: bool = False) -> PolicySnapshot:
         """The policy's identity (its name: version and the digest of the weights, computed by the learner
-        alone), and its weights unless only the identity is needed (ranks > 0)."""
-        weights = adapter_state(self.model)
-        self.published = PolicyIdentity(self.version, weights_digest(weights))
+        alone), and its weights unless only the identity is needed (ranks > 0): CPU copies, or with
+        `on_device` (every replica on this GPU: miniverl/step/sync.py) one flat buffer in this GPU's memory
+        that the replicas map by its CUDA IPC handle (miniverl/policy.py): no adapter-sized host copy."""
+        live = live_adapter(self.model)  # the adapter's own tensors on the device: no copy
+        weights: dict[str, torch.Tensor] = {}
+        shared = None
+        if include_weights and on_device:
+            layout = flat_layout(live)
+            if self._shared is None or self._shared.layout != layout:
+                self._flat = pack(live, layout)
+                self._shared = SharedWeights.of(self._flat, layout)
+            else:
+                pack(live, layout, out=self._flat)
+            digest = flat_digest(self._flat, layout)  # waits for the copies: a replica reads finished bytes
+            shared = self._shared
+        elif include_weights:
+            weights = adapter_state(self.model)
+            digest = weights_digest(weights)
+        else:
+            digest = weights_digest(live)
+        self.published = PolicyIdentity(self.version, digest)
         if self.staleness:  # the versions a batch may still come from; older ones are dropped
             self.behaviour = {v: w for v, w in self.behaviour.items() if v >= self.version - self.staleness}
-            self.behaviour[self.version] = weights
-        return PolicySnapshot(self.published, weights if include_weights else {})
+            self.behaviour[self.version] = weights or adapter_state(self.model)
+        return PolicySnapshot(self.published, weights, shared)
+
+    def device_uuid(self) -> str | None:
+        """The physical GPU this learner computes on (None on the CPU): sync publishes on the device when
+        every rollout replica reports the same one."""
+        return gpu_uuid(self.device)
 
     def probe_sequences(self) -> list[list[int]]:
         """The run's fixed strict-sync probe, drawn from this student's vocabulary (miniverl/step/served_policy.py)."""
@@ -409,7 +443,7 @@ class LearnerWorker:
                 f"the adapter holds NaN/inf values ({bad[0]} and {len(bad) - 1} more); refusing to save it over"
                 " the last good checkpoint. Resume from that one with trainer.resume=auto and a lower trainer.lr"
             )
-        identity = PolicyIdentity(self.version, weights_digest(weights))
+        identity = PolicyIdentity(self.version, weights_digest(live_adapter(self.model)))
         meta = {"step": self.version, **(meta or {})}
         return str(write_checkpoint(Path(directory), self.model, self.optimizer, identity, meta))
 
@@ -426,8 +460,9 @@ class LearnerWorker:
         self.version = int(state["policy_version"])
         self.published = None
         self.behaviour = {}  # a batch sampled before the checkpoint is never trained on after it (step/cadence.py)
-        restored = PolicyIdentity(self.version, weights_digest(adapter_state(self.model)))
-        if restored.digest != state["policy_digest"]:
+        live = live_adapter(self.model)
+        restored = PolicyIdentity(self.version, weights_digest(live))
+        if not digest_matches(live, state["policy_digest"]):
             raise CheckpointError(
                 f"the adapter restored from {directory} hashes to {restored.short()} but the checkpoint recorded"
                 f" {state['policy_digest'][:12]}; the checkpoint is corrupt, resume from an older one"

@@ -13,7 +13,7 @@ from miniverl.models.lora import LoraSettings
 from miniverl.policy import PolicyIdentity, PolicySnapshot
 from miniverl.rollout import BACKENDS, Completion
 from miniverl.rollout.sampling import SamplingParams, row_seeds
-from miniverl.workers import ProcessSettings, memory_report, setup_process
+from miniverl.workers import ProcessSettings, gpu_uuid, memory_report, setup_process
 
 
 class RolloutWorker:
@@ -39,10 +39,18 @@ class RolloutWorker:
         self.window = (0.0, 0.0)  # wall-clock start and end (epoch s) of the last generate call
 
     def load_policy(self, snapshot: PolicySnapshot) -> PolicyIdentity:
-        """Load the snapshot and serve under its name. No digest here: the probe proves what is served."""
-        self.backend.load_adapter(snapshot.weights)
+        """Load the snapshot and serve under its name. No digest here: the probe proves what is served. A
+        snapshot left on the learner's GPU (`snapshot.shared`) is copied out of the learner's buffer device to
+        device, and finished before this returns: the learner rewrites that buffer at its next publish."""
+        self.backend.load_adapter(snapshot.tensors())
+        if snapshot.shared is not None:
+            torch.cuda.synchronize()
         self.served = snapshot.identity
         return self.served
+
+    def device_uuid(self) -> str | None:
+        """The physical GPU this replica serves on (None on the CPU); see LearnerWorker.device_uuid."""
+        return gpu_uuid(self.device)
 
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The probe through the backend's serving path (see RolloutBackend.probe_logprobs)."""

@@ -124,6 +124,22 @@ def test_load_refuses_an_adapter_that_does_not_hash_to_the_recorded_digest(train
         new_learner(student_dir).load_checkpoint(str(path))
 
 
+def test_a_checkpoint_recorded_with_the_old_sha256_digest_still_resumes(trained, student_dir, tmp_path):
+    """Checkpoints written before the fp1 digest recorded SHA-256 over the adapter's bytes: still accepted."""
+    from miniverl.policy import DIGEST_PREFIX, sha256_digest
+
+    learner, _, _ = trained
+    path = step_dir(tmp_path, 1)
+    learner.save_checkpoint(str(path), META)
+    state = json.loads((path / "state.json").read_text())
+    assert state["policy_digest"].startswith(DIGEST_PREFIX)
+    state["policy_digest"] = sha256_digest(adapter_state(learner.model))
+    (path / "state.json").write_text(json.dumps(state))
+    identity = new_learner(student_dir).load_checkpoint(str(path))
+    assert identity.version == learner.version and identity.digest.startswith(DIGEST_PREFIX)
+    assert identity.digest == learner.publish_policy().identity.digest
+
+
 def test_prune_keeps_the_newest_and_removes_partial_writes(tmp_path):
     for step in (1, 2, 3, 10):
         step_dir(tmp_path, step).mkdir(parents=True)

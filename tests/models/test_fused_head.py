@@ -292,3 +292,27 @@ def test_memory_switches_reach_the_actors_and_change_no_number(tmp_path, student
         assert a["loss"] != 0.0
         for key in ("loss", "reverse_kl", "sampler_gap_mean", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_probe_logprobs_match_the_models_own_logits(student_dir, monkeypatch):
+    """sequence_logprobs (the learner's and hf_reference's probe): the decoder once over right-padded ragged
+    rows and the LM head in chunks gives the log-probs of the model's own forward over each row alone."""
+    from miniverl.models import logprobs
+    from miniverl.models.lora import build_lora_model
+    from tests.step.test_controller import LORA
+
+    model = build_lora_model(str(student_dir), LORA, torch.float32, "cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # a trained-looking adapter, so the LoRA term is in the numbers
+    model.eval()
+    monkeypatch.setattr(logprobs, "SEQUENCE_CHUNK_TOKENS", 3)  # chunks that split rows
+    sequences = [[1, 5, 7, 2, 9, 4], [3, 8], [6, 6, 1, 2]]
+    got = logprobs.sequence_logprobs(model, sequences)
+    assert [len(g) for g in got] == [len(s) - 1 for s in sequences]
+    with torch.no_grad():
+        for s, g in zip(sequences, got):
+            ids = torch.tensor([s])
+            want = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0]
+            assert torch.allclose(torch.tensor(g), want, atol=1e-5), (s, g, want.tolist())

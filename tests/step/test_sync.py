@@ -100,3 +100,45 @@ def test_a_step_logs_the_refresh_split_beside_its_total(parts, student_dir):
     stages = [k for k in metrics if k.startswith("time/refresh/")]
     assert sorted(stages) == sorted(f"time/refresh/{s}" for s in ("learner_probe", "publish", "load", "served_probe"))
     assert sum(metrics[k] for k in stages) <= metrics["time/refresh"]
+
+
+class OnGpu:
+    """An actor that reports which physical GPU it is on (None: the CPU)."""
+
+    def __init__(self, uuid):
+        self.uuid = uuid
+
+    def device_uuid(self):
+        return self.uuid
+
+
+@pytest.mark.parametrize(
+    ("weight_sync", "learner", "replicas", "on_device"),
+    [
+        ("auto", "GPU-a", ["GPU-a", "GPU-a"], True),
+        ("auto", "GPU-a", ["GPU-a", "GPU-b"], False),  # one replica on another GPU: everything through the host
+        ("auto", None, [None], False),  # the CPU
+        ("host", "GPU-a", ["GPU-a"], False),
+    ],
+)
+def test_the_adapter_stays_on_the_device_only_when_every_replica_shares_the_learners_gpu(
+    weight_sync, learner, replicas, on_device
+):
+    from miniverl.step.sync import PolicySync
+
+    sync = PolicySync([OnGpu(u) for u in replicas], [OnGpu(learner)], weight_sync=weight_sync)
+    assert sync._shares_the_learners_gpu() is on_device
+
+
+def test_an_unknown_weight_sync_is_refused():
+    from miniverl.step.sync import PolicySync
+
+    with pytest.raises(ValueError, match="weight_sync must be one of"):
+        PolicySync([], [], weight_sync="nvlink")
+
+
+def test_a_cpu_run_publishes_through_the_host(parts, student_dir):
+    prompts = parts[1]
+    ctl, learner = build(parts, student_dir, RolloutWorker, "hf_cached", "float32", 2e-3)
+    ctl.step(prompts, PARAMS)
+    assert ctl.sync.on_device is False and learner._shared is None

@@ -1,0 +1,87 @@
+"""The policy's name and how its weights travel (miniverl/policy.py): the fingerprint digest, flat packing, the
+legacy SHA-256 digests of old checkpoints, and the snapshot's two transports (the GPU one: test_policy_gpu.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from miniverl import policy
+from miniverl.policy import (
+    DIGEST_PREFIX,
+    PolicyIdentity,
+    PolicySnapshot,
+    digest_matches,
+    flat_digest,
+    flat_layout,
+    layout_bytes,
+    pack,
+    sha256_digest,
+    slot_views,
+    weights_digest,
+)
+
+
+def adapter(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layer.1.lora_B": torch.randn(5, 3, generator=g),  # 60 bytes: the next slot starts padded
+        "layer.0.lora_A": torch.randn(3, 7, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "odd": torch.randn(1, generator=g).to(torch.float16),
+    }
+
+
+def test_pack_round_trips_every_dtype_and_aligns_each_slot():
+    w = adapter()
+    layout = flat_layout(w)
+    assert [s.name for s in layout] == sorted(w)
+    assert all(s.offset % policy.ALIGN == 0 for s in layout)
+    flat = pack(w, layout)
+    assert flat.dtype == torch.uint8 and flat.numel() == layout_bytes(layout)
+    views = slot_views(flat, layout)
+    for name, t in w.items():
+        assert views[name].dtype == t.dtype and views[name].shape == t.shape
+        assert torch.equal(views[name], t), name
+    pack(adapter(1), layout, out=flat)  # rewritten in place: the same buffer holds the new weights
+    assert torch.equal(slot_views(flat, layout)["layer.1.lora_B"], adapter(1)["layer.1.lora_B"])
+
+
+def test_digest_sees_one_flipped_bit_in_any_tensor():
+    w = adapter()
+    d = weights_digest(w)
+    assert d.startswith(DIGEST_PREFIX) and d == weights_digest({k: v.clone() for k, v in w.items()})
+    for name, t in w.items():
+        bumped = t.clone()
+        bumped.view(-1).view(torch.uint8 if t.element_size() == 1 else torch.int16)[0] ^= 1
+        assert weights_digest({**w, name: bumped}) != d, name
+    swapped = {**w, "layer.1.lora_B": w["layer.1.lora_B"].flip(0)}  # same values, other positions
+    assert weights_digest(swapped) != d
+
+
+def test_digest_does_not_depend_on_how_the_buffer_is_chunked(monkeypatch):
+    w = {"big": torch.randn(3001)}
+    d = weights_digest(w)
+    monkeypatch.setattr(policy, "CHUNK", 7)
+    assert weights_digest(w) == d
+
+
+def test_flat_digest_of_the_published_buffer_is_the_weights_digest():
+    w = adapter()
+    layout = flat_layout(w)
+    assert flat_digest(pack(w, layout), layout) == weights_digest(w)
+
+
+def test_checkpoints_recorded_with_the_old_sha256_digest_still_match():
+    w = adapter()
+    legacy = sha256_digest(w)
+    assert not legacy.startswith(DIGEST_PREFIX) and len(legacy) == 64
+    assert digest_matches(w, legacy) and digest_matches(w, weights_digest(w))
+    other = adapter(1)
+    assert not digest_matches(other, legacy) and not digest_matches(other, weights_digest(w))
+
+
+def test_a_host_snapshot_hands_over_its_cpu_tensors():
+    w = adapter()
+    snap = PolicySnapshot(PolicyIdentity(3, weights_digest(w)), w)
+    assert snap.shared is None and snap.tensors() is w
+    assert snap.identity.short() == f"v3:{snap.identity.digest[len(DIGEST_PREFIX) :][:12]}"
