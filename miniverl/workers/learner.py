@@ -155,11 +155,9 @@ class LearnerWorker:
                 pack(live, layout, out=self._flat)
             digest = flat_digest(self._flat, layout)  # waits for the copies: a replica reads finished bytes
             shared = self._shared
-        elif include_weights:
-            weights = adapter_state(self.model)
-            digest = weights_digest(weights)
-        else:
+        else:  # the digest where the tensors are (on a GPU: no host arithmetic over the adapter)
             digest = weights_digest(live)
+            weights = adapter_state(self.model) if include_weights else {}
         self.published = PolicyIdentity(self.version, digest)
         if self.staleness:  # the versions a batch may still come from; older ones are dropped
             self.behaviour = {v: w for v, w in self.behaviour.items() if v >= self.version - self.staleness}
