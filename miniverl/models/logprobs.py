@@ -16,15 +16,11 @@ import dataclasses
 import torch
 
 from miniverl.batches import RolloutBatch, TeacherScores
-from miniverl.errors import ConfigError
 from miniverl.models.fused_head import Support, fused_head_loss, head_logprobs
-from miniverl.models.packing import PackedRows, packed_hidden
+from miniverl.models.packing import PackedRows, lm_parts, packed_hidden
 
 # Rows of [Tr, V] logits turned into fp32 log-probs at once in the direct path (see the module note).
 LOGPROB_CHUNK_ROWS = 4
-# Model config attributes that make the logits something other than lm_head(final hidden state); the
-# fused and packed paths apply only the LM head, so they refuse such models instead of computing other numbers.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
 
 
 def response_logits(model, batch: RolloutBatch) -> torch.Tensor:
@@ -92,25 +88,6 @@ def sequence_logprobs(model, sequences: list[list[int]]) -> list[list[float]]:
         out.append(flat[start : start + len(s) - 1])
         start += len(s) - 1
     return out
-
-
-def check_plain_logits(config, field: str) -> None:
-    """Refuse a model whose logits are not lm_head(final hidden state): the learner's fused LM-head loss and
-    the scorer apply the head alone, so they would compute other numbers for it."""
-    changed = [k for k in LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1.0)]
-    if changed:
-        raise ConfigError(
-            f"{field} is a {config.model_type} model that transforms its logits ({', '.join(changed)}); the learner"
-            " and the scorer compute logits as lm_head(hidden state) chunk by chunk and do not reproduce that, so"
-            " such models are not supported yet: pick a model without logit soft-capping or scaling"
-        )
-
-
-def lm_parts(model):
-    """(decoder, LM head) of a causal LM, peft-wrapped or not: logits = head(decoder(...).last_hidden_state)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    check_plain_logits(base.config, "the model")
-    return base.get_decoder(), base.get_output_embeddings()
 
 
 def score_tokens(scores: TeacherScores, start: int, stop: int) -> TeacherScores:

@@ -7,6 +7,10 @@ forward. Rows are sorted by length before grouping, so the trailing padding of a
 micro-batch holds as many rows as fit `max_tokens` padded tokens (rows x longest row), not a fixed row count:
 short rows share a forward, a long one does not overrun the memory the budget was sized for.
 
+`packed_hidden` runs the decoder alone; the LM head then reads its final hidden states chunk by chunk
+(models/fused_head.py). `lm_parts` splits a causal LM into those two and refuses models whose logits are not
+head(hidden state).
+
 Shapes: B rows, Tp / Tr prompt / response columns, L longest real row of a micro-batch, N response tokens.
 """
 
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.batches import RolloutBatch
+from miniverl.errors import ConfigError
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -93,9 +98,31 @@ def packed_hidden(model, packed: PackedRows) -> tuple[torch.Tensor, torch.nn.Mod
     No attention mask: padding is trailing, so a causal model's real positions never see it (SDPA then takes
     its causal kernel). Shapes: -> hidden [N, H] in the model's dtype.
     """
-    from miniverl.models.logprobs import lm_parts
-
     decoder, head = lm_parts(model)
     device = next(model.parameters()).device
     out = decoder(input_ids=packed.input_ids.to(device), use_cache=False).last_hidden_state  # [b, L, H]
     return out.reshape(-1, out.shape[-1])[packed.predictors.to(device)], head
+
+
+# Model config attributes that make the logits something other than lm_head(final hidden state); the
+# fused and packed paths apply only the LM head, so they refuse such models instead of computing other numbers.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+
+
+def check_plain_logits(config, field: str) -> None:
+    """Refuse a model whose logits are not lm_head(final hidden state): the learner's fused LM-head loss and
+    the scorer apply the head alone, so they would compute other numbers for it."""
+    changed = [k for k in LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1.0)]
+    if changed:
+        raise ConfigError(
+            f"{field} is a {config.model_type} model that transforms its logits ({', '.join(changed)}); the learner"
+            " and the scorer compute logits as lm_head(hidden state) chunk by chunk and do not reproduce that, so"
+            " such models are not supported yet: pick a model without logit soft-capping or scaling"
+        )
+
+
+def lm_parts(model):
+    """(decoder, LM head) of a causal LM, peft-wrapped or not: logits = head(decoder(...).last_hidden_state)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check_plain_logits(base.config, "the model")
+    return base.get_decoder(), base.get_output_embeddings()

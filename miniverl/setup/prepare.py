@@ -26,8 +26,8 @@ from miniverl.models.loading import (
     require_quantization,
     shared_vocab_size,
 )
-from miniverl.models.logprobs import check_plain_logits
 from miniverl.models.memory import check_vocab_memory
+from miniverl.models.packing import check_plain_logits
 from miniverl.models.stops import resolve_stop_ids
 from miniverl.objectives import build_objective
 from miniverl.rewards import SourceReward, build_reward
