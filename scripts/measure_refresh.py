@@ -23,6 +23,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 def main() -> None:
     import ray
+    import torch
     from hydra import compose, initialize_config_dir
 
     from miniverl.cluster.launch import build_actors, start_ray
@@ -34,6 +35,11 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument(
+        "--extra-rows", type=int, default=0, help="random rows added to every probe, as a run adds on-policy rows"
+    )
+    ap.add_argument("--extra-tokens", type=int, default=640, help="tokens of each extra row")
+    ap.add_argument("--parts", action="store_true", help="also time each refresh call alone and a no-op round trip")
     ap.add_argument("overrides", nargs="*", default=["+experiment=gkd", "tracking=disabled"])
     args = ap.parse_args()
     register_configs()
@@ -54,16 +60,23 @@ def main() -> None:
             1.0,
             weight_sync=cfg.resources.weight_sync,
         )
+        g = torch.Generator().manual_seed(0)
+        vocab = len(setup.tokenizer)
+        extra = [
+            tuple(torch.randint(0, vocab, (args.extra_tokens,), generator=g).tolist()) for _ in range(args.extra_rows)
+        ]
         ctl.ensure_served()  # first refresh: reads the probe and tolerances, measures the replica's noise
         times, stages = [], {}
         for _ in range(args.repeats):
             ctl.sync.learner_updated()  # republish the same version: a refresh without an update
+            ctl.sync._recent = list(extra)
             t0 = time.perf_counter()
             ctl.ensure_served()
             times.append(time.perf_counter() - t0)
             for k, v in ctl.last_probe.items():
                 if k.startswith("time/refresh/"):
                     stages.setdefault(k.removeprefix("time/refresh/"), []).append(v)
+        parts = time_parts(ctl, actors, args.repeats, [list(s) for s in ctl.sync._sequences()]) if args.parts else {}
     finally:
         ray.shutdown()
     result = {
@@ -72,8 +85,36 @@ def main() -> None:
         "median_ms": statistics.median(times) * 1e3,
         "stage_median_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in stages.items()},
         "times_ms": [round(t * 1e3, 2) for t in times],
+        "probe_tokens": sum(map(len, ctl.sync._sequences())),
+        "parts_median_ms": parts,
     }
     print(json.dumps(result))
+
+
+def time_parts(ctl, actors, repeats: int, probe: list[list[int]]) -> dict[str, float]:
+    """Each refresh call alone, from the driver (its Ray round trip included), median ms; `noop` is a call that
+    does nothing (device_uuid): the round-trip floor every stage pays."""
+    import ray
+
+    learner, rollout = actors["learner"][0], actors["rollout"][0]
+    snapshot = learner.publish_policy.remote(True, ctl.sync.on_device)
+    calls = {
+        "noop": lambda: learner.device_uuid.remote(),
+        "learner_probe": lambda: learner.probe_logprobs.remote(probe),
+        "publish": lambda: learner.publish_policy.remote(True, ctl.sync.on_device),
+        "load": lambda: rollout.load_policy.remote(snapshot),
+        "served_probe": lambda: rollout.probe_logprobs.remote(probe),
+    }
+    out = {}
+    for name, call in calls.items():
+        ray.get(call())  # warm
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            ray.get(call())
+            ts.append(time.perf_counter() - t0)
+        out[name] = round(statistics.median(ts) * 1e3, 2)
+    return out
 
 
 if __name__ == "__main__":
