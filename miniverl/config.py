@@ -228,6 +228,10 @@ class TrainerConfig:
     # rollouts"). 0: strict sync, every batch comes from the policy just published. 1: the rollout of step k+1
     # (sampled from v_k, proven served) and its scoring run while the learner updates on step k's batch.
     staleness: int = 0
+    # data_source -> weight of its rows' tokens in the step loss (sources not named weigh 1). The loss stays a sum
+    # over the step's tokens divided by their count, so {sort: 4} counts a sorting token four times; empty (the
+    # default) leaves the loss as it always was. docs/multi_teacher.md says why a mixture may need it.
+    loss_weight_by_source: dict[str, float] = field(default_factory=dict)
     seed: int = 0
 
 
@@ -378,6 +382,27 @@ def check_objective(o: ObjectiveConfig, r: RolloutConfig) -> None:
         )
 
 
+def check_loss_weights(weights: dict[str, float], d: DataConfig) -> None:
+    """trainer.loss_weight_by_source: positive finite weights; with a built-in task every key must be one of its
+    data sources (prompt files' sources are known only as the stream reads them, so their keys are not checked)."""
+    import math
+
+    from miniverl.data.tasks import task_names
+
+    sources = task_names(d.task)
+    for source, weight in weights.items():
+        key = f"trainer.loss_weight_by_source.{source}={weight}"
+        _require(
+            isinstance(weight, int | float) and math.isfinite(weight) and weight > 0,
+            f"{key}: a weight must be a finite number > 0 (1 = as unweighted; to drop a source, leave its rows out"
+            " of the data)",
+        )
+        _require(
+            bool(d.train_files) or source in sources,
+            f"{key}: data.task={d.task} has no data_source {source!r}; its sources are {', '.join(sources)}",
+        )
+
+
 def validate(cfg: MiniVerlConfig) -> None:
     """Range and combination checks that run before any model is loaded or actor started."""
     from miniverl.data.tasks import TASKS, task_names
@@ -427,6 +452,7 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"trainer.staleness={t.staleness}: use 0 (strict sync) or 1 (the next rollout overlaps the update, one policy"
         " version behind); a larger lag is not supported (its importance correction and resume are not built)",
     )
+    check_loss_weights(t.loss_weight_by_source, d)
     lora = cfg.model.lora
     _require(lora.rank >= 1, f"model.lora.rank={lora.rank}: a LoRA adapter needs rank >= 1 (e.g. 16)")
     _require(lora.alpha > 0, f"model.lora.alpha={lora.alpha}: must be > 0 (commonly 2 x rank)")

@@ -73,6 +73,21 @@ def test_unknown_keys_fail_in_hydra(override):
 def test_wrong_types_fail_in_hydra():
     with pytest.raises((HydraException, OmegaConfBaseException)):
         load("trainer.total_steps=many")
+    with pytest.raises((HydraException, OmegaConfBaseException)):
+        load("+trainer.loss_weight_by_source.sort=heavy")
+
+
+def test_loss_weights_are_off_by_default_and_mopd_weighs_sorting():
+    assert load().trainer.loss_weight_by_source == {}
+    assert load("+experiment=mopd_single").trainer.loss_weight_by_source == {}
+    mopd = load("+experiment=mopd")
+    validate(mopd)
+    assert mopd.trainer.loss_weight_by_source == {"sort": 4.0}
+    reweighted = load(
+        "+experiment=mopd", "trainer.loss_weight_by_source.sort=2", "+trainer.loss_weight_by_source.reverse=0.5"
+    )
+    validate(reweighted)
+    assert reweighted.trainer.loss_weight_by_source == {"sort": 2.0, "reverse": 0.5}
 
 
 @pytest.mark.parametrize(
@@ -102,6 +117,13 @@ def test_wrong_types_fail_in_hydra():
         (["reward.custom_function=nope.py"], "write it as path/to/file.py:function_name"),
         (["rollout.stop_token_ids=[-1]"], "rollout.stop_token_ids"),
         (["model.builtin_min_teacher_accuracy=2"], "must be in \\[0, 1\\]"),
+        (["+experiment=mopd", "trainer.loss_weight_by_source.sort=0"], "sort=0.0: a weight must be a finite"),
+        (["+experiment=mopd", "trainer.loss_weight_by_source.sort=-2"], "sort=-2.0: a weight must be a finite"),
+        (["+experiment=mopd", "trainer.loss_weight_by_source.sort=nan"], "sort=nan: a weight must be a finite"),
+        (
+            ["+experiment=mopd", "+trainer.loss_weight_by_source.sorting=2"],
+            "data.task=reverse\\+sort has no data_source 'sorting'; its sources are reverse, sort",
+        ),
     ],
 )
 def test_validate_names_the_problem_and_the_fix(overrides, message):

@@ -39,6 +39,7 @@ GUARDED_PREFIXES = (
     "data.",
     "reward.",
     "rollout.",
+    "trainer.loss_weight_by_source",  # how much each source's rows count in the loss
 )
 ALLOW_CHANGES = "trainer.resume_allow_changes"
 HARMLESS_PREFIXES = (

@@ -136,19 +136,24 @@ def packed_token_loss(
     advantages: torch.Tensor | None,
     num_step_tokens: int,
     chunk_tokens: int,
+    row_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The objective's loss over the packed rows' response tokens through the fused LM head, and each
     token's log-prob and term (detached), in the packed order (`packed.rows`, `packed.cols`).
 
+    `row_weights` multiplies each row's token losses (trainer.loss_weight_by_source); None leaves them as the
+    objective computes them.
+
     `objective` gives `token_terms(logits, scores)` (None when the loss needs only log-probs), and when it has
     terms `support_ids(scores)` (the ids its `support_terms(support, tail, scores)` reads, or None) and
     `token_loss(logprobs, terms, sampler_logprobs, advantages, num_step_tokens)`; `scores` may be None only
-    when `token_terms` is. Shapes: -> (scalar fp32, [N] fp32, [N] or None), on the model's device.
+    when `token_terms` is. Shapes: row_weights [B] -> (scalar fp32, [N] fp32, [N] or None), on the model's device.
     """
     hidden, head = packed_hidden(model, packed)  # [N, H]
     device = hidden.device
     sampler = batch.rollout_log_probs[packed.rows, packed.cols].to(device)  # [N]
     adv = None if advantages is None else advantages[packed.rows, packed.cols].to(device)  # [N]
+    weights = None if row_weights is None else row_weights[packed.rows].to(device, torch.float32)  # [N]
     term_fn, support = None, None
     if objective.token_terms is not None:
         flat = flat_scores(scores, packed.rows, packed.cols, device)  # [1, N, ...]
@@ -170,7 +175,8 @@ def packed_token_loss(
 
     def loss_fn(logprobs: torch.Tensor, terms: torch.Tensor | None, positions: slice) -> torch.Tensor:
         a = None if adv is None else adv[positions]
-        return objective.token_loss(logprobs, terms, sampler[positions], a, num_step_tokens)
+        loss = objective.token_loss(logprobs, terms, sampler[positions], a, num_step_tokens)
+        return loss if weights is None else loss * weights[positions]
 
     return fused_head_loss(hidden, head, packed.targets, chunk_tokens, term_fn, loss_fn, support)
 

@@ -74,6 +74,7 @@ class LearnerWorker:
         max_tokens_per_micro_batch: int = 0,
         max_row_tokens: int = 0,
         staleness: int = 0,
+        loss_weight_by_source: dict[str, float] | None = None,
     ) -> None:
         """The last four come from the run (model.student.quantization, trainer.logprob_chunk_tokens,
         trainer.gradient_checkpointing, trainer.max_tokens_per_micro_batch): `quantization` nf4 loads a 4-bit
@@ -84,7 +85,9 @@ class LearnerWorker:
         longest on the CPU; models/packing.py). `max_row_tokens`: the longest row the run can produce
         (prompt limit + new tokens), which a GPU share must hold. `staleness` (trainer.staleness): policy
         versions a batch may lag this learner; with 1 the learner keeps the adapter of the last published
-        versions, to hold a lagging batch's sampler to the version that sampled it."""
+        versions, to hold a lagging batch's sampler to the version that sampled it. `loss_weight_by_source`
+        (trainer.loss_weight_by_source): data_source -> weight of its rows' token losses, 1 for the rest; empty
+        or None computes the loss exactly as without it."""
         self.device = setup_process(process)
         self.rank, self.world_size = rank, world_size
         self.model = build_lora_model(model_path, lora, torch_dtype(dtype, self.device), self.device, quantization)
@@ -109,6 +112,7 @@ class LearnerWorker:
         self.published: PolicyIdentity | None = None
         self.on_nonfinite = on_nonfinite  # skip | stop (trainer.on_nonfinite)
         self.staleness = staleness
+        self.loss_weight_by_source = dict(loss_weight_by_source or {})
         # version -> adapter weights of every version published within the lag window (staleness > 0 only):
         # a batch of version v is scored under v's adapter for the sampler-gap check (docs/objectives.md)
         self.behaviour: dict[int, dict[str, torch.Tensor]] = {}
@@ -244,12 +248,21 @@ class LearnerWorker:
         logprobs = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)
         terms = None if self.objective.token_terms is None else torch.zeros_like(logprobs)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        row_weights = self._row_weights(batch)  # [B] or None
         self.model.train()
         for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
             packed = pack_rows(batch, rows)
             with torch.autocast(self.device, self.autocast_dtype or torch.float32, enabled=bool(self.autocast_dtype)):
                 loss, lp, term = packed_token_loss(
-                    self.model, batch, packed, scores, self.objective, advantages, num_tokens, self.chunk_tokens
+                    self.model,
+                    batch,
+                    packed,
+                    scores,
+                    self.objective,
+                    advantages,
+                    num_tokens,
+                    self.chunk_tokens,
+                    row_weights,
                 )
             loss.backward()
             loss_sum += loss.detach()
@@ -298,6 +311,13 @@ class LearnerWorker:
             **extra,
             **self._lag_metrics(delta, num_tokens),
         }
+
+    def _row_weights(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """Each row's loss weight by its data_source (trainer.loss_weight_by_source, 1 when not named); None
+        without weights, so an unweighted run multiplies nothing. Shapes: -> [B] float32."""
+        if not self.loss_weight_by_source:
+            return None
+        return torch.tensor([self.loss_weight_by_source.get(s, 1.0) for s in batch.data_source], dtype=torch.float32)
 
     def busy_window(self) -> tuple[float, float]:
         """When the last update ran (wall-clock epoch seconds, this host's clock; see RolloutWorker.busy_window)."""

@@ -156,3 +156,44 @@ def test_group_order_permutes_advantages_and_keeps_the_loss(data, student_dir):
     base = two_updates(make_learner(student_dir, objective, 8), batch, scores)
     moved = two_updates(make_learner(student_dir, objective, 8), permuted, p_scores, REWARDS[rows])
     assert_same(base, moved, rtol=1e-5, atol=1e-6)
+
+
+def one_update(learner: LearnerWorker, batch: RolloutBatch, scores: TeacherScores, rewards, num_step_tokens=None):
+    """One on-policy step: its loss and the adapter's gradient."""
+    grads = capture_gradients(learner)
+    learner.publish_policy()
+    loss = learner.update(batch, scores, rewards, num_step_tokens)["loss"]
+    return loss, grads[0]
+
+
+@pytest.mark.parametrize("name", ["gkd_top8", "pg_k1"])
+def test_loss_weight_by_source_scales_exactly_its_rows(name, data, student_dir):
+    """trainer.loss_weight_by_source: weight w on source "a" adds (w - 1) x the a rows' share of the step loss (their
+    own update with the whole step's token count), to the loss and to the gradient; no weights, or weights of
+    sources the batch lacks, leave both bit for bit as they were."""
+    batch, scorer = data
+    batch = dataclasses.replace(batch, data_source=["a"] * 4 + ["b"] * 4)  # groups 0-1 source a, 2-3 source b
+    objective = objectives()[name]
+    scores = score(scorer, objective, batch)
+    plain = one_update(make_learner(student_dir, objective, 2), batch, scores, REWARDS)
+    absent = make_learner(student_dir, objective, 2)
+    absent.loss_weight_by_source = {"c": 3.0}
+    assert one_update(absent, batch, scores, REWARDS)[0] == plain[0]
+    rows = [0, 1, 2, 3]
+    tokens = int(batch.response_mask.sum())
+    part = one_update(
+        make_learner(student_dir, objective, 2), batch.select(rows), scorer_rows(scores, rows), REWARDS[:4], tokens
+    )
+    weighted = make_learner(student_dir, objective, 2)
+    weighted.loss_weight_by_source = {"a": 3.0}
+    loss, grads = one_update(weighted, batch, scores, REWARDS)
+    assert abs(part[0]) > 1e-4
+    assert loss == pytest.approx(plain[0] + 2 * part[0], rel=1e-5)
+    for g, g_plain, g_part in zip(grads, plain[1], part[1]):
+        torch.testing.assert_close(g, g_plain + 2 * g_part, rtol=1e-4, atol=1e-6)
+
+
+def scorer_rows(scores: TeacherScores, rows: list[int]) -> TeacherScores:
+    from miniverl.workers.teachers import take_scores
+
+    return take_scores(scores, torch.tensor(rows))

@@ -280,7 +280,17 @@ def test_mopd_experiments_compose_and_validate():
     single = load("+experiment=mopd_single")
     validate(single)
     assert routing_of(single.model) is None and single.model.teacher.path == "builtin:teacher/reverse"
-    assert (single.data, single.objective, single.trainer) == (mopd.data, mopd.objective, mopd.trainer)
+    assert single.objective == mopd.objective and single.data.task == mopd.data.task
+    assert single.data.prompts_per_step == mopd.data.prompts_per_step
+    # mopd_single stays the baseline it was measured as (docs/benchmarks/mopd-cpu.md); mopd's recipe since added the
+    # sorting weight, a lower lr and more held-out prompts, and with those three the two would be the same run
+    rejoined = load(
+        "+experiment=mopd_single",
+        "trainer.lr=1e-3",
+        "data.eval_prompts=512",
+        "+trainer.loss_weight_by_source.sort=4",
+    )
+    assert (rejoined.data, rejoined.trainer) == (mopd.data, mopd.trainer)
 
 
 def test_builtin_refs_name_a_task_and_mixtures_alternate_sources():
