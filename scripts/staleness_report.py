@@ -2,7 +2,9 @@
 docs/benchmarks/staleness-cpu.json: eval reverse KL and accuracy, s/step, overlap, lag and ratio statistics.
 MINIVERL_LOAD_LOG names an optional file of `epoch load1 load5 load15` lines sampled during the runs (the
 machine is shared: the mean load says how much of the wall time was someone else's). MINIVERL_STALENESS_JSON
-names another output file (a second seed's pair, say)."""
+names another output file (a second seed's pair, say). Each run also reports what must be the same in both:
+the optimizer updates applied, the evaluated steps, and the last checkpoint's Adam step counts and learning rate
+(`same_schedule` compares them between the two runs)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,21 @@ def mean_load(log: Path | None, start: float, end: float) -> float | None:
     return round(statistics.fmean(values), 2) if values else None
 
 
+def optimizer_schedule(run: Path) -> dict:
+    """The newest checkpoint's Adam step counts and learning rates (empty when the run saved none)."""
+    checkpoints = sorted((run / "checkpoints").glob("step_*/optimizer.pt"))
+    if not checkpoints:
+        return {}
+    import torch
+
+    state = torch.load(checkpoints[-1], map_location="cpu")
+    return {
+        "optimizer_checkpoint": checkpoints[-1].parent.name,
+        "optimizer_steps": sorted({int(s["step"]) for s in state["state"].values()}),
+        "optimizer_lr": [g["lr"] for g in state["param_groups"]],
+    }
+
+
 def run_numbers(run: Path, wall: Path, load_log: Path | None = None) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -49,6 +66,9 @@ def run_numbers(run: Path, wall: Path, load_log: Path | None = None) -> dict:
         "mean_load_average_1min": mean_load(load_log, start, end),
         "train_wall_seconds": round(summary["wall_seconds"], 1),
         "eval": {r["step"]: r["eval/reverse_kl"] for r in lines if "eval/reverse_kl" in r},
+        "updates": sum(1 for r in steps if not r.get("skipped_step")),
+        "last_policy_version": steps[-1]["policy_version"] if steps else None,
+        **optimizer_schedule(run),
     }
     for key in STEP_KEYS:
         values = [r[key] for r in steps[1:]]  # the first step builds caches and warms up
@@ -76,6 +96,10 @@ def main(root: str, extra: str) -> None:
         "end_reverse_kl_stale_over_strict": ratio,
         "target": "end eval reverse KL of staleness=1 within 10% of staleness=0",
         "target_met": abs(ratio - 1.0) <= 0.10,
+        "same_schedule": all(
+            strict.get(k) == stale.get(k) for k in ("steps", "updates", "optimizer_steps", "optimizer_lr")
+        )
+        and list(strict["eval"]) == list(stale["eval"]),
     }
     path = Path(os.environ.get("MINIVERL_STALENESS_JSON", "docs/benchmarks/staleness-cpu.json"))
     path.write_text(json.dumps(out, indent=2) + "\n")

@@ -233,3 +233,71 @@ def test_resume_discards_the_rollout_in_flight_and_is_a_pure_function_of_the_che
     assert untimed == [
         {k: v for k, v in again[s].items() if not k.startswith(("time/", "rollout_tokens"))} for s in (3, 4)
     ]
+
+
+def run_loop_recording(parts, student_dir, run_dir, staleness: int) -> dict:
+    """The loop in-process on a real prompt stream (other prompts each step), 4 steps with an evaluation
+    every 2; records what each learner update was given and the steps that were evaluated."""
+    from miniverl.cluster.faults import StopRequests
+    from miniverl.data.prompts import PromptSource
+    from miniverl.observe.tracking import Tracker
+    from miniverl.step.cadence import TrainingLoop
+    from tests.step.test_cadence import loop_setup
+    from tests.test_config import load
+
+    tok, prompts, _, scorer = parts
+    lrn = learner(student_dir, staleness, lr=1e-2)
+    updates = []
+    update = lrn.update
+    lrn.update = lambda batch, *a, **kw: (
+        updates.append((batch.uid, batch.ground_truth, batch.prompts)),
+        update(batch, *a, **kw),
+    )[1]
+    rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    ctl = StrictSyncController(rollout, scorer, lrn, ExactMatchReward(tok), 0, 1.0, staleness=staleness)
+    setup = loop_setup(tok, prompts, ctl.reward_fn)
+    setup.prompts = PromptSource("reverse", 2, 4, tok, 16, 7)
+    cfg = load(
+        "rollout.max_new_tokens=5",
+        "data.prompts_per_step=2",
+        "trainer.eval_every=2",
+        "trainer.total_steps=4",
+        "trainer.save_checkpoint=false",
+        f"trainer.staleness={staleness}",
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tracker = Tracker(run_dir, {}, "disabled", "p", None, cfg.trainer.total_steps, False)
+    evaluated = []
+    record = tracker.log
+    tracker.log = lambda step, m, **kw: (evaluated.extend([step] * ("eval/reverse_kl" in m)), record(step, m, **kw))
+    loop = TrainingLoop(cfg, setup, ctl, {"learner": [lrn]}, tracker, run_dir, {}, StopRequests())
+    try:
+        loop.run(0, None)
+    finally:
+        tracker.finish({})
+    state = lrn.optimizer.state_dict()
+    return {
+        "updates": updates,
+        "evaluated": evaluated,
+        "version": lrn.version,
+        "optimizer_steps": {float(s["step"]) for s in state["state"].values()},
+        "lr": [g["lr"] for g in state["param_groups"]],
+    }
+
+
+def test_a_stale_run_trains_on_the_same_prompts_as_strict_sync_with_as_many_updates_and_evaluations(
+    parts, student_dir, tmp_path
+):
+    """The lag changes which policy samples a step's prompts, nothing else: the same prompt groups in the same
+    order, one optimizer step per step at the same learning rate (no schedule), evaluations at the same steps
+    (docs/benchmarks/staleness-cpu.md, "Seeds 2-4": the stale runs' lower final reverse KL is not more data)."""
+    strict = run_loop_recording(parts, student_dir, tmp_path / "strict", 0)
+    stale = run_loop_recording(parts, student_dir, tmp_path / "stale", 1)
+    assert len(strict["updates"]) == len(stale["updates"]) == 4
+    for (uid0, truth0, ids0), (uid1, truth1, ids1) in zip(strict["updates"], stale["updates"]):
+        assert uid0 == uid1 and truth0 == truth1 and torch.equal(ids0, ids1)
+    assert len({tuple(u[1]) for u in strict["updates"]}) == 4  # the stream gives each step other prompts
+    assert strict["evaluated"] == stale["evaluated"] == [0, 2, 4]
+    assert strict["version"] == stale["version"] == 4
+    assert strict["optimizer_steps"] == stale["optimizer_steps"] == {4.0}
+    assert strict["lr"] == stale["lr"] == [1e-2]
