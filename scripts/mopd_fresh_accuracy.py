@@ -17,29 +17,10 @@ import torch
 
 from miniverl.config import DataConfig
 from miniverl.data.tasks import draw_examples
-from miniverl.models.builtin import BuiltinRecipe, builtin_dir
+from miniverl.models.builtin import BuiltinRecipe, builtin_dir, greedy_answers
 
 FRESH_PROMPTS = 1024  # per task: a standard error of ~0.01 at accuracy 0.86
 FRESH_SEED = 123
-
-
-def greedy_answers(model, tok, prompts: list[str], max_new_tokens: int) -> list[str]:
-    ids = [tok(p)["input_ids"] for p in prompts]
-    t = max(map(len, ids))
-    batch = torch.full((len(ids), t), tok.pad_token_id)
-    mask = torch.zeros_like(batch)
-    for i, row in enumerate(ids):  # left padding for generation
-        batch[i, t - len(row) :] = torch.tensor(row)
-        mask[i, t - len(row) :] = 1
-    out = model.generate(
-        input_ids=batch,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    return tok.batch_decode(out[:, t:], skip_special_tokens=True)
 
 
 def main() -> None:

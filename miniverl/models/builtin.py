@@ -204,25 +204,30 @@ def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> Non
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tok, recipe: BuiltinRecipe, n: int, seed: int) -> float:
-    """Exact-match accuracy of greedy answers on `n` fresh examples."""
-    examples = _examples(recipe, random.Random(seed), n)
-    prompts = [tok(ex.prompt)["input_ids"] for ex in examples]
-    t = max(map(len, prompts))
-    ids = torch.full((n, t), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((n, t), dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding for generation
-        ids[i, t - len(p) :] = torch.tensor(p)
-        mask[i, t - len(p) :] = 1
+def greedy_answers(model, tok, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """The model's greedy answer to each prompt (left-padded batch, stops at EOS), decoded."""
+    ids = [tok(p)["input_ids"] for p in prompts]
+    t = max(map(len, ids))
+    batch = torch.full((len(ids), t), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), t), dtype=torch.long)
+    for i, row in enumerate(ids):  # left padding for generation
+        batch[i, t - len(row) :] = torch.tensor(row)
+        mask[i, t - len(row) :] = 1
     out = model.generate(
-        input_ids=ids,
+        input_ids=batch,
         attention_mask=mask,
-        max_new_tokens=recipe.max_len * 2 + 2,
+        max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    answers = tok.batch_decode(out[:, t:], skip_special_tokens=True)
+    return tok.batch_decode(out[:, t:], skip_special_tokens=True)
+
+
+def greedy_accuracy(model, tok, recipe: BuiltinRecipe, n: int, seed: int) -> float:
+    """Exact-match accuracy of greedy answers on `n` fresh examples."""
+    examples = _examples(recipe, random.Random(seed), n)
+    answers = greedy_answers(model, tok, [ex.prompt for ex in examples], recipe.max_len * 2 + 2)
     return sum(a == ex.answer for a, ex in zip(answers, examples)) / n
 
 
