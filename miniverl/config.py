@@ -241,6 +241,9 @@ class ActorResources:
     num_cpus: float = 0.5
 
 
+WEIGHT_SYNC = ("auto", "host")  # resources.weight_sync: how the adapter reaches the rollout replicas
+
+
 @dataclass
 class ResourcesConfig:
     device: str = "auto"  # auto (cuda when visible to the driver) | cpu | cuda
@@ -539,7 +542,7 @@ def validate(cfg: MiniVerlConfig) -> None:
     threads = cfg.resources.torch_threads
     _require(threads >= 0, f"resources.torch_threads={threads}: use 0 (all cores) or a thread count >= 1")
     _require(
-        cfg.resources.weight_sync in ("auto", "host"),
+        cfg.resources.weight_sync in WEIGHT_SYNC,
         f"resources.weight_sync={cfg.resources.weight_sync!r}: use auto (on the GPU when the rollout shares the"
         " learner's GPU) or host (CPU copies)",
     )

@@ -56,12 +56,16 @@ def flat_layout(weights: dict[str, torch.Tensor]) -> tuple[TensorSlot, ...]:
         t = weights[name]
         nbytes = t.numel() * t.element_size()
         slots.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
+        offset += _aligned(nbytes)
     return tuple(slots)
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def layout_bytes(layout: tuple[TensorSlot, ...]) -> int:
-    return max((s.offset + -(-s.nbytes // ALIGN) * ALIGN for s in layout), default=0)
+    return max((s.offset + _aligned(s.nbytes) for s in layout), default=0)
 
 
 def slot_views(flat: torch.Tensor, layout: tuple[TensorSlot, ...]) -> dict[str, torch.Tensor]:
@@ -84,8 +88,9 @@ def _fingerprint(flat: torch.Tensor) -> list[int]:
     """Two position-weighted sums of the buffer's 16-bit words modulo a prime, computed where the buffer is.
     Exact integer arithmetic: the same numbers on any device. A change of any single word changes both sums
     (word delta and weight are non-zero and their product is smaller than the modulus). Not a cryptographic
-    hash: it names policies and catches corruption, it does not resist someone forging weights."""
-    words = flat.view(torch.int16) if flat.numel() % 2 == 0 else torch.cat([flat, flat.new_zeros(1)]).view(torch.int16)
+    hash: it names policies and catches corruption, it does not resist someone forging weights. `flat` is a
+    packed buffer (a multiple of ALIGN bytes, so whole 16-bit words)."""
+    words = flat.view(torch.int16)
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, words.numel(), CHUNK):
         w = words[start : start + CHUNK].to(torch.int64) + 32768  # [c] in [0, 65535]
@@ -128,10 +133,11 @@ def sha256_digest(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def digest_matches(weights: dict[str, torch.Tensor], recorded: str) -> bool:
-    """Whether `weights` carry the digest a checkpoint recorded, whichever scheme recorded it."""
+def digest_matches(weights: dict[str, torch.Tensor], recorded: str, digest: str | None = None) -> bool:
+    """Whether `weights` carry the digest a checkpoint recorded, whichever scheme recorded it. `digest`: their
+    weights_digest when the caller already has it (not computed again)."""
     if recorded.startswith(DIGEST_PREFIX):
-        return weights_digest(weights) == recorded
+        return (digest or weights_digest(weights)) == recorded
     return sha256_digest(weights) == recorded
 
 

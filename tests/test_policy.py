@@ -76,6 +76,7 @@ def test_checkpoints_recorded_with_the_old_sha256_digest_still_match():
     legacy = sha256_digest(w)
     assert not legacy.startswith(DIGEST_PREFIX) and len(legacy) == 64
     assert digest_matches(w, legacy) and digest_matches(w, weights_digest(w))
+    assert digest_matches(w, weights_digest(w), weights_digest(w))  # a digest the caller already has
     other = adapter(1)
     assert not digest_matches(other, legacy) and not digest_matches(other, weights_digest(w))
 

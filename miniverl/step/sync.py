@@ -27,11 +27,11 @@ from typing import Any
 
 from miniverl.batches import RolloutBatch
 from miniverl.cluster.actors import call, fetch, settle, submit
+from miniverl.config import WEIGHT_SYNC
 from miniverl.errors import PolicyMismatchError
 from miniverl.policy import PolicyIdentity
 from miniverl.step.served_policy import check_changed, check_gap, max_gap
 
-WEIGHT_SYNC = ("auto", "host")
 RECENT_ROWS = 2  # on-policy rows of the last training batch added to the probe (one short prefill more)
 TRIAL_SEED = 1  # the conformance gate's non-zero adapter (one per run; the same in every run)
 # lora_B of the trial adapter: with lora_A's default init (|A x| ~ 1 per rank) and alpha/r ~ 2, a delta of

@@ -480,7 +480,7 @@ class LearnerWorker:
         self.behaviour = {}  # a batch sampled before the checkpoint is never trained on after it (step/cadence.py)
         live = live_adapter(self.model)
         restored = PolicyIdentity(self.version, weights_digest(live))
-        if not digest_matches(live, state["policy_digest"]):
+        if not digest_matches(live, state["policy_digest"], restored.digest):
             raise CheckpointError(
                 f"the adapter restored from {directory} hashes to {restored.short()} but the checkpoint recorded"
                 f" {state['policy_digest'][:12]}; the checkpoint is corrupt, resume from an older one"
