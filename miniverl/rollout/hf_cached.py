@@ -6,8 +6,9 @@ the same tokens. What changes is the work per token:
 - keys/values live in buffers preallocated per layer ([rows, kv heads, columns, head dim]); prompts are
   right-aligned at column P (the longest prompt), so every row writes the same column each step;
 - the base linear weights are fused (q/k/v and gate/up: one copy of those, 0.6 GB at the 0.5B shape) and
-  the adapter is applied beside them, unmerged, exactly as the learner's peft layers apply it (one A and
-  one B matmul per fused group); a refresh writes only the adapter's buffers, in place;
+  the adapter is applied beside them, unmerged, with the learner's arithmetic (models/lora.py `lora_delta`:
+  the LoRA term in the base's dtype; one A and one B matmul per fused group); a refresh writes only the
+  adapter's buffers, in place;
 - on CUDA, one decode step (all layers and the LM head) is captured as a CUDA graph per batch width and
   replayed: at rollout batch sizes, launching a thousand small kernels from Python, not the arithmetic,
   bounds an eager step;
@@ -45,27 +46,35 @@ PROBE_DECODE_STEPS = 8  # cache length rounds up to this, so slightly longer pro
 
 @dataclass
 class _Lora:
-    """The LoRA of one fused projection group, applied unmerged exactly as peft does (models/lora.py builds
-    peft's default: adapter weights autocast to fp32 over a bf16 base): `out + ((x A^T) B^T) * s`, the sum
-    in the adapter's dtype and cast back to the base's. One A matmul and one B matmul serve the whole group:
-    the A matrices are stacked, B is block-diagonal (projection j's B in its own output rows and rank
-    columns; the zeros add exact zeros), so a refresh writes only these buffers, in place.
+    """The LoRA of one fused projection group, applied unmerged with the learner's arithmetic
+    (models/lora.py `lora_delta`): `out + (x A^T)(s B)^T` in the base's dtype, A and s B rounded to it. One A
+    matmul and one B matmul serve the whole group: the A matrices are stacked, B is block-diagonal (projection
+    j's s B in its own output rows and rank columns; the zeros add exact zeros), so a refresh writes only these
+    buffers, in place. `a` and `b` keep the published weights as sent (fp32 masters); `a_cast` and `sb_cast`,
+    what the decode reads, are rewritten from them at every load.
     """
 
-    a: torch.Tensor  # [R, E]: the group's A matrices stacked over their ranks
+    a: torch.Tensor  # [R, E]: the group's A matrices stacked over their ranks, as published
     b: torch.Tensor  # [O, R]: block-diagonal; rows of untargeted projections stay 0
-    scale: torch.Tensor  # [O]: lora_alpha / r of the projection owning each output row
+    scale: torch.Tensor  # [O, 1]: lora_alpha / r of the projection owning each output row
     slots: list[tuple[str, str, slice, slice]]  # (A name, B name, its rank columns, its output rows)
+    a_cast: torch.Tensor  # [R, E] in the base's dtype
+    sb_cast: torch.Tensor  # [O, R] in the base's dtype: s B
+
+    def refresh_cast(self) -> None:
+        """Round the published weights to the serving dtype, as `lora_delta` does per call."""
+        self.a_cast.copy_(self.a)
+        self.sb_cast.copy_(self.b * self.scale)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Shapes: x [..., E], out [..., O] (base projection incl. bias) -> [..., O] in out's dtype."""
-        delta = F.linear(F.linear(x.to(self.a.dtype), self.a), self.b) * self.scale  # [..., O]
-        return (out + delta).to(out.dtype)
+        return out + F.linear(F.linear(x, self.a_cast), self.sb_cast)
 
 
-def _lora_group(modules, names: dict[int, str]) -> _Lora | None:
+def _lora_group(modules, names: dict[int, str], dtype: torch.dtype) -> _Lora | None:
     """Serving buffers for the LoRA of `modules` (fused in this order), or None when none is adapted.
-    `names` maps a LoRA weight's data pointer to its name in the learner's adapter state dict."""
+    `names` maps a LoRA weight's data pointer to its name in the learner's adapter state dict; `dtype` is the
+    base's, which the adapter's term is computed in."""
     outs = [getattr(m, "base_layer", m).weight.shape[0] for m in modules]
     adapted = []
     for m in modules:
@@ -85,7 +94,7 @@ def _lora_group(modules, names: dict[int, str]) -> _Lora | None:
     ranks = [0 if w is None else w[0].shape[0] for w in adapted]
     a = torch.zeros(sum(ranks), ref.shape[1], dtype=ref.dtype, device=ref.device)
     b = torch.zeros(sum(outs), sum(ranks), dtype=ref.dtype, device=ref.device)
-    scale = torch.zeros(sum(outs), dtype=ref.dtype, device=ref.device)
+    scale = torch.zeros(sum(outs), 1, dtype=ref.dtype, device=ref.device)
     slots, r0, o0 = [], 0, 0
     for w, r, o in zip(adapted, ranks, outs):
         if w is not None:
@@ -96,7 +105,9 @@ def _lora_group(modules, names: dict[int, str]) -> _Lora | None:
             scale[cols] = s
             slots.append((names[lora_a.data_ptr()], names[lora_b.data_ptr()], rows, cols))
         r0, o0 = r0 + r, o0 + o
-    return _Lora(a, b, scale, slots)
+    lora = _Lora(a, b, scale, slots, torch.empty_like(a, dtype=dtype), torch.empty_like(b, dtype=dtype))
+    lora.refresh_cast()
+    return lora
 
 
 def _base(module) -> torch.Tensor:
@@ -157,21 +168,22 @@ class _Decoder:
         adapter beside them, unmerged: a bf16 merge W + s B A rounds small updates away (at lr 1e-5, 90% of
         q_proj entries were unchanged after 7 updates), while the learner applies LoRA unmerged."""
         a, m = layer.self_attn, layer.mlp
+        dtype = _base(a.q_proj).dtype
         qkv_bias = [_bias(p) for p in (a.q_proj, a.k_proj, a.v_proj)]
         up_bias = [_bias(p) for p in (m.gate_proj, m.up_proj)]
         return {
             "qkv": torch.cat([_base(p) for p in (a.q_proj, a.k_proj, a.v_proj)]),  # [(H + 2Hkv) D, E]
             "qkv_bias": None if qkv_bias[0] is None else torch.cat(qkv_bias),
-            "qkv_lora": _lora_group((a.q_proj, a.k_proj, a.v_proj), names),
+            "qkv_lora": _lora_group((a.q_proj, a.k_proj, a.v_proj), names, dtype),
             "o": _base(a.o_proj),
             "o_bias": _bias(a.o_proj),
-            "o_lora": _lora_group((a.o_proj,), names),
+            "o_lora": _lora_group((a.o_proj,), names, dtype),
             "gate_up": torch.cat([_base(m.gate_proj), _base(m.up_proj)]),  # [2I, E]
             "gate_up_bias": None if up_bias[0] is None else torch.cat(up_bias),
-            "gate_up_lora": _lora_group((m.gate_proj, m.up_proj), names),
+            "gate_up_lora": _lora_group((m.gate_proj, m.up_proj), names, dtype),
             "down": _base(m.down_proj),
             "down_bias": _bias(m.down_proj),
-            "down_lora": _lora_group((m.down_proj,), names),
+            "down_lora": _lora_group((m.down_proj,), names, dtype),
             "norm1": layer.input_layernorm.weight,
             "norm2": layer.post_attention_layernorm.weight,
         }
@@ -196,6 +208,7 @@ class _Decoder:
             for a_name, b_name, rows, cols in lora.slots:
                 lora.a[rows].copy_(weights[a_name], non_blocking=True)
                 lora.b[cols, rows].copy_(weights[b_name], non_blocking=True)
+            lora.refresh_cast()
 
     def adapter(self) -> dict[str, torch.Tensor]:
         """The served adapter under the learner's names (CPU copies; benchmarks and tests read it)."""
