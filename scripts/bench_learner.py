@@ -3,15 +3,19 @@
     python scripts/bench_learner.py --cells cells.json --out results.jsonl [--profile NAME] [--shape qwen2.5-0.5b]
 
 cells.json: a list of {"name", "objective", "rows", "prompt_tokens", "response_tokens", "topk", "settings",
-"gpu_memory_gib"}; `settings` are LearnerWorker keyword arguments. Each cell builds a fresh learner in this
-process (its memory cap applies to the process: run capped cells in their own process, or last). A cell that
-fails (OOM, refusal) is written with its error, never dropped. --profile NAME writes the torch profiler's
-top kernels for that cell's last update to <out>.NAME.prof.txt.
+"gpu_memory_gib"}; `settings` are LearnerWorker keyword arguments. Two switches measure what the product no
+longer does, to credit each change: "peft_lora": true gives peft's own LoRA arithmetic back (fp32 adapter
+matmuls over upcast inputs) and "eager_vocab": true turns off the Triton vocabulary passes
+(models/vocab_kernels.py). Each cell builds a fresh learner in this process (its memory cap applies to the
+process: run capped cells in their own process, or last). A cell that fails (OOM, refusal) is written with its
+error, never dropped. --profile NAME writes the torch profiler's top kernels for that cell's last update to
+<out>.NAME.prof.txt.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -25,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from miniverl.bench.config import ModelShape
 from miniverl.bench.learner import objective_for, profile_update, synthetic_batch, synthetic_scores, time_updates
 from miniverl.bench.workload import build_random_model, real_shape
+from miniverl.models import vocab_kernels
 from miniverl.models.lora import LoraSettings
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
@@ -41,6 +46,7 @@ TINY = ModelShape(
     init_seed=0,
 )
 SHAPES = {"qwen2.5-0.5b": real_shape("qwen2.5-0.5b", 32768), "tiny": TINY}
+_KERNELS = vocab_kernels._use_kernels
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -51,6 +57,9 @@ def build_model(shape: str, device: str, target: Path) -> Path:
 
 
 def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Path | None) -> dict:
+    if cell.get("autocast"):
+        raise ValueError("the autocast candidate is gone: LoRA now computes in the base's dtype (models/lora.py)")
+    vocab_kernels._use_kernels = _KERNELS if not cell.get("eager_vocab") else (lambda x: False)
     settings = {"micro_batch_size": cell["rows"], **cell["settings"]}
     if device == "cuda" and cell.get("gpu_memory_gib") is None:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)  # an earlier capped cell's cap stays otherwise
@@ -66,8 +75,10 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
         process=ProcessSettings(device, gpu_memory_gib=cell.get("gpu_memory_gib")),
         **settings,
     )
-    if cell.get("autocast"):
-        learner.autocast_dtype = torch.bfloat16
+    if cell.get("peft_lora"):
+        for module in learner.model.modules():
+            if hasattr(module, "_peft_forward"):
+                module.__class__ = type(module).__mro__[1]  # peft's own class and forward again
     batch = synthetic_batch(cell["rows"], cell["prompt_tokens"], cell["response_tokens"], vocab, seed=0)
     topk = cell["topk"] if cell["objective"] == "gkd" else None
     scores = synthetic_scores(batch, vocab, topk, seed=0)
@@ -75,6 +86,7 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
     if profile is not None:
         profile_update(learner, batch, scores, profile)
     del learner
+    gc.collect()  # nothing of this cell's learner may stay allocated into the next cell's peak
     if device == "cuda":
         torch.cuda.empty_cache()
     return result

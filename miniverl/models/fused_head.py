@@ -20,11 +20,12 @@ is written for miniVERL's objectives and checked against the direct path (tests/
 
 Most losses need only a few numbers of each position's [V] logits: the sampled token's log-prob (PG-k1), and
 for GKD over a teacher's top-K support the student's log-probs at those K ids and of the tail bucket outside
-them. Their gradient with respect to the logits has a closed form (`_logits_grad`), so those chunks skip
-autograd over [c, V] tensors: one fp32 copy of the chunk's logits is reduced, then overwritten in place with
-the gradient (about 8 passes over [c, V] instead of about 25; measured in docs/benchmarks/learner-throughput.md).
-Losses that read the whole distribution (full-vocabulary GKD, a loss temperature other than 1) go through
-autograd on the chunk (`term_fn`).
+them. Their gradient with respect to the logits has a closed form (`_logits_grad`), so those losses skip
+autograd over [c, V] tensors and run in two passes (`_closed_form`): the few numbers of every position first,
+one autograd call for the whole micro-batch's loss over them, then each chunk's logits again, overwritten in
+place with their gradient. The vocabulary-wide work is two Triton passes over the bf16 logits
+(models/vocab_kernels.py), so a chunk holds nothing but its logits. Losses that read the whole distribution
+(full-vocabulary GKD, a loss temperature other than 1) go through autograd on each chunk (`term_fn`).
 
 Shapes: N response tokens (flattened over rows), H hidden, V vocabulary, K support ids, c = chunk_tokens.
 """
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from miniverl.models.vocab_kernels import row_logsumexp, scaled_softmax_
 
 # (logits [1, c, V] in the model's dtype, positions) -> the objective's per-token term [1, c]
 TermFn = Callable[[torch.Tensor, slice], torch.Tensor]
@@ -75,58 +78,119 @@ def _chunk_values(
 
 
 def _support_stats(logits: torch.Tensor, ids: torch.Tensor, support_ids: torch.Tensor | None):
-    """The few numbers a closed-form loss reads from one chunk's logits, and the fp32 buffer its gradient is
-    written into. With a support, the buffer holds -inf at the support ids (the tail's logsumexp is taken over
-    it). Shapes: logits [c, V], ids [c], support_ids [c, K] -> buffer [c, V] fp32, lse [c], logprobs [c],
-    support log-probs [c, K] or None, tail log-prob [c] or None, tail logsumexp [c] or None."""
-    x = logits.to(torch.float32, copy=True)  # [c, V]: the only vocabulary-sized fp32 tensor of the chunk
-    lse = torch.logsumexp(x, dim=-1)  # [c]
-    logprobs = x.gather(1, ids[:, None]).squeeze(1) - lse
+    """The few numbers a closed-form loss reads from one chunk's logits. With a support, `logits` is left with
+    -inf at the support ids (the tail's logsumexp is taken over it; the full one is the tail's and the support's
+    together, so neither loses precision when the other is tiny). Shapes: logits [c, V] (any float dtype,
+    never copied to fp32), ids [c], support_ids [c, K] -> lse [c], logprobs [c], support log-probs [c, K] or
+    None, tail log-prob [c] or None, tail logsumexp [c] or None, the sampled ids' logits [c], all fp32."""
+    sampled = logits.gather(1, ids[:, None]).squeeze(1).float()  # [c]
     if support_ids is None:
-        return x, lse, logprobs, None, None, None
-    support = x.gather(1, support_ids) - lse[:, None]  # [c, K]
-    x.scatter_(1, support_ids, float("-inf"))
-    lse_tail = torch.logsumexp(x, dim=-1)  # [c]: log of the mass outside the support, unnormalized
-    return x, lse, logprobs, support, lse_tail - lse, lse_tail
+        lse = row_logsumexp(logits)  # [c]
+        return lse, sampled - lse, None, None, None, sampled
+    support = logits.gather(1, support_ids).float()  # [c, K]
+    logits.scatter_(1, support_ids, float("-inf"))
+    lse_tail = row_logsumexp(logits)  # [c]: log of the mass outside the support, unnormalized
+    lse = torch.logaddexp(lse_tail, torch.logsumexp(support, dim=-1))  # [c]
+    return lse, sampled - lse, support - lse[:, None], lse_tail - lse, lse_tail, sampled
 
 
-def _logits_grad(x, lse, ids, g_logprobs, support_ids, support, tail, lse_tail, g_support, g_tail) -> torch.Tensor:
-    """d loss / d logits of one chunk, written over `x` (see `_support_stats`) in place.
+def _logits_grad(x, lse, ids, sampled_logit, g_logprobs, support_ids, support, tail, lse_tail, g_support, g_tail):
+    """d loss / d logits of one chunk, written over the logits `x` (as `_support_stats` left them) in place,
+    in x's dtype: each entry computed in fp32 and rounded once.
 
     With p = softmax(logits), q = softmax over the tail ids only and P = the tail's mass (q_j = p_j / P):
     d logprob / dz_j = [j = id] - p_j, d support_k / dz_j = [j = k] - p_j, d tail / dz_j = q_j [j not in K] - p_j.
     Summed with the upstream gradients and G = g_logprobs + sum_k g_support_k + g_tail: -G p_j + g_tail q_j on the
     tail (= q_j (g_tail - G P), so nothing overflows when P is tiny), g_support_k - G p_k on the support, plus
-    g_logprobs at the sampled id. Shapes: x [c, V], the rest [c] or [c, K] -> [c, V] fp32 (x itself).
+    g_logprobs at the sampled id. The vocabulary-wide pass is one `scaled_softmax_`; the K + 1 columns that
+    differ are computed apart (from the sampled id's fp32 logit, `sampled_logit`) and written over it.
+    Shapes: x [c, V], the rest [c] or [c, K] -> x.
     """
     g_logprobs = torch.zeros_like(lse) if g_logprobs is None else g_logprobs
     if support_ids is None:
-        x.sub_(lse[:, None]).exp_().mul_(-g_logprobs[:, None])  # -g p
-    else:
-        g_support = torch.zeros_like(support) if g_support is None else g_support
-        g_tail = torch.zeros_like(tail) if g_tail is None else g_tail
-        total = g_logprobs + g_support.sum(dim=-1) + g_tail  # G [c]
-        x.sub_(lse_tail[:, None]).exp_().mul_((g_tail - total * tail.exp())[:, None])  # support columns: exp(-inf) = 0
-        x.scatter_(1, support_ids, g_support - total[:, None] * support.exp())
-    return x.scatter_add_(1, ids[:, None], g_logprobs[:, None])
+        scaled_softmax_(x, lse, -g_logprobs)  # -g p
+        sampled = (sampled_logit - lse).exp() * -g_logprobs + g_logprobs  # [c]: -g p_id + g
+        return x.scatter_(1, ids[:, None], sampled[:, None].to(x.dtype))
+    g_support = torch.zeros_like(support) if g_support is None else g_support
+    g_tail = torch.zeros_like(tail) if g_tail is None else g_tail
+    total = g_logprobs + g_support.sum(dim=-1) + g_tail  # G [c]
+    coef = g_tail - total * tail.exp()  # [c]
+    scaled_softmax_(x, lse_tail, coef)  # the tail; the support columns hold -inf, so exp gives 0 there
+    on_support = support_ids == ids[:, None]  # [c, K]: where the sampled id is one of the support's
+    values = g_support - total[:, None] * support.exp() + on_support * g_logprobs[:, None]  # [c, K]
+    x.scatter_(1, support_ids, values.to(x.dtype))
+    sampled_tail = (sampled_logit - lse_tail).exp() * coef + g_logprobs  # [c]: q_id (g_tail - G P) + g
+    sampled = torch.where(on_support.any(dim=-1), (values * on_support).sum(dim=-1), sampled_tail)
+    return x.scatter_(1, ids[:, None], sampled[:, None].to(x.dtype))
 
 
-def _closed_form_chunk(hidden, weight, bias, ids, positions, loss_fn, support: Support | None):
-    """One chunk's loss, log-probs, terms and gradient with respect to its hidden states, autograd only over
-    [c] and [c, K] tensors. Shapes: hidden [c, H], ids [c] -> (scalar, [c], [c] or None, [c, H])."""
-    support_ids = None if support is None else support.ids[positions]
-    logits = F.linear(hidden, weight, bias)  # [c, V], model dtype
-    x, lse, logprobs, sup, tail, lse_tail = _support_stats(logits, ids, support_ids)
-    del logits
+def _closed_form(hidden, weight, bias, ids, chunk_tokens, loss_fn, support: Support | None):
+    """The loss, log-probs, terms and gradient with respect to the hidden states of N positions, in two passes
+    over chunks of logits with one autograd call between them, over [N] and [N, K] tensors only:
+
+    1. per chunk: logits, then the few numbers the loss reads (`_support_stats`), kept for every position;
+    2. the objective's terms and loss of all N positions at once, and their gradient with respect to those numbers;
+    3. per chunk: the logits again, overwritten with their gradient (`_logits_grad`), times the head's weight.
+
+    The head runs three times per position instead of two, which costs far less than the Python and the small
+    kernels of the objective run once per chunk: the first GPU profile of the Triton passes (2026-12-02,
+    docs/benchmarks/learner-throughput.md) had 2.1 s of GPU time in a 4.7 s update, the rest per-chunk overhead.
+    Shapes: hidden [N, H], ids [N] -> (scalar, [N], [N] or None, [N, H])."""
+    n = hidden.shape[0]
+    f32 = {"dtype": torch.float32, "device": hidden.device}
+    k = 0 if support is None else support.ids.shape[1]
+    lse, logprobs, sampled = (torch.empty(n, **f32) for _ in range(3))
+    sup, tail, lse_tail = torch.empty(n, k, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    chunks = [slice(s, min(s + chunk_tokens, n)) for s in range(0, n, chunk_tokens)]
+    for at in chunks:
+        logits = F.linear(hidden[at], weight, bias)  # [c, V], model dtype: the chunk's only vocabulary-sized tensor
+        stats = _support_stats(logits, ids[at], None if support is None else support.ids[at])
+        lse[at], logprobs[at], sampled[at] = stats[0], stats[1], stats[5]
+        if support is not None:
+            sup[at], tail[at], lse_tail[at] = stats[2], stats[3], stats[4]
+    everything = slice(0, n)
+    if support is None:
+        sup = tail = lse_tail = None
     with torch.enable_grad():
         leaves = [t.requires_grad_() for t in (logprobs, sup, tail) if t is not None]
-        term = None if support is None else support.terms(sup, tail, positions)
-        chunk_loss = loss_fn(logprobs, term, positions).sum()
-        grads = torch.autograd.grad(chunk_loss, leaves, allow_unused=True)
+        term = None if support is None else support.terms(sup, tail, everything)
+        loss = loss_fn(logprobs, term, everything).sum()
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     g_logprobs, g_support, g_tail = (*grads, None, None)[:3]
-    dlogits = _logits_grad(x, lse, ids, g_logprobs, support_ids, sup, tail, lse_tail, g_support, g_tail)
-    grad_hidden = dlogits.to(weight.dtype) @ weight  # [c, H]
-    return chunk_loss.detach(), logprobs.detach(), None if term is None else term.detach(), grad_hidden
+    grad_hidden = torch.empty_like(hidden)  # [N, H]
+    for at in chunks:
+        logits = F.linear(hidden[at], weight, bias)  # [c, V]: the same logits as in the first pass
+        support_ids = None
+        if support is not None:
+            support_ids = support.ids[at]
+            logits.scatter_(1, support_ids, float("-inf"))
+        picked = [None if t is None else t[at] for t in (g_logprobs, sup, tail, lse_tail, g_support, g_tail)]
+        g_lp, sup_at, tail_at, lse_tail_at, g_sup, g_tail_at = picked
+        args = (lse[at], ids[at], sampled[at], g_lp, support_ids, sup_at, tail_at, lse_tail_at, g_sup, g_tail_at)
+        dlogits = _logits_grad(logits, *args)  # [c, V], over the logits
+        grad_hidden[at] = dlogits @ weight  # [c, H]
+    detached = None if term is None else term.detach()
+    return loss.detach(), logprobs.detach(), detached, grad_hidden
+
+
+def _autograd_chunks(hidden, weight, bias, ids, chunk_tokens, term_fn, loss_fn):
+    """The loss of terms that read whole distributions (full-vocabulary GKD, a loss temperature): autograd on
+    each chunk's own small graph, its [c, V] buffers freed before the next chunk.
+    Shapes: hidden [N, H], ids [N] -> (scalar, [N], [N], [N, H])."""
+    grad_hidden = torch.empty_like(hidden)  # [N, H]
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
+    terms = torch.empty_like(logprobs)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        at = slice(start, min(start + chunk_tokens, hidden.shape[0]))
+        with torch.enable_grad():
+            h = hidden[at].detach().requires_grad_()  # [c, H]
+            _, lp, term = _chunk_values(h, weight, bias, ids, at, term_fn)
+            chunk_loss = loss_fn(lp, term, at).sum()
+            (grad_hidden[at],) = torch.autograd.grad(chunk_loss, h)  # [c, H]: dlogits @ W, then freed
+        total += chunk_loss.detach()
+        logprobs[at], terms[at] = lp.detach(), term.detach()
+    return total, logprobs, terms, grad_hidden
 
 
 class _FusedHeadLoss(torch.autograd.Function):
@@ -134,29 +198,16 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, chunk_tokens, term_fn, loss_fn, support):
-        grad_hidden = torch.empty_like(hidden)  # [N, H]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # [N]
-        terms = None if term_fn is None and support is None else torch.empty_like(logprobs)
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            positions = slice(start, min(start + chunk_tokens, hidden.shape[0]))
-            if term_fn is None:  # closed-form gradient: the loss reads few numbers of each position's logits
-                chunk_loss, lp, term, grad_hidden[positions] = _closed_form_chunk(
-                    hidden[positions], weight, bias, ids[positions], positions, loss_fn, support
-                )
-            else:
-                with torch.enable_grad():
-                    h = hidden[positions].detach().requires_grad_()  # [c, H]
-                    _, lp, term = _chunk_values(h, weight, bias, ids, positions, term_fn)
-                    chunk_loss = loss_fn(lp, term, positions).sum()
-                    (grad_hidden[positions],) = torch.autograd.grad(chunk_loss, h)  # [c, H]: dlogits @ W, then freed
-            total += chunk_loss.detach()
-            logprobs[positions] = lp.detach()
-            if terms is not None:
-                terms[positions] = term.detach()
+        if term_fn is None:  # closed-form gradient: the loss reads few numbers of each position's logits
+            total, logprobs, terms, grad_hidden = _closed_form(
+                hidden, weight, bias, ids, chunk_tokens, loss_fn, support
+            )
+        else:
+            total, logprobs, terms, grad_hidden = _autograd_chunks(
+                hidden, weight, bias, ids, chunk_tokens, term_fn, loss_fn
+            )
         ctx.save_for_backward(grad_hidden)
-        if terms is None:
-            terms = torch.empty(0, device=hidden.device)
+        terms = torch.empty(0, device=hidden.device) if terms is None else terms
         ctx.mark_non_differentiable(logprobs, terms)
         return total, logprobs, terms
 
@@ -202,7 +253,10 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor
     policy, probes, the teacher). Shapes: hidden [N, H], ids [N] -> [N] float32."""
     chunk = max(hidden.shape[0] if chunk_tokens <= 0 else chunk_tokens, 1)
     ids = ids.to(hidden.device)
-    out = [chunk_logprobs(head(hidden[s : s + chunk]), ids[s : s + chunk]) for s in range(0, hidden.shape[0], chunk)]
+    out = []
+    for s in range(0, hidden.shape[0], chunk):
+        logits = head(hidden[s : s + chunk])  # [c, V], model dtype
+        out.append(logits.gather(1, ids[s : s + chunk, None]).squeeze(1).float() - row_logsumexp(logits))
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 

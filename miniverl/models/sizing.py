@@ -2,17 +2,18 @@
 
 The learner's peak is whichever of its two phases is larger (gradient checkpointing on, fused LM-head loss):
 - the loss phase: the checkpointed layer inputs of every token ([T, H] bf16 per layer) and one LM-head chunk's
-  fp32 vocabulary buffers (models/memory.py);
+  vocabulary buffers: the bf16 logits alone on the closed-form path with the Triton passes (models/fused_head.py,
+  models/vocab_kernels.py), fp32 copies when the loss runs autograd over the chunk (models/memory.py);
 - the backward phase: the same checkpoints plus one decoder layer's recomputed activations for every token
-  (attention and MLP intermediates, the LoRA inputs peft casts to fp32).
-Both sit on the fixed part: weights, the adapter with its gradient and two AdamW moments, and slack for the
-allocator. Measured on the H200 (0.5B shape, LoRA r32 on every linear layer, GKD top-64, 640-token rows,
-docs/benchmarks/learner-throughput.md): 2.58 GiB at 7,680 tokens and 3.57 GiB at 16,000 with 256-token chunks,
-a slope of 128 KB per token (43 KB of checkpoints, so one layer's recomputed activations take 85 KB: 14.8 bytes
-per unit of hidden + intermediate size) and an intercept 0.5 GB above weights and adapter state (cuBLAS
-workspaces, the allocator's blocks, small tensors). The loss phase at 1,024-token chunks (5.21 GiB measured at
-3,840 tokens) matches the same model within 2%. Without checkpointing every
-layer's activations stay (about 1.75 MB per token measured, 8,192 tokens peaked at 19.2 GiB).
+  (attention and MLP intermediates, the LoRA terms in the base's dtype).
+Both sit on the fixed part: weights, the adapter with its gradient and two AdamW moments, and a little runtime.
+Measured on the H200 (0.5B shape, LoRA r32 on every linear layer, GKD top-64, 640-token rows, 2026-12-02,
+bf16 LoRA arithmetic and the Triton passes; docs/benchmarks/learner-throughput.md, diag10): 3.02 GiB at 16,384
+tokens and 4.86 GiB at 32,768, with 512- and 1,024-token chunks alike (the backward phase is the peak), a slope
+of 120 KB per token (43 KB of checkpoints, so one layer's recomputed activations take 77 KB: 13.4 bytes per unit
+of hidden + intermediate size) and an intercept equal to weights + adapter state. (The fp32 LoRA arithmetic it
+replaced measured 128 KB per token and 0.5 GB more.) Without checkpointing every layer's activations stay
+(about 1.75 MB per token measured with the fp32 LoRA arithmetic; 8,192 tokens peaked at 19.2 GiB).
 
 Everything here is arithmetic on plain numbers, so it is tested without a model.
 """
@@ -25,13 +26,22 @@ from miniverl.errors import ConfigError
 from miniverl.models.memory import FP32_BYTES, FUSED_CHUNK_FP32_COPIES, human
 
 # One decoder layer's recomputed activations per token, in bytes per unit of (hidden + intermediate) size.
-LAYER_ACTIVATION_BYTES_PER_WIDTH = 14.8
-RUNTIME_BYTES = 512 * 2**20  # the measured intercept beyond weights and adapter state
+LAYER_ACTIVATION_BYTES_PER_WIDTH = 13.4
+# Beyond weights and adapter state (cuBLAS workspaces, small tensors): the measured intercept was within 1 MB of
+# weights + adapter state; this keeps a margin for what a longer run allocates besides.
+RUNTIME_BYTES = 128 * 2**20
+# One [c, V] entry of an LM-head chunk on the closed-form path: the bf16 logits, overwritten in place by their
+# gradient (2 bytes), doubled for the GEMM's output while the previous chunk's buffer is being freed. Measured:
+# 512- and 1,024-token chunks peak the same, so this is an upper bound the measurements do not pin down.
+CLOSED_FORM_CHUNK_BYTES_PER_ENTRY = 4
 CHECKPOINT_BYTES = 2  # each layer's input is kept in the model's 16-bit dtype
 ADAPTER_STATE_BYTES = 16  # fp32 adapter weight, its gradient and AdamW's two moments, per adapter parameter
 # Allocator fragmentation, the CUDA caching allocator's rounding and small tensors: a share of the budget
-# kept free. 15% left the measured 16,000-token cell (3.57 GiB) well inside the 4.8 GiB share it was sized for.
-SLACK_FRACTION = 0.15
+# kept free. 15% was enough in the bench (reserved 10% above allocated at 32,768 tokens) but not in the 4080
+# recipe, whose learner runs probes and evaluation between updates: its first update went out of memory with
+# 0.76 GiB (18% of its 4.14 GiB share) reserved in holes (docs/benchmarks/qlora-4080.md, run 5). 20% with the
+# learner's shrink-and-redo on an out-of-memory update (workers/learner.py) as the backstop.
+SLACK_FRACTION = 0.20
 
 
 @dataclass(frozen=True)
@@ -82,15 +92,31 @@ def per_token_bytes(shape: LearnerShape, checkpointing: bool) -> tuple[float, fl
     return checkpoints, checkpoints + layer
 
 
-def learner_peak_bytes(shape: LearnerShape, tokens: int, chunk_tokens: int, checkpointing: bool) -> int:
-    """Modelled peak of one update with `tokens` padded tokens per micro-batch (slack not included)."""
+def chunk_entry_bytes(closed_form: bool) -> int:
+    """Bytes per [c, V] entry of one LM-head chunk: the closed-form path (with the Triton passes) or autograd
+    over the chunk (fp32 copies: full-vocabulary GKD, a loss temperature other than 1, no Triton)."""
+    return CLOSED_FORM_CHUNK_BYTES_PER_ENTRY if closed_form else FP32_BYTES * FUSED_CHUNK_FP32_COPIES
+
+
+def learner_peak_bytes(
+    shape: LearnerShape, tokens: int, chunk_tokens: int, checkpointing: bool, closed_form: bool = False
+) -> int:
+    """Modelled peak of one update with `tokens` padded tokens per micro-batch (slack not included);
+    `closed_form`: the LM-head chunk's buffers as `chunk_entry_bytes` counts them."""
     loss_phase, backward_phase = per_token_bytes(shape, checkpointing)
     chunk = min(chunk_tokens, tokens) if chunk_tokens > 0 else tokens
-    vocab = chunk * shape.vocab * FP32_BYTES * FUSED_CHUNK_FP32_COPIES
+    vocab = chunk * shape.vocab * chunk_entry_bytes(closed_form)
     return fixed_bytes(shape) + int(max(loss_phase * tokens + vocab, backward_phase * tokens))
 
 
-def fit_tokens(shape: LearnerShape, share_bytes: int, chunk_tokens: int, checkpointing: bool, longest_row: int) -> int:
+def fit_tokens(
+    shape: LearnerShape,
+    share_bytes: int,
+    chunk_tokens: int,
+    checkpointing: bool,
+    longest_row: int,
+    closed_form: bool = False,
+) -> int:
     """The largest micro-batch token budget whose modelled peak stays inside `share_bytes` less the slack.
 
     Raises ConfigError with the arithmetic when not even one row of `longest_row` tokens fits.
@@ -99,12 +125,12 @@ def fit_tokens(shape: LearnerShape, share_bytes: int, chunk_tokens: int, checkpo
     lo, hi = 0, 1 << 22
     while lo < hi:  # the peak grows with tokens: binary search for the last budget that fits
         mid = (lo + hi + 1) // 2
-        if learner_peak_bytes(shape, mid, chunk_tokens, checkpointing) <= usable:
+        if learner_peak_bytes(shape, mid, chunk_tokens, checkpointing, closed_form) <= usable:
             lo = mid
         else:
             hi = mid - 1
     if lo < longest_row:
-        need = learner_peak_bytes(shape, longest_row, chunk_tokens, checkpointing)
+        need = learner_peak_bytes(shape, longest_row, chunk_tokens, checkpointing, closed_form)
         raise ConfigError(
             f"the learner's memory share of {human(share_bytes)} cannot hold one row of {longest_row} tokens:"
             f" weights and adapter state take {human(fixed_bytes(shape))}, one row's activations and LM-head chunk"
@@ -117,13 +143,18 @@ def fit_tokens(shape: LearnerShape, share_bytes: int, chunk_tokens: int, checkpo
 
 
 def check_token_budget(
-    shape: LearnerShape, share_bytes: int, tokens: int, chunk_tokens: int, checkpointing: bool
+    shape: LearnerShape,
+    share_bytes: int,
+    tokens: int,
+    chunk_tokens: int,
+    checkpointing: bool,
+    closed_form: bool = False,
 ) -> None:
     """Refuse an explicit trainer.max_tokens_per_micro_batch whose modelled peak exceeds the share, with the
     arithmetic and the budget that would fit."""
-    peak = learner_peak_bytes(shape, tokens, chunk_tokens, checkpointing)
+    peak = learner_peak_bytes(shape, tokens, chunk_tokens, checkpointing, closed_form)
     if peak > share_bytes * (1 - SLACK_FRACTION):
-        best = fit_tokens(shape, share_bytes, chunk_tokens, checkpointing, 1)
+        best = fit_tokens(shape, share_bytes, chunk_tokens, checkpointing, 1, closed_form)
         _, backward_phase = per_token_bytes(shape, checkpointing)
         raise ConfigError(
             f"trainer.max_tokens_per_micro_batch={tokens} would peak the learner at about {human(peak)}: weights and"

@@ -177,6 +177,12 @@ class GkdObjective:
     def from_config(cls, cfg) -> GkdObjective:
         return cls(beta=cfg.beta, loss_temperature=cfg.loss_temperature, teacher_topk=cfg.teacher_topk)
 
+    @property
+    def closed_form_head(self) -> bool:
+        """Whether the fused LM head takes its closed-form path (no autograd over [c, V]): a top-K support at
+        loss temperature 1 (`support_ids`); the learner's memory model counts the chunk's buffers by it."""
+        return self.teacher_support_k > 0 and self.loss_temperature == 1.0
+
     # GKD's loss reads no sampler log-prob, so a lagging batch needs no current-policy pass: its states come
     # from a policy one version behind, and the divergence is minimized at every state (docs/objectives.md).
     needs_current_logprobs = False

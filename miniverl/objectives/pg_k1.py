@@ -168,6 +168,7 @@ class PgK1Objective:
         return adv.detach()
 
     token_terms = None  # the loss needs only the sampled tokens' log-probs, no per-token term from the logits
+    closed_form_head = True  # so the fused LM head never runs autograd over [c, V] (models/fused_head.py)
 
     def token_loss(self, logprobs, terms, sampler_logprobs, advantages, num_step_tokens):
         """Each token's share of the step loss (truncated_pg_loss per token, so their sum is its loss): value

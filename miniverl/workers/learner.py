@@ -31,6 +31,9 @@ from miniverl.policy import (
 from miniverl.step.served_policy import PROBE_TOKENS, draw_probe
 from miniverl.workers import ProcessSettings, gpu_uuid, memory_report, memory_share_bytes, setup_process
 
+# How much an out-of-memory update lowers the token budget before it is redone (LearnerWorker._shrink_after_oom).
+OOM_SHRINK = 0.75
+
 
 class NonFiniteError(MiniVerlError):
     """A NaN or inf loss, gradient or weight; nothing poisoned was applied, published or saved."""
@@ -104,10 +107,6 @@ class LearnerWorker:
         self.max_tokens = max_tokens_per_micro_batch
         if self.device == "cuda":
             self.max_tokens = self._size_micro_batches(process, gradient_checkpointing, max_row_tokens)
-        # A bench-only candidate (scripts/bench_learner.py): the forward under torch.autocast in this dtype, so
-        # the fp32 LoRA matmuls and their casts run in bf16. Not a product setting: the rollout side would have
-        # to serve the same arithmetic (docs/benchmarks/learner-throughput.md).
-        self.autocast_dtype: torch.dtype | None = None
         self.version = 0  # number of optimizer steps taken; the policy after k updates is version k
         self.published: PolicyIdentity | None = None
         self.on_nonfinite = on_nonfinite  # skip | stop (trainer.on_nonfinite)
@@ -244,32 +243,15 @@ class LearnerWorker:
         current = self.policy_logprobs(batch) if lag and self.objective.needs_current_logprobs else None
         advantages = self.objective.prepare(batch, scores, rewards, ref, current)
         num_tokens = int(batch.response_mask.sum()) if num_step_tokens is None else num_step_tokens
-        # [B, Tr] per-token results, filled per micro-batch on the device (one copy back, no sync per micro-batch)
-        logprobs = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)
-        terms = None if self.objective.token_terms is None else torch.zeros_like(logprobs)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         row_weights = self._row_weights(batch)  # [B] or None
         self.model.train()
-        for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
-            packed = pack_rows(batch, rows)
-            with torch.autocast(self.device, self.autocast_dtype or torch.float32, enabled=bool(self.autocast_dtype)):
-                loss, lp, term = packed_token_loss(
-                    self.model,
-                    batch,
-                    packed,
-                    scores,
-                    self.objective,
-                    advantages,
-                    num_tokens,
-                    self.chunk_tokens,
-                    row_weights,
-                )
-            loss.backward()
-            loss_sum += loss.detach()
-            at = (packed.rows.to(self.device), packed.cols.to(self.device))
-            logprobs[at] = lp
-            if terms is not None:
-                terms[at] = term
+        while True:
+            try:
+                loss_sum, logprobs, terms = self._gradients(batch, scores, advantages, num_tokens, row_weights)
+                break
+            except torch.OutOfMemoryError as oom:
+                error = str(oom)
+            self._shrink_after_oom(batch, error)  # outside the handler: its traceback holds the failed tensors
         logprobs, terms = logprobs.cpu(), (None if terms is None else terms.cpu())
         mask = batch.response_mask.bool()
         gap = ((logprobs if behaviour is None else behaviour) - batch.rollout_log_probs).abs()[mask]
@@ -307,10 +289,67 @@ class LearnerWorker:
             "sampler_gap_mean": sums["gap_abs"] / max(num_tokens, 1),
             "sampler_gap_max": sums["gap_max"],
             "response_tokens": num_tokens,
+            "micro_batch_tokens": float(self.max_tokens),  # 0: row-count micro-batches; drops after an OOM
             "reverse_kl": reverse_kl / max(num_tokens, 1),
             **extra,
             **self._lag_metrics(delta, num_tokens),
         }
+
+    def _gradients(self, batch, scores, advantages, num_tokens, row_weights):
+        """Accumulate the step's gradients over its micro-batches; the loss sum and the per-token log-probs and
+        terms, [B, Tr] on the device (filled per micro-batch: one copy back, no sync per micro-batch)."""
+        logprobs = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)
+        terms = None if self.objective.token_terms is None else torch.zeros_like(logprobs)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
+            packed = pack_rows(batch, rows)
+            loss, lp, term = packed_token_loss(
+                self.model,
+                batch,
+                packed,
+                scores,
+                self.objective,
+                advantages,
+                num_tokens,
+                self.chunk_tokens,
+                row_weights,
+            )
+            loss.backward()
+            loss_sum += loss.detach()
+            at = (packed.rows.to(self.device), packed.cols.to(self.device))
+            logprobs[at] = lp
+            if terms is not None:
+                terms[at] = term
+        return loss_sum, logprobs, terms
+
+    def _shrink_after_oom(self, batch: RolloutBatch, error: str) -> None:
+        """After an out-of-memory error inside the micro-batches (nothing applied yet): drop the step's partial
+        gradients, give the cache back and lower the token budget by OOM_SHRINK for this and every later step,
+        saying so. The memory model sizes the budget from measured peaks, but the caching allocator's fragmentation
+        depends on what ran before (the 4080 recipe's first update went out of memory at 3.3 GiB allocated with
+        0.76 GiB reserved in holes, docs/benchmarks/qlora-4080.md). Raises when the budget cannot shrink: fixed
+        rows (no token budget), several ranks (the others would wait in the gradient sum), or below the longest row."""
+        from miniverl.models.packing import row_lengths
+
+        self.optimizer.zero_grad(set_to_none=True)
+        longest = max(row_lengths(batch))
+        smaller = int(self.max_tokens * OOM_SHRINK)
+        if self.max_tokens <= 0 or self.world_size > 1 or smaller < longest:
+            why = "several ranks" if self.world_size > 1 else f"the longest row has {longest} tokens"
+            raise MiniVerlError(
+                f"the learner ran out of GPU memory in its update at micro-batches of {self.max_tokens} tokens and"
+                f" cannot shrink them ({why}); the update was not applied. Give the learner a larger"
+                f" resources.learner.num_gpus share, lower trainer.max_tokens_per_micro_batch or"
+                f" trainer.logprob_chunk_tokens, or shorten rollout.max_new_tokens. CUDA said: {error[:300]}"
+            )
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        print(
+            f"learner: out of GPU memory at micro-batches of {self.max_tokens} tokens; redoing this update at"
+            f" {smaller} tokens, kept for the rest of the run",
+            flush=True,
+        )
+        self.max_tokens = smaller
 
     def _row_weights(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Each row's loss weight by its data_source (trainer.loss_weight_by_source, 1 when not named); None
@@ -400,14 +439,17 @@ class LearnerWorker:
         the share holds by the calibrated peak model (models/sizing.py); the choice is printed with its numbers."""
         from miniverl.models.memory import human
         from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes
+        from miniverl.models.vocab_kernels import kernels_available
 
         shape = learner_shape(self.model)
         share = memory_share_bytes(process)
+        # the chunk holds only bf16 logits on the closed-form path with the Triton passes (models/sizing.py)
+        closed = bool(getattr(self.objective, "closed_form_head", False)) and kernels_available()
         if self.max_tokens:
-            check_token_budget(shape, share, self.max_tokens, self.chunk_tokens, checkpointing)
+            check_token_budget(shape, share, self.max_tokens, self.chunk_tokens, checkpointing, closed)
             return self.max_tokens
-        tokens = fit_tokens(shape, share, self.chunk_tokens, checkpointing, max(longest_row, 1))
-        peak = learner_peak_bytes(shape, tokens, self.chunk_tokens, checkpointing)
+        tokens = fit_tokens(shape, share, self.chunk_tokens, checkpointing, max(longest_row, 1), closed)
+        peak = learner_peak_bytes(shape, tokens, self.chunk_tokens, checkpointing, closed)
         print(
             f"learner: micro-batches of up to {tokens} tokens (trainer.max_tokens_per_micro_batch=0), modelled peak"
             f" {human(peak)} of a {human(share)} share",

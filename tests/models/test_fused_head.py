@@ -147,8 +147,9 @@ def test_packed_rows_put_each_response_token_after_its_prompt(data):
 
 
 def test_head_sees_one_chunk_at_a_time_forward_and_backward(monkeypatch):
-    """No [N, V] tensor: the LM head is applied to chunk_tokens positions at a time, and backward reuses the
-    gradient computed in forward (it applies the head no more)."""
+    """No [N, V] tensor: the LM head is applied to chunk_tokens positions at a time (the closed-form path: once
+    for the numbers the loss reads, once for their gradient), and backward reuses the gradient computed in
+    forward (it applies the head no more)."""
     from miniverl.models import fused_head
 
     torch.manual_seed(0)
@@ -164,9 +165,9 @@ def test_head_sees_one_chunk_at_a_time_forward_and_backward(monkeypatch):
 
     monkeypatch.setattr(fused_head.F, "linear", counting)
     loss, lp, _ = fused_head_loss(hidden, head, ids, 3, None, lambda lp, t, pos: -lp)
-    assert seen == [(3, 11), (3, 11), (1, 11)]
+    assert seen == [(3, 11), (3, 11), (1, 11)] * 2
     loss.backward()
-    assert len(seen) == 3
+    assert len(seen) == 6
     monkeypatch.undo()
     want_lp = torch.log_softmax(hidden.detach() @ head.weight.T, -1).gather(-1, ids[:, None]).squeeze(-1)
     torch.testing.assert_close(lp, want_lp)
@@ -216,11 +217,12 @@ def test_teacher_scores_equal_the_direct_ones_at_any_chunk_and_budget(data, supp
     logits = response_logits(scorer.model, batch).detach()  # [B, Tr, V], the direct way
     mask = batch.response_mask.bool()
     want_lp = token_logprobs(logits, batch.responses) * mask
-    full = torch.log_softmax(logits.float() / 1.5, dim=-1)
-    for chunk, budget in ((0, 0), (2, 0), (3, 7)):
+    # temperature 1 takes the top-K straight from the logits (two vocabulary passes); 1.5 the log-softmax path
+    for chunk, budget, temperature in ((0, 0, 1.5), (2, 0, 1.5), (3, 7, 1.5), (0, 0, 1.0), (3, 7, 1.0)):
+        full = torch.log_softmax(logits.float() / temperature, dim=-1)
         got = ScorerWorker(
             str(random_model_dir), "float32", 4, CPU, chunk_tokens=chunk, max_tokens_per_micro_batch=budget
-        ).score(batch, support_k, 1.5)
+        ).score(batch, support_k, temperature)
         torch.testing.assert_close(got.teacher_log_probs, want_lp, rtol=1e-5, atol=1e-6)
         if support_k is None:
             assert got.teacher_topk_logprobs is None
@@ -316,3 +318,41 @@ def test_probe_logprobs_match_the_models_own_logits(student_dir, monkeypatch):
             ids = torch.tensor([s])
             want = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0]
             assert torch.allclose(torch.tensor(g), want, atol=1e-5), (s, g, want.tolist())
+
+
+def test_an_update_that_runs_out_of_memory_is_redone_at_a_smaller_budget(student_dir, scored, monkeypatch, capsys):
+    """Fragmentation can take a share the memory model said fits (the 4080 recipe's first update, 2026-12-02):
+    the update drops its partial gradients and is redone at OOM_SHRINK x the budget, which then stays, and the
+    step equals the plain one; a budget that cannot shrink below the longest row stops with the fix named."""
+    from miniverl.errors import MiniVerlError
+    from miniverl.workers import learner as learner_module
+
+    batch, scores = scored["pg_k1"]
+    plain = two_updates(learner_with(student_dir, objectives()["pg_k1"], 2), batch, scores, REWARDS)
+    longest = max(row_lengths(batch))
+    budget = 3 * longest
+    real = learner_module.packed_token_loss
+    sizes = []
+
+    def tight(model, b, packed, *args):  # "out of memory" for any micro-batch over two rows' worth
+        sizes.append(packed.input_ids.numel())
+        if packed.input_ids.numel() > 2 * longest:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 184.00 MiB (simulated)")
+        return real(model, b, packed, *args)
+
+    monkeypatch.setattr(learner_module, "packed_token_loss", tight)
+    learner = learner_with(student_dir, objectives()["pg_k1"], 2, budget)
+    got = two_updates(learner, batch, scores, REWARDS)
+    assert_same(plain, got, rtol=1e-5, atol=1e-5)  # the partial gradients of the failed try were dropped
+    assert learner.max_tokens == int(budget * learner_module.OOM_SHRINK) and got[0][0]["micro_batch_tokens"] > 0
+    assert "redoing this update at" in capsys.readouterr().out
+    assert max(sizes) > 2 * longest  # the first try really used the larger micro-batches
+
+    stuck = learner_with(student_dir, objectives()["pg_k1"], 2, longest)  # cannot shrink below one row
+    monkeypatch.setattr(
+        learner_module, "packed_token_loss", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("x"))
+    )
+    stuck.publish_policy()
+    with pytest.raises(MiniVerlError, match="cannot shrink them .*the longest row has .*resources.learner.num_gpus"):
+        stuck.update(batch, scores, REWARDS)
+    assert all(p.grad is None for p in stuck.params) and stuck.version == 0  # nothing applied
