@@ -65,6 +65,32 @@ def test_digest_does_not_depend_on_how_the_buffer_is_chunked(monkeypatch):
     assert weights_digest(w) == d
 
 
+def _fingerprint_by_definition(flat: torch.Tensor) -> list[int]:
+    """fp1 as written down: every word weighed by its position, in Python integers (no overflow, no shortcut)."""
+    words = flat.view(torch.int16).tolist()
+    return [
+        sum((w + 32768) * ((i * mul + add) % period + 1) for i, w in enumerate(words)) % policy.MODULUS
+        for mul, add, period in policy.WEIGHTS
+    ]
+
+
+def test_the_column_sums_give_the_fingerprint_as_defined(monkeypatch):
+    """Buffers shorter than a period, ending on and just past a row, and (small passes) several passes and
+    flushes: the same two sums as weighing every word."""
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(policy, "CHUNK", 2 * 65521)  # two rows per reduction
+    monkeypatch.setattr(policy, "FLUSH_ROWS", 3)
+    for words in (8, 65519, 65521, 65521 * 5 + 8, 65519 * 7 + 24):
+        flat = torch.randint(0, 256, (2 * words,), dtype=torch.uint8, generator=g)
+        assert policy._fingerprint(flat) == _fingerprint_by_definition(flat), words
+
+
+def test_the_fingerprint_of_a_fixed_buffer_never_changes():
+    """Checkpoints record fp1 digests: a faster computation must give the numbers the first one gave."""
+    flat = ((torch.arange(300_000, dtype=torch.int64) * 7 + 3) % 251).to(torch.uint8)
+    assert policy._fingerprint(flat) == [161079333043186, 161079164764606]
+
+
 def test_flat_digest_of_the_published_buffer_is_the_weights_digest():
     w = adapter()
     layout = flat_layout(w)
