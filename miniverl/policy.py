@@ -15,6 +15,7 @@ result on any device (`weights_digest`), so publishing on the GPU needs no copy 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,40 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     return flat_digest(pack(weights, layout), layout)
 
 
+class FlatCopy:
+    """The same tensors every time (written in place between calls) and one flat buffer on their device that
+    `digest()` copies them into before digesting it: the learner's published adapter (the buffer replicas on its
+    GPU map: `shared()`). Built once, so a publish walks no module tree and makes no per-tensor views; the copy
+    is one multi-tensor copy.
+
+    Shapes: flat [layout_bytes(layout)] uint8 on the tensors' device.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.layout = flat_layout(tensors)
+        self.flat = pack(tensors, self.layout)
+        self._slots = list(slot_views(self.flat, self.layout).values())  # layout order
+        self._sources = [tensors[s.name] for s in self.layout]
+        self._shared: SharedWeights | None = None
+
+    def digest(self) -> str:
+        """Copy the tensors' current values into the buffer and return its digest (`weights_digest` of the
+        tensors); it waits for the copy, so whoever reads the buffer next reads finished bytes."""
+        torch._foreach_copy_(self._slots, self._sources)  # one call (fused kernels where the slots allow it)
+        return flat_digest(self.flat, self.layout)
+
+    def cpu_copies(self) -> dict[str, torch.Tensor]:
+        """The tensors copied to the CPU, one tensor each (Ray pickles each as its own bytes)."""
+        return {k: v.to("cpu", copy=True) for k, v in self.tensors.items()}
+
+    def shared(self) -> SharedWeights:
+        """The buffer's CUDA IPC handle, made once (a replica maps it once too: SharedWeights.open)."""
+        if self._shared is None:
+            self._shared = SharedWeights.of(self.flat, self.layout)
+        return self._shared
+
+
 def sha256_digest(weights: dict[str, torch.Tensor]) -> str:
     """SHA-256 over sorted names, dtypes, shapes and raw bytes: the digest checkpoints recorded before fp1."""
     h = hashlib.sha256()
@@ -162,6 +197,11 @@ def digest_matches(weights: dict[str, torch.Tensor], recorded: str, digest: str 
 # Buffers this process shared, by key: a process cannot map its own CUDA IPC handle, so a snapshot opened where
 # it was made (in-process actors: tests, benchmarks) reads the buffer itself.
 _OWN: dict[int, torch.Tensor] = {}
+# The buffer mapped from each other process, by its pid: (key, its slots as views). A learner shares one buffer for
+# the whole run, so mapping it (cudaIpcOpenMemHandle) and making its views happens at the first load, not at every
+# one; a new buffer of the same learner replaces the old mapping.
+_MAPPED: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+_KEYS = itertools.count()  # a key is never reused in a process (an id() is, once its object is freed)
 
 
 @dataclass(frozen=True)
@@ -179,15 +219,20 @@ class SharedWeights:
     def of(cls, flat: torch.Tensor, layout: tuple[TensorSlot, ...]) -> SharedWeights:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        _OWN[id(flat)] = flat
-        return cls(reduce_tensor(flat), layout, os.getpid(), id(flat))
+        key = next(_KEYS)
+        _OWN[key] = flat
+        return cls(reduce_tensor(flat), layout, os.getpid(), key)
 
     def open(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors as views of the mapped buffer (same GPU, another process)."""
         if self.pid == os.getpid():
             return slot_views(_OWN[self.key], self.layout)
-        rebuild, args = self.handle
-        return slot_views(rebuild(*args), self.layout)
+        key, views = _MAPPED.get(self.pid, (None, {}))
+        if key != self.key:
+            rebuild, args = self.handle
+            views = slot_views(rebuild(*args), self.layout)
+            _MAPPED[self.pid] = (self.key, views)
+        return views
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 from miniverl import policy
 from miniverl.policy import (
     DIGEST_PREFIX,
+    FlatCopy,
     PolicyIdentity,
     PolicySnapshot,
     digest_matches,
@@ -112,3 +113,14 @@ def test_a_host_snapshot_hands_over_its_cpu_tensors():
     snap = PolicySnapshot(PolicyIdentity(3, weights_digest(w)), w)
     assert snap.shared is None and snap.tensors() is w
     assert snap.identity.short() == f"v3:{snap.identity.digest[len(DIGEST_PREFIX) :][:12]}"
+
+
+def test_a_flat_copy_follows_its_tensors_written_in_place():
+    w = adapter()
+    out = FlatCopy(w)
+    assert out.digest() == weights_digest(w)
+    w["layer.1.lora_B"].add_(1.0)  # the optimizer's in-place step
+    assert out.digest() == weights_digest(w) != weights_digest(adapter())
+    assert torch.equal(slot_views(out.flat, out.layout)["layer.1.lora_B"], w["layer.1.lora_B"])
+    copies = out.cpu_copies()
+    assert all(torch.equal(copies[k], v) and copies[k].data_ptr() != v.data_ptr() for k, v in w.items())

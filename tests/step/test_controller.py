@@ -77,6 +77,27 @@ def test_stale_rollout_worker_stops_the_run_before_any_update(parts, student_dir
     assert learner.version == 1  # no second update happened
 
 
+def test_the_learner_publishes_its_adapter_as_it_is_now(parts):
+    """The adapter's tensors are found once (peft walks every module to find them), then published as they are at
+    each publish; a parameter whose storage was replaced is found again, so the digest names what the model uses."""
+    from miniverl.models.lora import live_adapter
+    from miniverl.policy import weights_digest
+
+    learner = parts[2]
+    first = learner.publish_policy()
+    outbox = learner._outbox
+    with torch.no_grad():
+        for p in learner.params:
+            p.add_(0.01)
+    second = learner.publish_policy()
+    assert learner._outbox is outbox and second.identity.digest != first.identity.digest
+    assert second.identity.digest == weights_digest(live_adapter(learner.model))
+    with torch.no_grad():
+        learner.params[0].data = learner.params[0].data + 0.5  # new storage under the same parameter
+    third = learner.publish_policy()
+    assert learner._outbox is not outbox and third.identity.digest == weights_digest(live_adapter(learner.model))
+
+
 def test_learner_refuses_batches_of_another_version(parts, student_dir):
     _, prompts, learner, scorer = parts
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
