@@ -1,4 +1,5 @@
-"""Which policy a component holds: its identity (version and weights digest) and what the learner publishes.
+"""Which policy a component holds: its identity (version and weights digest), what the learner publishes, and
+what a rollout replica reports it serves (`ServedPolicy`: its digest of its own serving buffers; step/sync.py).
 
 The learner publishes its adapter one of two ways (resources.weight_sync, chosen once per run by
 miniverl/step/sync.py):
@@ -132,9 +133,11 @@ def flat_digest(flat: torch.Tensor, layout: tuple[TensorSlot, ...]) -> str:
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     """The policy's name: `flat_digest` of `weights` packed in sorted-name order, on the tensors' device.
 
-    Computed only by the learner (when it publishes, saves or restores a checkpoint; never by a rollout
-    engine). It proves nothing about what a rollout engine serves (merged or fused copies, the base model):
-    the strict-sync probe does that (miniverl/step/served_policy.py).
+    The learner names what it publishes, saves or restores by it. A rollout replica whose serving path reads
+    adapter buffers of its own (hf_reference, hf_cached) digests those buffers the same way after every load
+    (its served digest: miniverl/step/sync.py): equal digests mean it serves the published adapter bit for
+    bit. No digest sees the base model or the engine's arithmetic: the strict-sync probe proves those
+    (miniverl/step/served_policy.py).
     """
     layout = flat_layout(weights)
     return flat_digest(pack(weights, layout), layout)
@@ -143,8 +146,8 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
 class FlatCopy:
     """The same tensors every time (written in place between calls) and one flat buffer on their device that
     `digest()` copies them into before digesting it: the learner's published adapter (the buffer replicas on its
-    GPU map: `shared()`). Built once, so a publish walks no module tree and makes no per-tensor views; the copy
-    is one multi-tensor copy.
+    GPU map: `shared()`), a replica's served one. Built once, so a refresh walks no module tree and makes no
+    per-tensor views; the copy is one multi-tensor copy.
 
     Shapes: flat [layout_bytes(layout)] uint8 on the tensors' device.
     """
@@ -233,6 +236,19 @@ class SharedWeights:
             views = slot_views(rebuild(*args), self.layout)
             _MAPPED[self.pid] = (self.key, views)
         return views
+
+
+@dataclass(frozen=True)
+class ServedPolicy:
+    """What a rollout replica reports after a refresh (RolloutWorker.serve): the name it received with the
+    snapshot; the digest of the adapter as its serving path reads it, computed from its own buffers (None: the
+    engine keeps a copy that cannot be read back, as vLLM does); the probe's log-probs, once per repeat (none
+    when no probe was asked); and the seconds each part took on the replica's clock."""
+
+    identity: PolicyIdentity
+    digest: str | None
+    probes: list[list[list[float]]]
+    seconds: dict[str, float]
 
 
 @dataclass

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from miniverl.batches import PromptBatch
-from miniverl.errors import ConfigError
+from miniverl.errors import ConfigError, PolicyMismatchError
 from miniverl.models.lora import LoraSettings
-from miniverl.policy import PolicyIdentity, PolicySnapshot
+from miniverl.policy import PolicyIdentity, PolicySnapshot, weights_digest
 from miniverl.rollout import BACKENDS
 from miniverl.rollout.hf_cached import HFCachedBackend
 from miniverl.rollout.hf_reference import HFReferenceBackend
@@ -154,6 +154,31 @@ def test_load_adapter_changes_what_is_served(random_model_dir):
     assert [c.logprobs for c in changed] != [c.logprobs for c in base]
     with pytest.raises(ValueError, match="adapter names do not match"):
         fast.load_adapter({"nope": torch.zeros(1)})
+
+
+def test_the_served_digest_is_read_from_the_serving_buffers(random_model_dir):
+    """Equal to the learner's digest of the adapter loaded; any entry of a serving buffer changed afterwards
+    (one of a B block's rows) changes it; a buffer replaced instead of written in place (CUDA graphs would
+    still read the old one) is refused."""
+    ref, fast = pair(random_model_dir, adapter_seed=None)
+    adapter = random_adapter(ref.adapter_weights(), seed=4)
+    fast.load_adapter(adapter)
+    assert fast.served_digest() == weights_digest(adapter) == weights_digest(fast.adapter_weights())
+    lora = fast.decoder.weights[1]["gate_up_lora"]
+    lora.b[-1, -1] += 1.0  # up_proj's block, the group's last row and rank column
+    assert fast.served_digest() != weights_digest(adapter)
+    fast.load_adapter(adapter)
+    assert fast.served_digest() == weights_digest(adapter)
+    lora.a = lora.a.clone()
+    with pytest.raises(PolicyMismatchError, match="adapter buffers were replaced .* in place"):
+        fast.served_digest()
+
+
+def test_the_reference_backend_digests_its_peft_adapter(random_model_dir):
+    ref, _ = pair(random_model_dir, adapter_seed=None)
+    adapter = random_adapter(ref.adapter_weights(), seed=5)
+    ref.load_adapter(adapter)
+    assert ref.served_digest() == weights_digest(adapter)
 
 
 def test_bad_input_raises_clear_errors(random_model_dir):
