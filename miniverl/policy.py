@@ -104,7 +104,8 @@ def _fingerprint(flat: torch.Tensor) -> list[int]:
     words = flat.view(torch.int16)
     out = []
     for multiplier, offset, period in WEIGHTS:
-        weight = (torch.arange(period, dtype=torch.int64, device=flat.device) * multiplier + offset) % period + 1
+        span = min(period, words.numel())  # a buffer shorter than a period needs only its own weights
+        weight = (torch.arange(span, dtype=torch.int64, device=flat.device) * multiplier + offset) % period + 1
         rows = words.numel() // period
         step = max(1, CHUNK // period)  # rows per reduction
         total = torch.zeros((), dtype=torch.int64, device=flat.device)
