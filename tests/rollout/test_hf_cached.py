@@ -223,7 +223,7 @@ def test_serves_inside_the_rollout_worker(random_model_dir):
 
 
 # CUDA: the captured decode graphs serve the oracle's samples, and an adapter loaded after capture is
-# what the graphs read. Skipped without a GPU (CI); run on the device machine.
+# what the graphs read (and what the served digest names). Skipped without a GPU (CI); run on the device machine.
 @pytest.mark.gpu
 @NEEDS_CUDA
 def test_cuda_graphs_match_the_oracle_and_follow_adapter_reloads(random_model_dir):
@@ -240,6 +240,7 @@ def test_cuda_graphs_match_the_oracle_and_follow_adapter_reloads(random_model_di
         assert fast.decode_mode == "cuda_graph"
         assert identical >= MIN_IDENTICAL
         assert gap <= LOGPROB_TOL
+        assert fast.served_digest() == ref.served_digest() == weights_digest(adapter)
 
 
 @pytest.mark.gpu
