@@ -15,6 +15,7 @@ from miniverl.errors import ConfigError
 
 NONFINITE_POLICIES = ("skip", "stop")
 STALENESS_LEVELS = (0, 1)  # trainer.staleness: policy versions a batch may lag the learner
+PROBE_EVERY = 16  # trainer.probe_every's default (miniverl/step/sync.py takes it from here too)
 
 
 @dataclass
@@ -228,6 +229,14 @@ class TrainerConfig:
     # rollouts"). 0: strict sync, every batch comes from the policy just published. 1: the rollout of step k+1
     # (sampled from v_k, proven served) and its scoring run while the learner updates on step k's batch.
     staleness: int = 0
+    # Strict sync proves every refresh (miniverl/step/sync.py). A rollout engine that serves from adapter buffers
+    # of its own (hf_reference, hf_cached) digests them after every load, and the digest must be the learner's:
+    # O(adapter) work, exact in any dtype. The probe (log-probs of a few sequences through the serving path
+    # against the learner's: O(model) work on both sides) proves the base model and the arithmetic, which do not
+    # change between refreshes: it runs at the first refresh, on the conformance gate's trial adapter, and on
+    # every probe_every-th refresh after that; at every refresh of an engine without a served digest (vLLM).
+    # 1 = probe every refresh.
+    probe_every: int = PROBE_EVERY
     # data_source -> weight of its rows' tokens in the step loss (sources not named weigh 1). The loss stays a sum
     # over the step's tokens divided by their count, so {sort: 4} counts a sorting token four times; empty (the
     # default) leaves the loss as it always was. docs/multi_teacher.md says why a mixture may need it.
@@ -454,6 +463,11 @@ def validate(cfg: MiniVerlConfig) -> None:
         t.staleness in STALENESS_LEVELS,
         f"trainer.staleness={t.staleness}: use 0 (strict sync) or 1 (the next rollout overlaps the update, one policy"
         " version behind); a larger lag is not supported (its importance correction and resume are not built)",
+    )
+    _require(
+        t.probe_every >= 1,
+        f"trainer.probe_every={t.probe_every}: use 1 (probe every refresh) or N > 1 (every N-th; each refresh is"
+        " still proven by the replica's served digest where its engine has one)",
     )
     check_loss_weights(t.loss_weight_by_source, d)
     lora = cfg.model.lora

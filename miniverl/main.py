@@ -125,6 +125,7 @@ def train(
             routing=setup.routing,
             staleness=cfg.trainer.staleness,
             weight_sync=cfg.resources.weight_sync,
+            probe_every=cfg.trainer.probe_every,
         )
         params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
         names = (cfg.objective.name, cfg.rollout.backend)

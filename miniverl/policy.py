@@ -1,4 +1,5 @@
-"""Which policy a component holds: its identity (version and weights digest) and what the learner publishes.
+"""Which policy a component holds: its identity (version and weights digest), what the learner publishes, and
+what a rollout replica reports it serves (`ServedPolicy`: its digest of its own serving buffers; step/sync.py).
 
 The learner publishes its adapter one of two ways (resources.weight_sync, chosen once per run by
 miniverl/step/sync.py):
@@ -15,6 +16,7 @@ result on any device (`weights_digest`), so publishing on the GPU needs no copy 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +25,12 @@ import torch
 
 DIGEST_PREFIX = "fp1-"  # digests without it are the SHA-256 digests of checkpoints written before fp1
 ALIGN = 16  # bytes: every tensor of a flat buffer starts at a multiple (dtype views, vectorized copies)
-CHUNK = 1 << 22  # int16 words per fingerprint pass: bounds its int64 temporaries at 32 MiB each
-MODULUS = (1 << 61) - 1  # a prime; each pass adds < 2**56, so the running sums never overflow int64
+CHUNK = 1 << 22  # int16 words per fingerprint pass: bounds its int64 temporary at 32 MiB
+MODULUS = (1 << 61) - 1  # a prime; every partial sum below stays under 2**62, so int64 never overflows
+# The fingerprint's two position weights: word i is weighed (i * multiplier + offset) % period + 1, periodic in i,
+# so the buffer laid out `period` words wide is reduced column by column and the columns weighed once.
+WEIGHTS = ((40503, 1, 65521), (7919, 17, 65519))  # (multiplier, offset, period): periods are primes below 2**16
+FLUSH_ROWS = 1 << 13  # rows summed per column before weighing: 2**16 * rows * 2**16 * period stays below 2**62
 
 
 @dataclass(frozen=True)
@@ -89,16 +95,31 @@ def _fingerprint(flat: torch.Tensor) -> list[int]:
     Exact integer arithmetic: the same numbers on any device. A change of any single word changes both sums
     (word delta and weight are non-zero and their product is smaller than the modulus). Not a cryptographic
     hash: it names policies and catches corruption, it does not resist someone forging weights. `flat` is a
-    packed buffer (a multiple of ALIGN bytes, so whole 16-bit words)."""
+    packed buffer (a multiple of ALIGN bytes, so whole 16-bit words).
+
+    Sum_i (word_i + 32768) * weight(i), with weight periodic in i (WEIGHTS): the words laid out `period` wide
+    are summed per column (one reduction a CHUNK of words, no per-word index arithmetic), the columns weighed
+    once, the words after the last whole row weighed directly. The same value as weighing every word, in a
+    few dozen kernels instead of a few hundred (a refresh digests the adapter twice: learner and replica)."""
     words = flat.view(torch.int16)
-    sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    for start in range(0, words.numel(), CHUNK):
-        w = words[start : start + CHUNK].to(torch.int64) + 32768  # [c] in [0, 65535]
-        pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=flat.device)
-        sums[0] += (w * ((pos * 40503 + 1) % 65521 + 1)).sum()
-        sums[1] += (w * ((pos * 7919 + 17) % 65519 + 1)).sum()
-        sums %= MODULUS
-    return sums.tolist()
+    out = []
+    for multiplier, offset, period in WEIGHTS:
+        span = min(period, words.numel())  # a buffer shorter than a period needs only its own weights
+        weight = (torch.arange(span, dtype=torch.int64, device=flat.device) * multiplier + offset) % period + 1
+        rows = words.numel() // period
+        step = max(1, CHUNK // period)  # rows per reduction
+        total = torch.zeros((), dtype=torch.int64, device=flat.device)
+        for first in range(0, rows, FLUSH_ROWS):
+            last = min(rows, first + FLUSH_ROWS)
+            columns = torch.zeros(period, dtype=torch.int64, device=flat.device)  # [period]
+            for r in range(first, last, step):
+                block = words[r * period : min(last, r + step) * period].view(-1, period)  # [rows, period]
+                columns += block.sum(dim=0, dtype=torch.int64)
+            columns += 32768 * (last - first)  # the offset of every word: (word + 32768) is in [0, 65535]
+            total = (total + (columns * weight).sum()) % MODULUS
+        tail = words[rows * period :].to(torch.int64) + 32768  # [< period]
+        out.append((total + (tail * weight[: tail.numel()]).sum()) % MODULUS)
+    return torch.stack(out).tolist()
 
 
 def flat_digest(flat: torch.Tensor, layout: tuple[TensorSlot, ...]) -> str:
@@ -113,12 +134,48 @@ def flat_digest(flat: torch.Tensor, layout: tuple[TensorSlot, ...]) -> str:
 def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     """The policy's name: `flat_digest` of `weights` packed in sorted-name order, on the tensors' device.
 
-    Computed only by the learner (when it publishes, saves or restores a checkpoint; never by a rollout
-    engine). It proves nothing about what a rollout engine serves (merged or fused copies, the base model):
-    the strict-sync probe does that (miniverl/step/served_policy.py).
+    The learner names what it publishes, saves or restores by it. A rollout replica whose serving path reads
+    adapter buffers of its own (hf_reference, hf_cached) digests those buffers the same way after every load
+    (its served digest: miniverl/step/sync.py): equal digests mean it serves the published adapter bit for
+    bit. No digest sees the base model or the engine's arithmetic: the strict-sync probe proves those
+    (miniverl/step/served_policy.py).
     """
     layout = flat_layout(weights)
     return flat_digest(pack(weights, layout), layout)
+
+
+class FlatCopy:
+    """The same tensors every time (written in place between calls) and one flat buffer on their device that
+    `digest()` copies them into before digesting it: the learner's published adapter (the buffer replicas on its
+    GPU map: `shared()`), a replica's served one. Built once, so a refresh walks no module tree and makes no
+    per-tensor views; the copy is one multi-tensor copy.
+
+    Shapes: flat [layout_bytes(layout)] uint8 on the tensors' device.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.layout = flat_layout(tensors)
+        self.flat = pack(tensors, self.layout)
+        self._slots = list(slot_views(self.flat, self.layout).values())  # layout order
+        self._sources = [tensors[s.name] for s in self.layout]
+        self._shared: SharedWeights | None = None
+
+    def digest(self) -> str:
+        """Copy the tensors' current values into the buffer and return its digest (`weights_digest` of the
+        tensors); it waits for the copy, so whoever reads the buffer next reads finished bytes."""
+        torch._foreach_copy_(self._slots, self._sources)  # one call (fused kernels where the slots allow it)
+        return flat_digest(self.flat, self.layout)
+
+    def cpu_copies(self) -> dict[str, torch.Tensor]:
+        """The tensors copied to the CPU, one tensor each (Ray pickles each as its own bytes)."""
+        return {k: v.to("cpu", copy=True) for k, v in self.tensors.items()}
+
+    def shared(self) -> SharedWeights:
+        """The buffer's CUDA IPC handle, made once (a replica maps it once too: SharedWeights.open)."""
+        if self._shared is None:
+            self._shared = SharedWeights.of(self.flat, self.layout)
+        return self._shared
 
 
 def sha256_digest(weights: dict[str, torch.Tensor]) -> str:
@@ -144,6 +201,11 @@ def digest_matches(weights: dict[str, torch.Tensor], recorded: str, digest: str 
 # Buffers this process shared, by key: a process cannot map its own CUDA IPC handle, so a snapshot opened where
 # it was made (in-process actors: tests, benchmarks) reads the buffer itself.
 _OWN: dict[int, torch.Tensor] = {}
+# The buffer mapped from each other process, by its pid: (key, its slots as views). A learner shares one buffer for
+# the whole run, so mapping it (cudaIpcOpenMemHandle) and making its views happens at the first load, not at every
+# one; a new buffer of the same learner replaces the old mapping.
+_MAPPED: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+_KEYS = itertools.count()  # a key is never reused in a process (an id() is, once its object is freed)
 
 
 @dataclass(frozen=True)
@@ -161,15 +223,33 @@ class SharedWeights:
     def of(cls, flat: torch.Tensor, layout: tuple[TensorSlot, ...]) -> SharedWeights:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        _OWN[id(flat)] = flat
-        return cls(reduce_tensor(flat), layout, os.getpid(), id(flat))
+        key = next(_KEYS)
+        _OWN[key] = flat
+        return cls(reduce_tensor(flat), layout, os.getpid(), key)
 
     def open(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors as views of the mapped buffer (same GPU, another process)."""
         if self.pid == os.getpid():
             return slot_views(_OWN[self.key], self.layout)
-        rebuild, args = self.handle
-        return slot_views(rebuild(*args), self.layout)
+        key, views = _MAPPED.get(self.pid, (None, {}))
+        if key != self.key:
+            rebuild, args = self.handle
+            views = slot_views(rebuild(*args), self.layout)
+            _MAPPED[self.pid] = (self.key, views)
+        return views
+
+
+@dataclass(frozen=True)
+class ServedPolicy:
+    """What a rollout replica reports after a refresh (RolloutWorker.serve): the name it received with the
+    snapshot; the digest of the adapter as its serving path reads it, computed from its own buffers (None: the
+    engine keeps a copy that cannot be read back, as vLLM does); the probe's log-probs, once per repeat (none
+    when no probe was asked); and the seconds each part took on the replica's clock."""
+
+    identity: PolicyIdentity
+    digest: str | None
+    probes: list[list[list[float]]]
+    seconds: dict[str, float]
 
 
 @dataclass

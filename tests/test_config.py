@@ -102,6 +102,7 @@ def test_loss_weights_are_off_by_default_and_mopd_weighs_sorting():
         (["+experiment=pg_k1", "rollout.temperature=0.7"], "pg_k1 samples at temperature 1"),
         (["rollout.n=0"], "rollout.n=0"),
         (["resources.weight_sync=nvlink"], "resources.weight_sync='nvlink': use auto .* or host"),
+        (["trainer.probe_every=0"], r"trainer.probe_every=0: use 1 \(probe every refresh\)"),
         (["data.min_len=5", "data.max_len=2"], "min_len <= max_len"),
         (["objective=pg_k1", "objective.kl_kind=k4"], "objective.kl_kind"),
         (["tracking.wandb_mode=maybe"], "wandb_mode"),

@@ -8,6 +8,7 @@ import torch
 from miniverl import policy
 from miniverl.policy import (
     DIGEST_PREFIX,
+    FlatCopy,
     PolicyIdentity,
     PolicySnapshot,
     digest_matches,
@@ -65,6 +66,32 @@ def test_digest_does_not_depend_on_how_the_buffer_is_chunked(monkeypatch):
     assert weights_digest(w) == d
 
 
+def _fingerprint_by_definition(flat: torch.Tensor) -> list[int]:
+    """fp1 as written down: every word weighed by its position, in Python integers (no overflow, no shortcut)."""
+    words = flat.view(torch.int16).tolist()
+    return [
+        sum((w + 32768) * ((i * mul + add) % period + 1) for i, w in enumerate(words)) % policy.MODULUS
+        for mul, add, period in policy.WEIGHTS
+    ]
+
+
+def test_the_column_sums_give_the_fingerprint_as_defined(monkeypatch):
+    """Buffers shorter than a period, ending on and just past a row, and (small passes) several passes and
+    flushes: the same two sums as weighing every word."""
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(policy, "CHUNK", 2 * 65521)  # two rows per reduction
+    monkeypatch.setattr(policy, "FLUSH_ROWS", 3)
+    for words in (8, 65519, 65521, 65521 * 5 + 8, 65519 * 7 + 24):
+        flat = torch.randint(0, 256, (2 * words,), dtype=torch.uint8, generator=g)
+        assert policy._fingerprint(flat) == _fingerprint_by_definition(flat), words
+
+
+def test_the_fingerprint_of_a_fixed_buffer_never_changes():
+    """Checkpoints record fp1 digests: a faster computation must give the numbers the first one gave."""
+    flat = ((torch.arange(300_000, dtype=torch.int64) * 7 + 3) % 251).to(torch.uint8)
+    assert policy._fingerprint(flat) == [161079333043186, 161079164764606]
+
+
 def test_flat_digest_of_the_published_buffer_is_the_weights_digest():
     w = adapter()
     layout = flat_layout(w)
@@ -86,3 +113,14 @@ def test_a_host_snapshot_hands_over_its_cpu_tensors():
     snap = PolicySnapshot(PolicyIdentity(3, weights_digest(w)), w)
     assert snap.shared is None and snap.tensors() is w
     assert snap.identity.short() == f"v3:{snap.identity.digest[len(DIGEST_PREFIX) :][:12]}"
+
+
+def test_a_flat_copy_follows_its_tensors_written_in_place():
+    w = adapter()
+    out = FlatCopy(w)
+    assert out.digest() == weights_digest(w)
+    w["layer.1.lora_B"].add_(1.0)  # the optimizer's in-place step
+    assert out.digest() == weights_digest(w) != weights_digest(adapter())
+    assert torch.equal(slot_views(out.flat, out.layout)["layer.1.lora_B"], w["layer.1.lora_B"])
+    copies = out.cpu_copies()
+    assert all(torch.equal(copies[k], v) and copies[k].data_ptr() != v.data_ptr() for k, v in w.items())

@@ -50,6 +50,7 @@ HARMLESS_PREFIXES = (
     "trainer.keep_checkpoints",
     "trainer.resume",  # also trainer.resume_allow_changes
     "trainer.on_nonfinite",
+    "trainer.probe_every",  # how often strict sync also probes: every refresh is proven either way
     "tracking.",
     "resources.",
     "model.cache_dir",

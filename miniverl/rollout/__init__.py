@@ -25,14 +25,22 @@ class Completion:
 class RolloutBackend(Protocol):
     """A sampler that serves the student with a LoRA adapter the learner publishes.
 
-    Strict sync trusts no echo of the weights it was sent: after every load the controller compares
-    `probe_logprobs` with the learner's on a fixed probe (miniverl/step/served_policy.py).
+    Strict sync trusts no echo of the weights it was sent (miniverl/step/sync.py): after every load the
+    backend digests the adapter buffers its serving path reads (`served_digest`), where it has such buffers;
+    and the controller compares `probe_logprobs` with the learner's on a probe (miniverl/step/served_policy.py)
+    at the first refresh, periodically, and at every refresh of a backend without a served digest.
     """
 
     probe_tolerance: float  # max |served - learner| log-prob (nats) on probe tokens for this backend/dtype
 
     def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
-        """Replace the served adapter with `weights` (learner names, CPU tensors)."""
+        """Replace the served adapter with `weights` (learner names; CPU tensors, or views of the learner's
+        GPU buffer that must be copied out before this returns)."""
+
+    def served_digest(self) -> str | None:
+        """miniverl.policy.weights_digest of the adapter exactly as the serving path reads it (the engine's own
+        buffers, under the learner's names, dtypes and shapes), or None when the engine keeps a copy that cannot
+        be read back as the learner's bytes (vLLM's fused, padded LoRA buffers)."""
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         """The adapter's names and shapes as the engine holds them (benchmarks build adapters from it)."""

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from miniverl.errors import ConfigError
+from miniverl.errors import ConfigError, PolicyMismatchError
 from miniverl.models.fused_head import head_logprobs
 from miniverl.models.logprobs import token_logprobs
 from miniverl.models.lora import LoraSettings, build_lora_model
+from miniverl.policy import FlatCopy
 from miniverl.rollout import Completion
 from miniverl.rollout.hf_reference import left_pad
 from miniverl.rollout.sampling import SamplingParams, make_generators, sample_next
@@ -162,6 +163,12 @@ class _Decoder:
         # Each LoRA weight's name in the adapter state dict the learner publishes, found by storage.
         names = {t.data_ptr(): k for k, t in get_peft_model_state_dict(peft_model).items()}
         self.weights = [self._serving_weights(layer, names) for layer in self.layers]
+        # The adapter as the decode step reads it: views of the serving buffers under the learner's names, made
+        # once (a load copies into them; the served digest reads them). The buffers themselves never change
+        # storage: CUDA graphs hold their addresses, so `served_digest` refuses buffers replaced since.
+        self.views = self._adapter_views()
+        self._storage = self._buffer_addresses()
+        self._served: FlatCopy | None = None  # the served adapter packed for its digest (made at the first one)
 
     def _serving_weights(self, layer, names: dict[int, str]) -> dict[str, torch.Tensor | _Lora | None]:
         """The base weights fused per group (q/k/v, gate/up; o and down are the model's own tensors) and the
@@ -188,36 +195,62 @@ class _Decoder:
             "norm2": layer.post_attention_layernorm.weight,
         }
 
-    def adapter_names(self) -> set[str]:
-        return {name for lora in self._loras() for slot in lora.slots for name in slot[:2]}
-
     def _loras(self) -> list[_Lora]:
         return [w[k] for w in self.weights for k in LORA_GROUPS if w[k] is not None]
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """Write a new adapter into the serving buffers in place (CUDA graphs keep reading the same memory):
-        adapter-sized copies only, no merge, nothing read back from the device."""
-        expected = self.adapter_names()
-        if set(weights) != expected:
-            missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+        adapter-sized copies only (one multi-tensor copy call), no merge, nothing read back from the device."""
+        if set(weights) != set(self.views):
+            missing, extra = sorted(set(self.views) - set(weights))[:3], sorted(set(weights) - set(self.views))[:3]
             raise ValueError(
                 f"adapter names do not match the served model (missing {missing}, unexpected {extra});"
                 " learner and rollout must use the same model.lora settings"
             )
-        for lora in self._loras():
-            for a_name, b_name, rows, cols in lora.slots:
-                lora.a[rows].copy_(weights[a_name], non_blocking=True)
-                lora.b[cols, rows].copy_(weights[b_name], non_blocking=True)
-            lora.refresh_cast()
+        torch._foreach_copy_(list(self.views.values()), [weights[name] for name in self.views], non_blocking=True)
+        self._cast_adapter()
+
+    def _cast_adapter(self) -> None:
+        """Rewrite what the decode step reads (A and s B in the serving dtype) from the published buffers, for
+        every group at once (models/lora.py `lora_delta`: the same rounding as the learner's)."""
+        loras = self._loras()
+        torch._foreach_copy_([lora.a_cast for lora in loras], [lora.a for lora in loras])
+        scaled = torch._foreach_mul([lora.b for lora in loras], [lora.scale for lora in loras])
+        torch._foreach_copy_([lora.sb_cast for lora in loras], scaled)
 
     def adapter(self) -> dict[str, torch.Tensor]:
         """The served adapter under the learner's names (CPU copies; benchmarks and tests read it)."""
-        out = {}
+        return {name: view.to("cpu", copy=True) for name, view in self.views.items()}
+
+    def served_digest(self) -> str:
+        """miniverl.policy.weights_digest of the adapter the decode step reads, from the serving buffers
+        themselves (packed into one flat buffer of adapter size on their device, allocated at the first call).
+        The decode reads bf16 copies of A and s B: they are rewritten from the digested buffers first, so what is
+        served derives from exactly the bytes digested. Refuses buffers whose storage changed since they were
+        built: a CUDA graph captured before would still read the old memory, so their digest would not say what
+        is served."""
+        if self._buffer_addresses() != self._storage:
+            raise PolicyMismatchError(
+                "hf_cached's adapter buffers were replaced after the decoder was built; CUDA graphs captured"
+                " before still read the old ones, so what the replica serves cannot be proven and the run stops."
+                " A load must copy into the buffers in place (_Decoder.load)"
+            )
+        self._cast_adapter()
+        if self._served is None:
+            self._served = FlatCopy(self.views)
+        return self._served.digest()
+
+    def _adapter_views(self) -> dict[str, torch.Tensor]:
+        """Each LoRA weight as a view of the buffer the decode step reads. Shapes: A [r, in], B [out, r]."""
+        views = {}
         for lora in self._loras():
             for a_name, b_name, rows, cols in lora.slots:
-                out[a_name] = lora.a[rows].to("cpu", copy=True)
-                out[b_name] = lora.b[cols, rows].to("cpu", copy=True)
-        return out
+                views[a_name] = lora.a[rows]
+                views[b_name] = lora.b[cols, rows]
+        return views
+
+    def _buffer_addresses(self) -> list[int]:
+        return [t.data_ptr() for lora in self._loras() for t in (lora.a, lora.b, lora.a_cast, lora.sb_cast)]
 
     @staticmethod
     def _project(x: torch.Tensor, w: dict, group: str) -> torch.Tensor:
@@ -300,6 +333,10 @@ class HFCachedBackend:
         """Only the adapter moves: into the serving buffers the decode step reads (the peft module's own
         LoRA weights are not used for serving and stay as built)."""
         self.decoder.load(weights)
+
+    def served_digest(self) -> str:
+        """The digest of the serving buffers the prefill and every decode step (and CUDA graph) read."""
+        return self.decoder.served_digest()
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         return self.decoder.adapter()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from miniverl.models.logprobs import sequence_logprobs
-from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
+from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, live_adapter, load_adapter_state
+from miniverl.policy import weights_digest
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams, make_generators, sample_next
 from miniverl.step.served_policy import probe_tolerance
@@ -41,6 +42,10 @@ class HFReferenceBackend:
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         return adapter_state(self.model)
+
+    def served_digest(self) -> str:
+        """The peft model's own adapter tensors, which its forward reads (the oracle: found anew each time)."""
+        return weights_digest(live_adapter(self.model))
 
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Through the model it samples with: the peft model, adapter applied on the fly."""

@@ -150,6 +150,11 @@ class VllmBackend:
         the learner's bytes: the strict-sync probe, not this, proves what it serves)."""
         return self._weights
 
+    def served_digest(self) -> None:
+        """None: the engine serves from fused, padded copies (or, merged, from the base weights) that cannot be
+        read back as the learner's bytes, so every refresh is proven by the probe (miniverl/step/sync.py)."""
+        return None
+
     def served_adapters(self) -> list[int]:
         """Adapter ids the engine holds (adapter mode; one after every refresh)."""
         return sorted(self.llm.llm_engine.list_loras()) if self.store is not None else []

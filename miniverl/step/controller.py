@@ -26,6 +26,7 @@ import torch
 
 from miniverl.batches import PromptBatch, RolloutBatch, TeacherScores, concat_rollouts, concat_scores, group_bounds
 from miniverl.cluster.actors import call_all, fetch, settle, submit
+from miniverl.config import PROBE_EVERY
 from miniverl.errors import PolicyMismatchError
 from miniverl.objectives.aggregation import masked_mean
 from miniverl.policy import PolicyIdentity
@@ -80,19 +81,21 @@ class StrictSyncController:
         routing: TeacherRouting | None = None,
         staleness: int = 0,
         weight_sync: str = "auto",
+        probe_every: int = PROBE_EVERY,
     ) -> None:
         """`probe`: the fixed token sequences every refresh is verified on; None draws them from the learner's
         vocabulary at the first refresh (miniverl.step.served_policy.draw_probe). `routing`: several teachers
         (miniverl/setup/teachers.py): each step also logs metrics per source and teacher. `staleness`
         (trainer.staleness): 1 overlaps the next step's rollout with this step's update. `weight_sync`
-        (resources.weight_sync): how the adapter reaches the replicas (miniverl/step/sync.py)."""
+        (resources.weight_sync): how the adapter reaches the replicas; `probe_every` (trainer.probe_every): how
+        often a refresh also runs the probe (miniverl/step/sync.py)."""
         self.routing = routing
         self.rollouts, self.scorers = _as_list(rollout), _as_list(scorer)
         self._learners = _as_list(learner)
         self.reward_fn = reward_fn
         self.teacher_support_k = teacher_support_k
         self.loss_temperature = loss_temperature
-        self.sync = PolicySync(self.rollouts, self.learners, probe, weight_sync)
+        self.sync = PolicySync(self.rollouts, self.learners, probe, weight_sync, probe_every)
         self.staleness = staleness
         self.in_flight: InFlight | None = None  # the next step's rollout, submitted during this step's update
         self._last_update = (0.0, 0.0)  # the learners' busy window in the previous step

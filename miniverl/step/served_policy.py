@@ -1,14 +1,15 @@
-"""The served policy is the published one: strict sync proven by probe, by what a rollout replica computes,
-not by what it was sent.
+"""The served policy is the published one: strict sync proven by what a rollout replica computes, not by what
+it was sent.
 
-A digest of the adapter a replica was handed says nothing about the weights it samples with: hf_cached
-decodes from merged copies of them, vLLM from fused, padded, recast LoRA buffers, and no adapter digest
-sees the base model (a bf16 base served against an NF4 learner differs by 1.66 nats per token:
-DESIGN.md). So after every refresh a probe (a few fixed token sequences, the same for the whole run, and
-recent on-policy rows: miniverl/step/sync.py) goes through each replica's serving path and through the
-learner. Two separate tests: the gap test (the served log-probs match the learner's within the replica's
-tolerance) and the change test (when the learner's probe moved, the served one moved beyond the
-replica's own noise).
+A digest of the adapter a replica was handed says nothing about the weights it samples with: hf_cached decodes
+from adapter buffers of its own, vLLM from fused, padded, recast LoRA buffers, and no adapter digest sees the
+base model (a bf16 base served against an NF4 learner differs by 1.66 nats per token: DESIGN.md). So a replica
+that can digests its own serving buffers after every load (its served digest: miniverl/step/sync.py), and a probe
+(a few fixed token sequences, the same for the whole run, and recent on-policy rows) goes through each replica's
+serving path and through the learner: at the run's first refresh, every trainer.probe_every-th, and every
+refresh of a replica without a served digest. Two separate tests: the gap test (the served log-probs match the
+learner's within the replica's tolerance) and the change test (when the learner's probe moved, the served one
+moved beyond the replica's own noise).
 """
 
 from __future__ import annotations

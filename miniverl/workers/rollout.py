@@ -10,7 +10,7 @@ from miniverl.batches import PromptBatch, RolloutBatch
 from miniverl.errors import PolicyMismatchError
 from miniverl.models.loading import torch_dtype
 from miniverl.models.lora import LoraSettings
-from miniverl.policy import PolicyIdentity, PolicySnapshot
+from miniverl.policy import PolicyIdentity, PolicySnapshot, ServedPolicy
 from miniverl.rollout import BACKENDS, Completion
 from miniverl.rollout.sampling import SamplingParams, row_seeds
 from miniverl.workers import ProcessSettings, gpu_uuid, memory_report, setup_process
@@ -47,6 +47,23 @@ class RolloutWorker:
             torch.cuda.synchronize()
         self.served = snapshot.identity
         return self.served
+
+    def serve(self, snapshot: PolicySnapshot, probe: list[list[int]] | None = None, repeats: int = 1) -> ServedPolicy:
+        """Load the snapshot and report what is served now, in one call (miniverl/step/sync.py proves it): the
+        name received, the backend's digest of the adapter its serving path reads (`served_digest`), and the
+        probe through the serving path `repeats` times (none without a probe)."""
+        start = time.perf_counter()
+        identity = self.load_policy(snapshot)
+        loaded = time.perf_counter()
+        digest = self.backend.served_digest()
+        digested = time.perf_counter()
+        probes = [self.probe_logprobs(probe) for _ in range(repeats)] if probe else []
+        seconds = {
+            "load": loaded - start,
+            "served_digest": digested - loaded,
+            "served_probe": time.perf_counter() - digested,
+        }
+        return ServedPolicy(identity, digest, probes, seconds)
 
     def device_uuid(self) -> str | None:
         """The physical GPU this replica serves on (None on the CPU); see LearnerWorker.device_uuid."""

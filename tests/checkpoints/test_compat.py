@@ -59,6 +59,8 @@ def test_harmless_and_other_changes_are_allowed_and_said():
     assert check_resumable(saved, as_dict(), "ckpt") == []
     (note,) = check_resumable(saved, as_dict("trainer.total_steps=800", "tracking=disabled"), "ckpt")
     assert "harmless" in note and "trainer.total_steps: 400 -> 800" in note and "tracking.wandb_mode" in note
+    (note,) = check_resumable(saved, as_dict("trainer.probe_every=1"), "ckpt")
+    assert "harmless" in note and "trainer.probe_every: 16 -> 1" in note
     notes = check_resumable(saved, as_dict("trainer.lr=0.001", "trainer.eval_every=5"), "ckpt")
     assert len(notes) == 2 and "trainer.eval_every" in notes[0]
     assert "trainer.lr" in notes[1] and "no longer matches an uninterrupted run" in notes[1]

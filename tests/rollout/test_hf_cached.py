@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from miniverl.batches import PromptBatch
-from miniverl.errors import ConfigError
+from miniverl.errors import ConfigError, PolicyMismatchError
 from miniverl.models.lora import LoraSettings
-from miniverl.policy import PolicyIdentity, PolicySnapshot
+from miniverl.policy import PolicyIdentity, PolicySnapshot, weights_digest
 from miniverl.rollout import BACKENDS
 from miniverl.rollout.hf_cached import HFCachedBackend
 from miniverl.rollout.hf_reference import HFReferenceBackend
@@ -156,6 +156,50 @@ def test_load_adapter_changes_what_is_served(random_model_dir):
         fast.load_adapter({"nope": torch.zeros(1)})
 
 
+def test_the_served_digest_is_read_from_the_serving_buffers(random_model_dir):
+    """Equal to the learner's digest of the adapter loaded; any entry of a serving buffer changed afterwards
+    (one of a B block's rows) changes it; a buffer replaced instead of written in place (CUDA graphs would
+    still read the old one) is refused."""
+    ref, fast = pair(random_model_dir, adapter_seed=None)
+    adapter = random_adapter(ref.adapter_weights(), seed=4)
+    fast.load_adapter(adapter)
+    assert fast.served_digest() == weights_digest(adapter) == weights_digest(fast.adapter_weights())
+    lora = fast.decoder.weights[1]["gate_up_lora"]
+    lora.b[-1, -1] += 1.0  # up_proj's block, the group's last row and rank column
+    assert fast.served_digest() != weights_digest(adapter)
+    fast.load_adapter(adapter)
+    assert fast.served_digest() == weights_digest(adapter)
+    lora.a = lora.a.clone()
+    with pytest.raises(PolicyMismatchError, match="adapter buffers were replaced .* in place"):
+        fast.served_digest()
+
+
+def test_what_the_decode_reads_derives_from_the_digested_buffers(random_model_dir):
+    """The decode reads A and s B rounded to the serving dtype (models/lora.py lora_delta), not the published
+    buffers the digest reads. A stale or corrupted copy is rewritten from the digested bytes by the digest
+    itself, so it cannot be served under a matching digest; a copy replaced by another tensor is refused."""
+    ref, fast = pair(random_model_dir, adapter_seed=None)
+    adapter = random_adapter(ref.adapter_weights(), seed=6)
+    fast.load_adapter(adapter)
+    lora = fast.decoder.weights[0]["qkv_lora"]
+    want_a, want_sb = lora.a_cast.clone(), lora.sb_cast.clone()
+    assert torch.equal(want_sb, (lora.b * lora.scale).to(want_sb.dtype)) and want_sb.abs().max() > 0
+    lora.a_cast.zero_()  # as if a load had forgotten the serving copies
+    lora.sb_cast.add_(1.0)
+    assert fast.served_digest() == weights_digest(adapter)
+    assert torch.equal(lora.a_cast, want_a) and torch.equal(lora.sb_cast, want_sb)
+    lora.sb_cast = lora.sb_cast.clone()
+    with pytest.raises(PolicyMismatchError, match="adapter buffers were replaced"):
+        fast.served_digest()
+
+
+def test_the_reference_backend_digests_its_peft_adapter(random_model_dir):
+    ref, _ = pair(random_model_dir, adapter_seed=None)
+    adapter = random_adapter(ref.adapter_weights(), seed=5)
+    ref.load_adapter(adapter)
+    assert ref.served_digest() == weights_digest(adapter)
+
+
 def test_bad_input_raises_clear_errors(random_model_dir):
     fast = HFCachedBackend(str(random_model_dir), LORA, torch.float32, "cpu")
     params = SamplingParams(n=2, max_new_tokens=3)
@@ -198,7 +242,7 @@ def test_serves_inside_the_rollout_worker(random_model_dir):
 
 
 # CUDA: the captured decode graphs serve the oracle's samples, and an adapter loaded after capture is
-# what the graphs read. Skipped without a GPU (CI); run on the device machine.
+# what the graphs read (and what the served digest names). Skipped without a GPU (CI); run on the device machine.
 @pytest.mark.gpu
 @NEEDS_CUDA
 def test_cuda_graphs_match_the_oracle_and_follow_adapter_reloads(random_model_dir):
@@ -215,6 +259,7 @@ def test_cuda_graphs_match_the_oracle_and_follow_adapter_reloads(random_model_di
         assert fast.decode_mode == "cuda_graph"
         assert identical >= MIN_IDENTICAL
         assert gap <= LOGPROB_TOL
+        assert fast.served_digest() == ref.served_digest() == weights_digest(adapter)
 
 
 @pytest.mark.gpu

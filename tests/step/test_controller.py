@@ -62,7 +62,8 @@ def test_steps_advance_the_version_and_the_served_digest(parts, student_dir):
     assert learner.version == 2
     assert rollout.served.version == 1 and rollout.served.digest != digest_1  # the update changed the weights
     assert second["sampler_gap_mean"] < 1e-4  # same fp32 weights on both sides
-    assert second["probe_gap_max"] < 1e-4 and second["probe_learner_moved"] > 0
+    assert first["probe_ran"] == 1 and first["probe_gap_max"] < 1e-4  # the run's first refresh probes
+    assert second["probe_ran"] == 0 and "probe_gap_max" not in second  # proven by the served digest alone
     for key in ("loss", "reverse_kl", "accuracy", "reward", "time/refresh", "time/generate", "time/score"):
         assert key in first
 
@@ -72,9 +73,30 @@ def test_stale_rollout_worker_stops_the_run_before_any_update(parts, student_dir
     ctl = make_controller(StaleRolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
     ctl.step(prompts, PARAMS)  # v0: the first load is honest
     assert learner.version == 1
-    with pytest.raises(PolicyMismatchError, match="serves probe log-probs up to"):
+    with pytest.raises(PolicyMismatchError, match="serves an adapter whose digest .* is not that of the published v1"):
         ctl.step(prompts, PARAMS)
     assert learner.version == 1  # no second update happened
+
+
+def test_the_learner_publishes_its_adapter_as_it_is_now(parts):
+    """The adapter's tensors are found once (peft walks every module to find them), then published as they are at
+    each publish; a parameter whose storage was replaced is found again, so the digest names what the model uses."""
+    from miniverl.models.lora import live_adapter
+    from miniverl.policy import weights_digest
+
+    learner = parts[2]
+    first = learner.publish_policy()
+    outbox = learner._outbox
+    with torch.no_grad():
+        for p in learner.params:
+            p.add_(0.01)
+    second = learner.publish_policy()
+    assert learner._outbox is outbox and second.identity.digest != first.identity.digest
+    assert second.identity.digest == weights_digest(live_adapter(learner.model))
+    with torch.no_grad():
+        learner.params[0].data = learner.params[0].data + 0.5  # new storage under the same parameter
+    third = learner.publish_policy()
+    assert learner._outbox is not outbox and third.identity.digest == weights_digest(live_adapter(learner.model))
 
 
 def test_learner_refuses_batches_of_another_version(parts, student_dir):

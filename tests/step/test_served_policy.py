@@ -84,9 +84,13 @@ def test_probe_rows_of_another_shape_are_refused():
 # --- real backends through the controller ---------------------------------------------------------------
 
 
-def controller(rollout, parts) -> StrictSyncController:
+def controller(rollout, parts, hide_digest: bool = False) -> StrictSyncController:
+    """Every refresh probed (probe_every=1): these tests are about the probe. `hide_digest`: the replica reports
+    no served digest (as vLLM), so the probe alone must catch what the digest would have caught first."""
     tok, _, learner, scorer = parts
-    return StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0)
+    if hide_digest:
+        rollout.backend.served_digest = lambda: None
+    return StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0, probe_every=1)
 
 
 @pytest.mark.parametrize("backend", ["hf_reference", "hf_cached"])
@@ -100,17 +104,27 @@ def test_a_normal_run_passes_the_probe(parts, student_dir, backend):
     assert learner.version == 2
 
 
-def test_hf_cached_whose_serving_weights_were_not_refreshed_is_caught(parts, student_dir, monkeypatch):
-    """The peft module holds the new adapter (an adapter digest would pass) but the serving buffers it
-    samples with are stale: the probe, computed through those buffers, stops the run."""
+@pytest.mark.parametrize(
+    ("hide_digest", "message"),
+    [
+        (False, r"replica 0 serves an adapter whose digest .* published v1"),
+        (True, r"replica 0 serves probe log-probs up to .* v1"),
+    ],
+)
+def test_hf_cached_whose_serving_weights_were_not_refreshed_is_caught(
+    parts, student_dir, monkeypatch, hide_digest, message
+):
+    """The peft module holds the new adapter (a digest of what the replica was sent, or of its peft module, would
+    pass) but the serving buffers it samples with are stale: the served digest, read from those buffers, stops
+    the run; so does the probe, computed through them."""
     _, prompts, learner, _ = parts
     rollout = RolloutWorker("hf_cached", str(student_dir), LORA, "float32", CPU)
-    ctl = controller(rollout, parts)
+    ctl = controller(rollout, parts, hide_digest)
     ctl.step(prompts, PARAMS)  # v0 served honestly
     monkeypatch.setattr(
         rollout.backend.decoder, "load", lambda weights: load_adapter_state(rollout.backend.model, weights)
     )
-    with pytest.raises(PolicyMismatchError, match=r"replica 0 serves probe log-probs up to .* v1"):
+    with pytest.raises(PolicyMismatchError, match=message):
         ctl.step(prompts, PARAMS)
     assert weights_digest(adapter_state(rollout.backend.model)) == learner.published.digest  # the old proof
     assert learner.version == 1  # no second update
@@ -138,7 +152,8 @@ def test_a_replica_serving_its_base_in_another_precision_is_caught(parts, studen
     assert learner.version == 0
 
 
-def test_weights_corrupted_in_transit_are_caught(parts, student_dir):
+@pytest.mark.parametrize("hide_digest", [False, True])
+def test_weights_corrupted_in_transit_are_caught(parts, student_dir, hide_digest):
     class CorruptingWorker(RolloutWorker):
         """A broken weight sync: what arrives differs from what the learner published."""
 
@@ -147,16 +162,18 @@ def test_weights_corrupted_in_transit_are_caught(parts, student_dir):
             return super().load_policy(type(snapshot)(snapshot.identity, bumped))
 
     _, prompts, learner, _ = parts
-    with pytest.raises(PolicyMismatchError, match="replica 0"):
-        controller(CorruptingWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts).step(
-            prompts, PARAMS
-        )
+    rollout = CorruptingWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    with pytest.raises(PolicyMismatchError, match="replica 0 serves (probe log-probs|an adapter whose digest)"):
+        controller(rollout, parts, hide_digest).step(prompts, PARAMS)
     assert learner.version == 0
 
 
-def test_a_stale_replica_is_caught_among_honest_ones(parts, student_dir, monkeypatch):
+@pytest.mark.parametrize("hide_digest", [False, True])
+def test_a_stale_replica_is_caught_among_honest_ones(parts, student_dir, monkeypatch, hide_digest):
     _, prompts, learner, scorer = parts
     engines = [RolloutWorker("hf_cached", str(student_dir), LORA, "float32", CPU) for _ in range(2)]
+    for engine in engines if hide_digest else []:
+        engine.backend.served_digest = lambda: None  # probed at every refresh, as vLLM
     ctl = StrictSyncController(engines, scorer, learner, ExactMatchReward(parts[0]), 0, 1.0)
     ctl.step(prompts, PARAMS)
     monkeypatch.setattr(engines[1].backend, "load_adapter", lambda weights: None)
@@ -170,7 +187,7 @@ def test_an_honest_replica_passes_after_an_update_below_the_tolerance(parts, stu
     tok, prompts, _, scorer = parts
     learner = LearnerWorker(str(student_dir), LORA, "float32", GkdObjective(0.5, 1.0, 0), 1e-9, 0.0, 1.0, 2, CPU)
     rollout = RolloutWorker("hf_cached", str(student_dir), LORA, "float32", CPU)
-    ctl = StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0)
+    ctl = StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0, probe_every=1)
     for _ in range(3):
         ctl.step(prompts, PARAMS)
     assert learner.version == 3

@@ -14,23 +14,37 @@ from miniverl.workers.rollout import RolloutWorker
 from tests.step.test_controller import CPU, LORA, PARAMS, StaleRolloutWorker
 
 
-def build(parts, student_dir, rollout_cls, backend: str, dtype: str, lr: float):
+def build(parts, student_dir, rollout_cls, backend: str, dtype: str, lr: float, proof: str = "digest", **kwargs):
+    """`proof`: digest (the default cadence: the run's first refresh probes, the next ones are proven by the
+    served digest) or probe (the replica reports no served digest, as vLLM: every refresh is probed)."""
     tok, _, _, scorer = parts
     learner = LearnerWorker(str(student_dir), LORA, dtype, GkdObjective(0.5, 1.0, 0), lr, 0.0, 1.0, 2, CPU)
     rollout = rollout_cls(backend, str(student_dir), LORA, dtype, CPU)
-    return StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0), learner
+    if proof == "probe":
+        rollout.backend.served_digest = lambda: None
+    return StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0, **kwargs), learner
 
 
+# How each proof names a stale replica: the digest read from its serving buffers, or the probe's change test (or,
+# when a step moved the probe that far, its gap test).
+STALE = {
+    "digest": "rollout replica 0 serves an adapter whose digest .* is not that of the published v1",
+    "probe": "rollout replica 0 serves (the )?probe log-probs",
+}
+
+
+@pytest.mark.parametrize("proof", ["digest", "probe"])
 @pytest.mark.parametrize("backend", ["hf_reference", "hf_cached"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("lr", [2e-3, 2e-4, 2e-5])
-def test_a_stale_replica_is_caught_at_its_first_stale_refresh(parts, student_dir, backend, dtype, lr):
+def test_a_stale_replica_is_caught_at_its_first_stale_refresh(parts, student_dir, backend, dtype, lr, proof):
     """In bf16 a step moves the probe by hundredths of a nat, far inside the 0.75-nat gap tolerance (main
-    trained 17 steps on v0's samples at lr 2e-4 and never stopped at 2e-5): the change test catches it."""
+    trained 17 steps on v0's samples at lr 2e-4 and never stopped at 2e-5): the served digest catches it
+    (exact bits, whatever the step), and without one the probe's change test does."""
     prompts = parts[1]
-    ctl, learner = build(parts, student_dir, StaleRolloutWorker, backend, dtype, lr)
+    ctl, learner = build(parts, student_dir, StaleRolloutWorker, backend, dtype, lr, proof)
     ctl.step(prompts, PARAMS)  # v0: the first load is honest
-    with pytest.raises(PolicyMismatchError, match="rollout replica 0 serves"):
+    with pytest.raises(PolicyMismatchError, match=STALE[proof]):
         ctl.step(prompts, PARAMS)  # v1 acknowledged, v0 served
     assert learner.version == 1  # not one update on stale samples
 
@@ -40,15 +54,27 @@ HONEST_STEPS = 200
 
 @pytest.mark.parametrize(("backend", "dtype", "lr"), [("hf_cached", "bfloat16", 2e-5), ("hf_cached", "float32", 2e-3)])
 def test_an_honest_replica_is_never_flagged(parts, student_dir, backend, dtype, lr):
-    """200 CPU steps, each one refresh whose probe the learner moved: no false alarm from either test."""
+    """200 CPU steps, each one refresh proven by the served digest and by a probe the learner moved: no false
+    alarm from the digest or either probe test."""
     prompts = parts[1]
-    ctl, learner = build(parts, student_dir, RolloutWorker, backend, dtype, lr)
+    ctl, learner = build(parts, student_dir, RolloutWorker, backend, dtype, lr, probe_every=1)
     moved = []
     for _ in range(HONEST_STEPS):
         metrics = ctl.step(prompts, PARAMS)
         moved.append(metrics["probe_learner_moved"])
-    assert learner.version == HONEST_STEPS and ctl.sync.refreshes == HONEST_STEPS
+    assert learner.version == HONEST_STEPS and ctl.sync.refreshes == ctl.sync.probed == HONEST_STEPS
+    assert ctl.sync.by_digest == [True]  # every refresh was digested too
     assert sum(m > 0 for m in moved) >= HONEST_STEPS - 1  # every refresh after the first had a move to follow
+
+
+def test_refreshes_between_probes_are_proven_by_the_served_digest(parts, student_dir):
+    """probe_every=4 over 10 refreshes: the probe runs at refreshes 0, 4 and 8 (and the change test then compares
+    two versions four updates apart); every refresh is digested."""
+    prompts = parts[1]
+    ctl, learner = build(parts, student_dir, RolloutWorker, "hf_cached", "bfloat16", 2e-5, probe_every=4)
+    ran = [ctl.step(prompts, PARAMS)["probe_ran"] for _ in range(10)]
+    assert ran == [1, 0, 0, 0, 1, 0, 0, 0, 1, 0] and ctl.sync.probed == 3
+    assert ctl.sync.refreshes == learner.version == 10 and "probe_gap_max" not in ctl.last_probe
 
 
 class AdapterDroppingWorker(RolloutWorker):
@@ -59,13 +85,15 @@ class AdapterDroppingWorker(RolloutWorker):
         return super().load_policy(type(snapshot)(snapshot.identity, dropped))
 
 
+@pytest.mark.parametrize("proof", ["digest", "probe"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_gate_serves_a_non_zero_adapter_first(parts, student_dir, dtype):
+def test_the_gate_serves_a_non_zero_adapter_first(parts, student_dir, dtype, proof):
     """At v0 a replica that drops the adapter serves exactly the published policy; the gate's trial adapter
-    exposes it before any step (fp32: its gap; bf16: the change test at v0's refresh)."""
-    ctl, learner = build(parts, student_dir, AdapterDroppingWorker, "hf_cached", dtype, 1e-3)
+    exposes it before any step (the served digest at once; without one, fp32: the probe's gap; bf16: the change
+    test at v0's refresh)."""
+    ctl, learner = build(parts, student_dir, AdapterDroppingWorker, "hf_cached", dtype, 1e-3, proof)
     ctl.ensure_served()  # v0 alone: passes
-    ctl, learner = build(parts, student_dir, AdapterDroppingWorker, "hf_cached", dtype, 1e-3)
+    ctl, learner = build(parts, student_dir, AdapterDroppingWorker, "hf_cached", dtype, 1e-3, proof)
     with pytest.raises(PolicyMismatchError, match="rollout replica 0 serves"):
         ctl.sync.prove_trial_adapter()
         ctl.ensure_served()
@@ -98,7 +126,8 @@ def test_a_step_logs_the_refresh_split_beside_its_total(parts, student_dir):
     ctl, _ = build(parts, student_dir, RolloutWorker, "hf_reference", "float32", 1e-4)
     metrics = ctl.step(parts[1], PARAMS)
     stages = [k for k in metrics if k.startswith("time/refresh/")]
-    assert sorted(stages) == sorted(f"time/refresh/{s}" for s in ("learner_probe", "publish", "load", "served_probe"))
+    parts_ = ("learner_probe", "publish", "load", "served_digest", "served_probe")
+    assert sorted(stages) == sorted(f"time/refresh/{s}" for s in parts_)
     assert sum(metrics[k] for k in stages) <= metrics["time/refresh"]
 
 
@@ -141,4 +170,4 @@ def test_a_cpu_run_publishes_through_the_host(parts, student_dir):
     prompts = parts[1]
     ctl, learner = build(parts, student_dir, RolloutWorker, "hf_cached", "float32", 2e-3)
     ctl.step(prompts, PARAMS)
-    assert ctl.sync.on_device is False and learner._shared is None
+    assert ctl.sync.on_device is False and learner._outbox._shared is None  # no CUDA IPC handle was made
