@@ -5,17 +5,15 @@ divergence against the teacher's support: both are functions of that position's 
 vocabulary those logits, their fp32 upcast and their gradient are what fill a 16 GB card. Here they exist for
 `chunk_tokens` positions at a time, forward *and* backward:
 
-- forward, per chunk of positions: logits = head(hidden[chunk]) [c, V]; log-probs, the objective's term and
-  its per-token loss from them; the gradient of that loss with respect to the chunk's logits right away
-  (torch.autograd.grad on the chunk's own small graph), turned into the gradient with respect to the
-  chunk's hidden states (dlogits @ W, [c, H]); then the chunk's logits are freed;
+- forward, per chunk of positions: logits = head(hidden[chunk]) [c, V], the log-probs and objective terms the
+  loss reads, and the gradient of the loss with respect to the chunk's logits, turned into the gradient with
+  respect to the chunk's hidden states (dlogits @ W, [c, H]); then the chunk's logits are freed (how: below);
 - backward: the stored [N, H] gradient, scaled by the incoming one.
 
 This is possible because every objective's loss is a *sum of per-token contributions*, each depending only
 on its own position's logits (GKD: term_t / N; PG-k1: -w_t A_t rho_t / N with w_t from that token's ratio),
-so a chunk's gradient is complete once the chunk is computed. Against the checkpointed chunks it replaces
-(forward, recompute, backward: three LM-head products and their [c, V] buffers) it computes the head twice
-and keeps nothing vocabulary-sized between chunks. Liger-Kernel's fused linear losses use the same idea; this
+so a chunk's gradient is complete once the loss's few per-position numbers are known. Nothing vocabulary-sized
+lives between chunks. Liger-Kernel's fused linear losses use the same idea; this
 is written for miniVERL's objectives and checked against the direct path (tests/models/test_fused_head.py).
 
 Most losses need only a few numbers of each position's [V] logits: the sampled token's log-prob (PG-k1), and

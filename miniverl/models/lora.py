@@ -74,7 +74,8 @@ def _plain_lora_linear(module) -> bool:
     whose forward `_forward` replaces; embedding and convolution adapters keep peft's."""
     from peft.tuners.lora import LoraLayer
 
-    return isinstance(module, LoraLayer) and isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+    linear_base = isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+    return isinstance(module, LoraLayer) and linear_base and not hasattr(module, "_peft_forward")  # not swapped twice
 
 
 @functools.cache
@@ -82,19 +83,23 @@ def _computing_in_base_dtype(peft_class: type) -> type:
     """`peft_class` with `_forward` as its forward, and peft's kept as `_peft_forward`. A class swap rather than
     a bound method on each instance: a method stored on its own module is a reference cycle, which kept every
     discarded learner's model on the GPU until the garbage collector ran (0.74 GiB per bench cell, measured)."""
-    members = {"forward": _forward, "_peft_forward": peft_class.forward, "__module__": __name__}
-    return type(peft_class.__name__, (peft_class,), members)
+    name = f"BaseDtype{peft_class.__name__}"
+    members = {"forward": _forward, "_peft_forward": peft_class.forward, "__module__": __name__, "__qualname__": name}
+    swapped = type(name, (peft_class,), members)
+    globals()[name] = swapped  # found by name, so a model holding it still pickles
+    return swapped
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A peft LoRA linear layer's forward with the adapter's term from `lora_delta`; what it does not cover
-    (adapter disabled or merged, per-row adapters, DoRA-like variants) goes to peft's own forward."""
-    variants = getattr(self, "lora_variant", {})
-    if self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None:
+    (adapter disabled or merged, per-row adapters or any other keyword peft reads, DoRA-like variants, a LoRA
+    bias) goes to peft's own forward."""
+    variants, biased = getattr(self, "lora_variant", {}), getattr(self, "lora_bias", {})
+    if self.disable_adapters or self.merged or args or kwargs:
         return self._peft_forward(x, *args, **kwargs)
-    if any(name in variants for name in self.active_adapters):
+    if any(name in variants or biased.get(name) for name in self.active_adapters):
         return self._peft_forward(x, *args, **kwargs)
-    result = self.base_layer(x, *args, **kwargs)
+    result = self.base_layer(x)
     for name in self.active_adapters:
         if name in self.lora_A:
             dropped = self.lora_dropout[name](x)

@@ -18,6 +18,17 @@ ID_BYTES = 8  # teacher_topk_ids are int64 (torch.topk's index dtype)
 # H200 at 5.9 for GKD top-64 (0.5B shape, 1,024-token chunks: 3.7 GB above the model, adapter, optimizer and
 # checkpoints; docs/benchmarks/learner-throughput.md), rounded up. The earlier chunked path kept about nine.
 FUSED_CHUNK_FP32_COPIES = 6
+# One [c, V] entry of an LM-head chunk on the closed-form path (GKD top-K at loss temperature 1, PG-k1) with the
+# Triton passes: the bf16 logits, overwritten in place by their gradient (2 bytes), doubled for the GEMM's output
+# while the previous chunk's buffer is being freed. Measured: 512- and 1,024-token chunks peak the same
+# (docs/benchmarks/learner-throughput.md, diag10), so this is an upper bound the measurements do not pin down.
+CLOSED_FORM_CHUNK_BYTES_PER_ENTRY = 4
+
+
+def chunk_entry_bytes(closed_form: bool) -> int:
+    """Bytes per [c, V] entry of one LM-head chunk: the closed-form path (with the Triton passes) or autograd
+    over the chunk (fp32 copies: full-vocabulary GKD, a loss temperature other than 1)."""
+    return CLOSED_FORM_CHUNK_BYTES_PER_ENTRY if closed_form else FP32_BYTES * FUSED_CHUNK_FP32_COPIES
 
 
 def human(n: int) -> str:
@@ -46,9 +57,11 @@ def chunk_positions(micro_batch: int, tokens: int, chunk_tokens: int, max_tokens
     return whole if chunk_tokens == 0 else min(chunk_tokens, whole)
 
 
-def learner_logits_bytes(micro_batch: int, tokens: int, vocab: int, chunk_tokens: int, max_tokens: int = 0) -> int:
-    """Peak bytes of the learner's vocabulary-sized fp32 buffers: one chunk of the fused LM-head loss."""
-    return chunk_positions(micro_batch, tokens, chunk_tokens, max_tokens) * vocab * FP32_BYTES * FUSED_CHUNK_FP32_COPIES
+def learner_logits_bytes(
+    micro_batch: int, tokens: int, vocab: int, chunk_tokens: int, max_tokens: int = 0, closed_form: bool = False
+) -> int:
+    """Peak bytes of the learner's vocabulary-sized buffers: one chunk of the fused LM-head loss."""
+    return chunk_positions(micro_batch, tokens, chunk_tokens, max_tokens) * vocab * chunk_entry_bytes(closed_form)
 
 
 def check_vocab_memory(
@@ -60,10 +73,12 @@ def check_vocab_memory(
     chunk_tokens: int,
     budget_gib: float,
     max_tokens: int = 0,
+    closed_form: bool = False,
 ) -> None:
     """Refuse a run whose vocabulary-sized tensors exceed `budget_gib`, showing the arithmetic and the fixes.
 
-    rows: rollout rows per step (prompts x samples); tokens: rollout.max_new_tokens; vocab: logits compared.
+    rows: rollout rows per step (prompts x samples); tokens: rollout.max_new_tokens; vocab: logits compared;
+    closed_form: the objective's loss takes the fused head's closed-form path (`chunk_entry_bytes`).
     """
     support = teacher_support_bytes(rows, tokens, vocab, topk)
     if support > budget_gib * GIB:
@@ -78,12 +93,12 @@ def check_vocab_memory(
             " to a support size such as 64 (NeMo RL's K), or lower data.prompts_per_step, rollout.n or"
             " rollout.max_new_tokens"
         )
-    logits = learner_logits_bytes(micro_batch, tokens, vocab, chunk_tokens, max_tokens)
+    logits = learner_logits_bytes(micro_batch, tokens, vocab, chunk_tokens, max_tokens, closed_form)
     if logits > budget_gib * GIB:
         positions = chunk_positions(micro_batch, tokens, chunk_tokens, max_tokens)
         raise ConfigError(
             f"the learner's logits would take {human(logits)} at once: {positions} response tokens x {vocab} x"
-            f" {FP32_BYTES} B x {FUSED_CHUNK_FP32_COPIES} fp32 buffers per LM-head chunk, over"
+            f" {chunk_entry_bytes(closed_form)} B of buffers per entry of an LM-head chunk, over"
             f" trainer.vocab_memory_budget_gib={budget_gib:g}; set trainer.logprob_chunk_tokens to a chunk such"
             " as 256 (0 = a whole micro-batch at once), or lower trainer.max_tokens_per_micro_batch"
         )

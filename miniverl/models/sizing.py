@@ -23,17 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miniverl.errors import ConfigError
-from miniverl.models.memory import FP32_BYTES, FUSED_CHUNK_FP32_COPIES, human
+from miniverl.models.memory import FP32_BYTES, chunk_entry_bytes, human
 
 # One decoder layer's recomputed activations per token, in bytes per unit of (hidden + intermediate) size.
 LAYER_ACTIVATION_BYTES_PER_WIDTH = 13.4
 # Beyond weights and adapter state (cuBLAS workspaces, small tensors): the measured intercept was within 1 MB of
 # weights + adapter state; this keeps a margin for what a longer run allocates besides.
 RUNTIME_BYTES = 128 * 2**20
-# One [c, V] entry of an LM-head chunk on the closed-form path: the bf16 logits, overwritten in place by their
-# gradient (2 bytes), doubled for the GEMM's output while the previous chunk's buffer is being freed. Measured:
-# 512- and 1,024-token chunks peak the same, so this is an upper bound the measurements do not pin down.
-CLOSED_FORM_CHUNK_BYTES_PER_ENTRY = 4
+
 CHECKPOINT_BYTES = 2  # each layer's input is kept in the model's 16-bit dtype
 ADAPTER_STATE_BYTES = 16  # fp32 adapter weight, its gradient and AdamW's two moments, per adapter parameter
 # Allocator fragmentation, the CUDA caching allocator's rounding and small tensors: a share of the budget
@@ -90,12 +87,6 @@ def per_token_bytes(shape: LearnerShape, checkpointing: bool) -> tuple[float, fl
     if not checkpointing:
         return shape.layers * layer, shape.layers * layer
     return checkpoints, checkpoints + layer
-
-
-def chunk_entry_bytes(closed_form: bool) -> int:
-    """Bytes per [c, V] entry of one LM-head chunk: the closed-form path (with the Triton passes) or autograd
-    over the chunk (fp32 copies: full-vocabulary GKD, a loss temperature other than 1, no Triton)."""
-    return CLOSED_FORM_CHUNK_BYTES_PER_ENTRY if closed_form else FP32_BYTES * FUSED_CHUNK_FP32_COPIES
 
 
 def learner_peak_bytes(

@@ -222,7 +222,7 @@ class GkdObjective:
         the sampled token's log-prob is at temperature 1, so both normalizers would be needed).
         Shapes: -> [b, t, K] or None."""
         ids = scores.teacher_topk_ids
-        if ids is None or self.loss_temperature != 1.0 or scores.teacher_topk_logprobs is None:
+        if ids is None or not self.closed_form_head or scores.teacher_topk_logprobs is None:
             return None
         return ids
 

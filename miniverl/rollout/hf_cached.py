@@ -52,7 +52,7 @@ class _Lora:
     matmul and one B matmul serve the whole group: the A matrices are stacked, B is block-diagonal (projection
     j's s B in its own output rows and rank columns; the zeros add exact zeros), so a refresh writes only these
     buffers, in place. `a` and `b` keep the published weights as sent (fp32 masters); `a_cast` and `sb_cast`,
-    what the decode reads, are rewritten from them at every load.
+    what the decode reads, are rewritten from them at every load and every served digest (_Decoder._cast_adapter).
     """
 
     a: torch.Tensor  # [R, E]: the group's A matrices stacked over their ranks, as published
@@ -61,11 +61,6 @@ class _Lora:
     slots: list[tuple[str, str, slice, slice]]  # (A name, B name, its rank columns, its output rows)
     a_cast: torch.Tensor  # [R, E] in the base's dtype
     sb_cast: torch.Tensor  # [O, R] in the base's dtype: s B
-
-    def refresh_cast(self) -> None:
-        """Round the published weights to the serving dtype, as `lora_delta` does per call."""
-        self.a_cast.copy_(self.a)
-        self.sb_cast.copy_(self.b * self.scale)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Shapes: x [..., E], out [..., O] (base projection incl. bias) -> [..., O] in out's dtype."""
@@ -106,9 +101,7 @@ def _lora_group(modules, names: dict[int, str], dtype: torch.dtype) -> _Lora | N
             scale[cols] = s
             slots.append((names[lora_a.data_ptr()], names[lora_b.data_ptr()], rows, cols))
         r0, o0 = r0 + r, o0 + o
-    lora = _Lora(a, b, scale, slots, torch.empty_like(a, dtype=dtype), torch.empty_like(b, dtype=dtype))
-    lora.refresh_cast()
-    return lora
+    return _Lora(a, b, scale, slots, torch.empty_like(a, dtype=dtype), torch.empty_like(b, dtype=dtype))
 
 
 def _base(module) -> torch.Tensor:
@@ -163,6 +156,7 @@ class _Decoder:
         # Each LoRA weight's name in the adapter state dict the learner publishes, found by storage.
         names = {t.data_ptr(): k for k, t in get_peft_model_state_dict(peft_model).items()}
         self.weights = [self._serving_weights(layer, names) for layer in self.layers]
+        self._cast_adapter()  # the serving copies of the adapter as built
         # The adapter as the decode step reads it: views of the serving buffers under the learner's names, made
         # once (a load copies into them; the served digest reads them). The buffers themselves never change
         # storage: CUDA graphs hold their addresses, so `served_digest` refuses buffers replaced since.
@@ -226,9 +220,10 @@ class _Decoder:
         """miniverl.policy.weights_digest of the adapter the decode step reads, from the serving buffers
         themselves (packed into one flat buffer of adapter size on their device, allocated at the first call).
         The decode reads bf16 copies of A and s B: they are rewritten from the digested buffers first, so what is
-        served derives from exactly the bytes digested. Refuses buffers whose storage changed since they were
-        built: a CUDA graph captured before would still read the old memory, so their digest would not say what
-        is served."""
+        served derives from exactly the bytes digested (and from s = lora_alpha / r, fixed at build and checked
+        by the probe at the run's first refresh and under the gate's trial adapter). Refuses buffers whose storage
+        changed since they were built: a CUDA graph captured before would still read the old memory, so their
+        digest would not say what is served."""
         if self._buffer_addresses() != self._storage:
             raise PolicyMismatchError(
                 "hf_cached's adapter buffers were replaced after the decoder was built; CUDA graphs captured"

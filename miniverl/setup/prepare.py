@@ -122,15 +122,17 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
         check_same_vocabulary(student_tok, teacher_tok, paths["student"], paths[role])
         vocab_size = shared_vocab_size(v_student, configs[role].vocab_size, len(student_tok))
     t, r = cfg.trainer, cfg.rollout
+    objective = build_objective(cfg.objective)
     check_vocab_memory(
         cfg.data.prompts_per_step * r.n,
         r.max_new_tokens,
         vocab_size,
-        build_objective(cfg.objective).teacher_support_k,
+        objective.teacher_support_k,
         t.micro_batch_size,
         t.logprob_chunk_tokens,
         t.vocab_memory_budget_gib,
         t.max_tokens_per_micro_batch,
+        objective.closed_form_head,
     )
     stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data

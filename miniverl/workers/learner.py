@@ -16,7 +16,7 @@ from miniverl.errors import MiniVerlError, PolicyMismatchError
 from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, live_adapter, load_adapter_state
-from miniverl.models.packing import batch_micro_batches, pack_rows
+from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
 from miniverl.step.served_policy import PROBE_TOKENS, draw_probe
@@ -319,13 +319,15 @@ class LearnerWorker:
         depends on what ran before (the 4080 recipe's first update went out of memory at 3.3 GiB allocated with
         0.76 GiB reserved in holes, docs/benchmarks/qlora-4080.md). Raises when the budget cannot shrink: fixed
         rows (no token budget), several ranks (the others would wait in the gradient sum), or below the longest row."""
-        from miniverl.models.packing import row_lengths
-
         self.optimizer.zero_grad(set_to_none=True)
         longest = max(row_lengths(batch))
         smaller = int(self.max_tokens * OOM_SHRINK)
         if self.max_tokens <= 0 or self.world_size > 1 or smaller < longest:
-            why = "several ranks" if self.world_size > 1 else f"the longest row has {longest} tokens"
+            why = f"the longest row has {longest} tokens"
+            if self.max_tokens <= 0:
+                why = "micro-batches are counted in rows (trainer.micro_batch_size), not tokens"
+            elif self.world_size > 1:
+                why = "several ranks: the others would wait in the gradient sum"
             raise MiniVerlError(
                 f"the learner ran out of GPU memory in its update at micro-batches of {self.max_tokens} tokens and"
                 f" cannot shrink them ({why}); the update was not applied. Give the learner a larger"
@@ -434,7 +436,7 @@ class LearnerWorker:
         shape = learner_shape(self.model)
         share = memory_share_bytes(process)
         # the chunk holds only bf16 logits on the closed-form path with the Triton passes (models/sizing.py)
-        closed = bool(getattr(self.objective, "closed_form_head", False)) and kernels_available()
+        closed = self.objective.closed_form_head and kernels_available()
         if self.max_tokens:
             check_token_budget(shape, share, self.max_tokens, self.chunk_tokens, checkpointing, closed)
             return self.max_tokens

@@ -10,6 +10,7 @@ import torch
 
 from miniverl.models.fused_head import Support, fused_head_loss
 from miniverl.objectives.gkd import GkdObjective, support_jsd, topk_generalized_jsd
+from miniverl.objectives.pg_k1 import PgK1Objective
 
 N, H, V, K = 7, 6, 40, 5
 
@@ -117,3 +118,6 @@ def test_gkd_takes_the_closed_form_only_for_a_top_k_support_at_temperature_one()
     assert GkdObjective(0.5, 2.0, 3).support_ids(Scores()) is None  # two normalizers: autograd per chunk
     Scores.teacher_topk_ids = None  # full vocabulary
     assert GkdObjective(0.5, 1.0, 0).support_ids(Scores()) is None
+    # the learner's memory model reads the same rule (models/sizing.py): only these take the closed form
+    assert GkdObjective(0.5, 1.0, 3).closed_form_head and PgK1Objective(0.0, 2.0, 0.0, "k1", 0.0).closed_form_head
+    assert not GkdObjective(0.5, 2.0, 3).closed_form_head and not GkdObjective(0.5, 1.0, 0).closed_form_head

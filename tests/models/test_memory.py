@@ -47,10 +47,19 @@ def test_unchunked_learner_logits_at_qwen_scale_are_refused_and_chunking_fits():
     with pytest.raises(ConfigError) as err:
         check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 0, 4.0)
     msg = str(err.value)
-    assert "27.8 GiB at once: 8192 response tokens x 151936 x 4 B x 6 fp32 buffers per LM-head chunk" in msg
+    assert "27.8 GiB at once: 8192 response tokens x 151936 x 24 B of buffers per entry of an LM-head chunk" in msg
     assert "trainer.logprob_chunk_tokens" in msg and "trainer.max_tokens_per_micro_batch" in msg
     check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 256, 4.0, max_tokens=16384)  # the gkd_4080 settings fit
     check_vocab_memory(256, 512, QWEN_VOCAB, None, 16, 256, 4.0)  # PG-k1: sampled tokens only
+
+
+def test_the_closed_form_head_counts_its_bf16_logits_only():
+    """1,024-token chunks (the gkd_4080 recipe): 0.6 GB on the closed-form path, 3.7 GB with autograd's fp32
+    copies; 2,048 fit only on the closed-form path under a 4 GiB budget."""
+    assert learner_logits_bytes(16, 512, QWEN_VOCAB, 1024, closed_form=True) == 1024 * QWEN_VOCAB * 4
+    check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 2048, 4.0, max_tokens=16384, closed_form=True)
+    with pytest.raises(ConfigError, match="x 24 B of buffers per entry"):
+        check_vocab_memory(256, 512, QWEN_VOCAB, 64, 16, 2048, 4.0, max_tokens=16384, closed_form=False)
 
 
 @pytest.mark.parametrize(

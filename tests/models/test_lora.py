@@ -1,0 +1,105 @@
+"""The adapter's arithmetic (models/lora.py): every peft LoRA linear layer computes its term with `lora_delta`
+in the base's dtype, and hands what it does not cover back to peft."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+
+from miniverl.models.lora import LoraSettings, build_lora_model, lora_delta
+
+TARGETS = ("q_proj", "v_proj", "down_proj", "embed_tokens")  # an embedding adapter too: it must keep peft's forward
+# peft warns that the tied embedding carries an adapter; here that is the point
+pytestmark = pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+
+
+def model_at(student_dir, dtype: torch.dtype, alpha: float):
+    """The built-in student with a non-zero adapter (lora_B starts at 0, which would compare the base only)."""
+    model = build_lora_model(str(student_dir), LoraSettings(8, alpha, 0.0, TARGETS, 0), dtype, "cpu")
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def adapted(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "_peft_forward")]
+
+
+def test_every_linear_adapter_computes_lora_delta_and_the_embedding_keeps_peft(student_dir):
+    model = model_at(student_dir, torch.bfloat16, alpha=16.0)
+    layers = adapted(model)
+    assert len(layers) == 3 * 2  # q, v, down in each of the two layers; the embedding adapter is peft's own
+    assert not hasattr(model.get_base_model().model.embed_tokens, "_peft_forward")
+    layer = layers[0]
+    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    assert a.dtype == torch.float32  # the masters stay fp32
+    want = layer.base_layer(x) + lora_delta(x, a, b, s)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not torch.equal(got, layer._peft_forward(x))  # peft's fp32 arithmetic is another function in bf16
+
+
+@pytest.mark.parametrize("alpha", [16.0, 12.0])
+def test_in_fp32_it_is_peft_up_to_where_the_scaling_is_applied(student_dir, alpha):
+    """alpha / r = 2 is a power of two: folding it into B changes no bit; 1.5 is not: fp32 rounding only."""
+    model = model_at(student_dir, torch.float32, alpha=alpha)
+    ids = torch.randint(0, 20, (2, 7), generator=torch.Generator().manual_seed(3))
+    ours = model(input_ids=ids).logits
+    for layer in adapted(model):
+        layer.__class__ = type(layer).__mro__[1]  # peft's own class and forward
+    theirs = model(input_ids=ids).logits
+    if alpha / 8 == 2.0:
+        assert torch.equal(ours, theirs)
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_disabled_merged_biased_or_called_with_keywords_goes_to_peft(student_dir, monkeypatch):
+    model = model_at(student_dir, torch.float32, alpha=16.0)
+    ids = torch.randint(0, 20, (1, 6), generator=torch.Generator().manual_seed(4))
+    with model.disable_adapter():
+        base = model(input_ids=ids).logits
+    with model.disable_adapter(), torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, base)  # no recursion, no adapter term
+    layer = adapted(model)[0]
+    calls = []
+    peft_forward = type(layer)._peft_forward
+    monkeypatch.setattr(type(layer), "_peft_forward", lambda self, x, *a, **k: calls.append(k) or peft_forward(self, x))
+    x = torch.randn(2, layer.in_features)
+    layer(x)
+    assert calls == []  # the plain case is ours
+    layer(x, adapter_names=["default", "default"])
+    layer.lora_bias["default"] = True
+    layer(x)
+    layer.lora_bias["default"] = False
+    layer.merge()
+    layer(x)
+    assert len(calls) == 3
+
+
+def test_the_swapped_class_pickles_is_never_swapped_twice_and_frees_without_the_collector(student_dir):
+    from miniverl.models import lora
+
+    model = model_at(student_dir, torch.float32, alpha=16.0)
+    layer = adapted(model)[0]
+    cls = type(layer)
+    assert not lora._plain_lora_linear(layer)  # already swapped: a second build step leaves it alone
+    restored = pickle.loads(pickle.dumps(layer))
+    assert type(restored) is cls
+    x = torch.randn(2, layer.in_features)
+    assert torch.equal(restored(x), layer(x))
+    gc.collect()
+    gc.disable()
+    try:
+        ref = weakref.ref(layer)
+        del layer, restored, model
+        assert ref() is None  # no reference cycle keeps a discarded model (and its GPU memory) alive
+    finally:
+        gc.enable()
