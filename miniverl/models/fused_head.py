@@ -60,6 +60,14 @@ def chunk_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+@torch.no_grad()
+def sampled_logprobs(logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """log softmax(logits) at `ids` in fp32, temperature 1, without gradient and without an fp32 copy of the
+    logits (`lse`, their row logsumexp, when the caller has it already). Shapes: [c, V], [c], [c] -> [c] float32."""
+    lse = row_logsumexp(logits) if lse is None else lse
+    return logits.gather(1, ids[:, None]).squeeze(1).float() - lse
+
+
 def _chunk_values(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -136,9 +144,10 @@ def _closed_form(hidden, weight, bias, ids, chunk_tokens, loss_fn, support: Supp
     Shapes: hidden [N, H], ids [N] -> (scalar, [N], [N] or None, [N, H])."""
     n = hidden.shape[0]
     f32 = {"dtype": torch.float32, "device": hidden.device}
-    k = 0 if support is None else support.ids.shape[1]
     lse, logprobs, sampled = (torch.empty(n, **f32) for _ in range(3))
-    sup, tail, lse_tail = torch.empty(n, k, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    sup = tail = lse_tail = None
+    if support is not None:
+        sup, tail, lse_tail = torch.empty(n, support.ids.shape[1], **f32), torch.empty(n, **f32), torch.empty(n, **f32)
     chunks = [slice(s, min(s + chunk_tokens, n)) for s in range(0, n, chunk_tokens)]
     for at in chunks:
         logits = F.linear(hidden[at], weight, bias)  # [c, V], model dtype: the chunk's only vocabulary-sized tensor
@@ -147,8 +156,6 @@ def _closed_form(hidden, weight, bias, ids, chunk_tokens, loss_fn, support: Supp
         if support is not None:
             sup[at], tail[at], lse_tail[at] = stats[2], stats[3], stats[4]
     everything = slice(0, n)
-    if support is None:
-        sup = tail = lse_tail = None
     with torch.enable_grad():
         leaves = [t.requires_grad_() for t in (logprobs, sup, tail) if t is not None]
         term = None if support is None else support.terms(sup, tail, everything)
@@ -251,10 +258,7 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, ids: torch.Tensor
     policy, probes, the teacher). Shapes: hidden [N, H], ids [N] -> [N] float32."""
     chunk = max(hidden.shape[0] if chunk_tokens <= 0 else chunk_tokens, 1)
     ids = ids.to(hidden.device)
-    out = []
-    for s in range(0, hidden.shape[0], chunk):
-        logits = head(hidden[s : s + chunk])  # [c, V], model dtype
-        out.append(logits.gather(1, ids[s : s + chunk, None]).squeeze(1).float() - row_logsumexp(logits))
+    out = [sampled_logprobs(head(hidden[s : s + chunk]), ids[s : s + chunk]) for s in range(0, hidden.shape[0], chunk)]
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from miniverl.batches import RolloutBatch, TeacherScores
-from miniverl.models.fused_head import chunk_logprobs
+from miniverl.models.fused_head import sampled_logprobs
 from miniverl.models.loading import load_causal_lm, torch_dtype
 from miniverl.models.packing import batch_micro_batches, pack_rows, packed_hidden
 from miniverl.models.vocab_kernels import row_logsumexp
@@ -70,19 +70,17 @@ class ScorerWorker:
                 at = slice(start, start + chunk)
                 r, c = rows_d[at], cols_d[at]
                 logits = head(hidden[at])[..., :v]  # [c, V_student], model dtype
-                if k is not None and not full and temperature == 1.0:
-                    # Top-K + tail at temperature 1 straight from the logits (log-softmax is the logits minus one
-                    # number per row, so their top K are the log-probs' top K): two Triton passes over the bf16
-                    # logits, no fp32 copy of the chunk (models/vocab_kernels.py).
-                    lse = row_logsumexp(logits)  # [c]
-                    sampled[r, c] = logits.gather(1, targets_d[at, None]).squeeze(1).float() - lse
+                lse = row_logsumexp(logits)  # [c]: the sampled tokens' log-probs are at temperature 1
+                sampled[r, c] = sampled_logprobs(logits, targets_d[at], lse)
+                if k is None:
+                    continue
+                if not full and temperature == 1.0:
+                    # Top-K + tail straight from the logits (log-softmax is the logits minus one number per row,
+                    # so their top K are the log-probs' top K): no fp32 copy of the chunk (models/vocab_kernels.py).
                     values, ids = logits.topk(k, dim=-1)  # [c, K]
                     top_lp[r, c], top_ids[r, c] = values.float() - lse[:, None], ids
                     logits.scatter_(1, ids, float("-inf"))
                     tail[r, c] = row_logsumexp(logits) - lse
-                    continue
-                sampled[r, c] = chunk_logprobs(logits, targets_d[at])
-                if k is None:
                     continue
                 logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [c, V]
                 if full:
