@@ -104,6 +104,12 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
         for i in range(plan.count["rollout"])
     ]
     _wait_ready("rollout", rollouts)  # before the others claim memory
+    # what the scorer's forwards are sized for: the objective's support, and rows as long as a rollout's
+    scoring = {
+        "support_k": objective.teacher_support_k,
+        "loss_temperature": objective.loss_temperature,
+        "max_row_tokens": cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+    }
     if setup.routing is not None:  # several teachers: one scorer actor holds them all (workers/teachers.py)
         loads = {
             teacher_name(role): TeacherLoad(setup.paths[role], spec.dtype, spec.quantization)
@@ -120,6 +126,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
                 vocab_size=setup.vocab_size,
                 chunk_tokens=t.logprob_chunk_tokens,
                 max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                **scoring,
             )
             for i in range(plan.count["scorer"])
         ]
@@ -139,6 +146,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
                 quantization=m.teacher.quantization,
                 chunk_tokens=t.logprob_chunk_tokens,
                 max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                **scoring,
             )
             for i in range(plan.count["scorer"])
         ],

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miniverl.errors import ConfigError
-from miniverl.models.memory import FP32_BYTES, chunk_entry_bytes, human
+from miniverl.models.memory import CLOSED_FORM_CHUNK_BYTES_PER_ENTRY, FP32_BYTES, chunk_entry_bytes, human
 
 # One decoder layer's recomputed activations per token, in bytes per unit of (hidden + intermediate) size.
 LAYER_ACTIVATION_BYTES_PER_WIDTH = 13.4
@@ -61,19 +61,57 @@ SCORER_LAYER_BYTES_PER_WIDTH = 6.0
 SCORER_CHUNK_FP32_COPIES = 3
 
 
-def scorer_tokens(shape: LearnerShape, share_bytes: int, chunk_tokens: int) -> int:
+def scorer_chunk_entry_bytes(support_k: int | None, loss_temperature: float, vocab: int, kernels: bool) -> int:
+    """Bytes per [c, V] entry of one scoring chunk (workers/scorer.py). The chunk stays in the model's dtype,
+    worked on in place by the Triton passes (`kernels`: models/vocab_kernels.py), when the scorer returns the
+    sampled tokens' log-probs alone (`support_k` None: PG-k1, evaluation) or a top-K support at loss temperature
+    1: counted like the learner's closed-form chunk. A full support, another temperature or the torch fallback
+    make fp32 copies of it. Counting fp32 copies for the model-dtype path too left the 4080 recipe's teacher
+    no room at 1,024-token chunks: it scored one row per forward, 8.5 s a step where 4,388-token forwards had
+    taken 2.1 (docs/benchmarks/qlora-4080.md, runs 4 and 6)."""
+    in_model_dtype = support_k is None or (0 < support_k < vocab and loss_temperature == 1.0)
+    if in_model_dtype and kernels:
+        return CLOSED_FORM_CHUNK_BYTES_PER_ENTRY
+    return FP32_BYTES * SCORER_CHUNK_FP32_COPIES
+
+
+def scorer_tokens(
+    shape: LearnerShape, share_bytes: int, chunk_tokens: int, entry_bytes: int = FP32_BYTES * SCORER_CHUNK_FP32_COPIES
+) -> int:
     """Tokens per teacher forward (no gradient): the final hidden states of every token stay for the LM-head
-    chunks, and one layer's activations exist at a time; the weights are fixed. 0 when nothing fits."""
+    chunks, and one layer's activations exist at a time; the weights are fixed. `entry_bytes`: one chunk entry
+    (scorer_chunk_entry_bytes). 0 when nothing fits."""
     # Weights only: in the recipe's end-to-end run (docs/benchmarks/qlora-4080.md) the 1.5B teacher peaked at
-    # 3.52 GiB with 4,388-token forwards, which weights + this per-token model + one chunk give within 2%
-    # without the learner's runtime intercept (no backward, no optimizer).
+    # 3.52 GiB with 4,388-token forwards and 256-token fp32 chunks, which weights + this per-token model + one
+    # chunk give within 2% without the learner's runtime intercept (no backward, no optimizer).
     usable = share_bytes * (1 - SLACK_FRACTION) - shape.weight_bytes
     per_token = shape.hidden * CHECKPOINT_BYTES + SCORER_LAYER_BYTES_PER_WIDTH * (shape.hidden + shape.intermediate)
     chunk = max(chunk_tokens, 0)
-    vocab = chunk * shape.vocab * FP32_BYTES * SCORER_CHUNK_FP32_COPIES
+    vocab = chunk * shape.vocab * entry_bytes
     if chunk == 0:  # a whole micro-batch's logits at once: they cost per token too
-        per_token += shape.vocab * FP32_BYTES * SCORER_CHUNK_FP32_COPIES
+        per_token += shape.vocab * entry_bytes
     return max(int((usable - vocab) // per_token), 0)
+
+
+def check_scorer_fits(
+    shape: LearnerShape, share_bytes: int, chunk_tokens: int, entry_bytes: int, longest_row: int
+) -> int:
+    """scorer_tokens, refused with the arithmetic when one row of `longest_row` tokens does not fit: a teacher
+    scoring a row at a time would run out of memory, or crawl where the row just fits beside a chunk."""
+    fits = scorer_tokens(shape, share_bytes, chunk_tokens, entry_bytes)
+    if fits >= max(longest_row, 1):
+        return fits
+    usable = share_bytes * (1 - SLACK_FRACTION) - shape.weight_bytes
+    chunk = max(chunk_tokens, 0) * shape.vocab * entry_bytes
+    fix = "lower trainer.logprob_chunk_tokens" if chunk_tokens > 0 else "set trainer.logprob_chunk_tokens (e.g. 256)"
+    raise ConfigError(
+        f"the teacher scorer's memory share of {human(share_bytes)} cannot hold one row of {max(longest_row, 1)}"
+        f" tokens: less {SLACK_FRACTION:.0%} slack and {human(shape.weight_bytes)} of teacher weights it leaves"
+        f" {human(max(int(usable), 0))}, and one LM-head chunk of {max(chunk_tokens, 0)} tokens x {shape.vocab}"
+        f" x {entry_bytes} B takes {human(chunk)}; {fix}, give the scorer a larger resources.scorer.num_gpus"
+        " share, shorten rollout.max_new_tokens or data.max_prompt_length, or quantize the teacher"
+        " (model.teacher.quantization=nf4)"
+    )
 
 
 def fixed_bytes(shape: LearnerShape) -> int:

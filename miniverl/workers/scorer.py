@@ -23,19 +23,25 @@ class ScorerWorker:
         quantization: str = "none",
         chunk_tokens: int = 0,
         max_tokens_per_micro_batch: int = 0,
+        support_k: int | None = 0,
+        loss_temperature: float = 1.0,
+        max_row_tokens: int = 0,
     ) -> None:
         """`vocab_size`: the student's logit count when the teacher pads its vocabulary further
         (models.loading.shared_vocab_size); the teacher's logits past it are dropped before every softmax.
         `quantization` nf4: a 4-bit teacher (model.teacher.quantization). `chunk_tokens` > 0: the LM head
         runs on that many response tokens at a time (trainer.logprob_chunk_tokens), so the teacher never
         holds a micro-batch's [N, V] logits. `max_tokens_per_micro_batch`: padded tokens per forward
-        (0: `micro_batch_size` rows of the batch's longest)."""
+        (0: `micro_batch_size` rows of the batch's longest). On a GPU the forwards are sized from the memory share
+        for the support the run asks for (`support_k` and `loss_temperature`, as `score` takes them; the default
+        counts the largest, a full support) and refused when a row of `max_row_tokens` does not fit."""
         self.device = setup_process(process)
         self.model = load_causal_lm(model_path, torch_dtype(dtype, self.device), self.device, quantization).eval()
         self.micro_batch_size = micro_batch_size
         self.vocab_size = vocab_size
         self.chunk_tokens = chunk_tokens
         self.max_tokens = max_tokens_per_micro_batch
+        self.support_k, self.loss_temperature, self.max_row_tokens = support_k, loss_temperature, max_row_tokens
         if self.device == "cuda":
             self.max_tokens = self._size_micro_batches(process)
 
@@ -103,9 +109,11 @@ class ScorerWorker:
     def _size_micro_batches(self, process: ProcessSettings, other_bytes: int = 0) -> int:
         """Tokens per teacher forward on a GPU: what this actor's memory share holds (models/sizing.py), at most
         the run's trainer.max_tokens_per_micro_batch when that is set; printed with its numbers. `other_bytes`:
-        what other models in this process hold (several teachers in one scorer, workers/teachers.py)."""
+        what other models in this process hold (several teachers in one scorer, workers/teachers.py). Refuses, with
+        the arithmetic, a share that cannot hold one row beside the weights and an LM-head chunk."""
         from miniverl.models.memory import human
-        from miniverl.models.sizing import LearnerShape, scorer_tokens
+        from miniverl.models.sizing import LearnerShape, check_scorer_fits, scorer_chunk_entry_bytes
+        from miniverl.models.vocab_kernels import kernels_available
 
         config = self.model.config
         shape = LearnerShape(
@@ -117,10 +125,15 @@ class ScorerWorker:
             adapter_params=0,
         )
         share = memory_share_bytes(process)
-        fits = scorer_tokens(shape, share, self.chunk_tokens)
+        entry = scorer_chunk_entry_bytes(self.support_k, self.loss_temperature, shape.vocab, kernels_available())
+        fits = check_scorer_fits(shape, share, self.chunk_tokens, entry, self.max_row_tokens)
         tokens = min(fits, self.max_tokens) if self.max_tokens else fits
-        print(f"scorer: forwards of up to {tokens} tokens ({human(share)} share)", flush=True)
-        return max(tokens, 1)
+        print(
+            f"scorer: forwards of up to {tokens} tokens ({human(share)} share, {human(shape.weight_bytes)} of weights,"
+            f" LM-head chunks of {self.chunk_tokens} tokens x {entry} B per logit)",
+            flush=True,
+        )
+        return tokens
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)

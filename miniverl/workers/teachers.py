@@ -39,6 +39,9 @@ class TeachersScorerWorker:
         vocab_size: int | None = None,
         chunk_tokens: int = 0,
         max_tokens_per_micro_batch: int = 0,
+        support_k: int | None = 0,
+        loss_temperature: float = 1.0,
+        max_row_tokens: int = 0,
     ) -> None:
         """Loads every teacher once, in this process (see the module docstring for why); on a GPU each teacher's
         forwards are then sized for the share left beside all of them."""
@@ -54,6 +57,9 @@ class TeachersScorerWorker:
                 quantization=t.quantization,
                 chunk_tokens=chunk_tokens,
                 max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                support_k=support_k,
+                loss_temperature=loss_temperature,
+                max_row_tokens=max_row_tokens,
             )
             for name, t in teachers.items()
         }

@@ -357,3 +357,34 @@ def test_an_update_that_runs_out_of_memory_is_redone_at_a_smaller_budget(student
     with pytest.raises(MiniVerlError, match="cannot shrink them .*the longest row has .*resources.learner.num_gpus"):
         stuck.update(batch, scores, REWARDS)
     assert all(p.grad is None for p in stuck.params) and stuck.version == 0  # nothing applied
+
+
+def test_the_scorer_sizes_its_forwards_for_the_support_it_is_built_for_and_refuses_a_share_too_small(
+    random_model_dir, monkeypatch
+):
+    """The sizing a scorer runs on a GPU (called here with an emulated share on the CPU): the chunk is counted in
+    the dtype its path keeps (bf16 logits with the Triton passes for sampled log-probs or a top-K at temperature
+    1; fp32 copies for a full support), and a share that cannot hold one row is refused with the fixes instead
+    of scoring a row per forward (the 4080 recipe's run 6)."""
+    from miniverl.models import vocab_kernels
+    from miniverl.models.sizing import LearnerShape, scorer_tokens
+    from miniverl.workers import ProcessSettings
+    from miniverl.workers.scorer import ScorerWorker
+    from tests.objectives.test_objective_invariances import CPU
+
+    monkeypatch.setattr(vocab_kernels, "kernels_available", lambda: True)
+    scorer = ScorerWorker(str(random_model_dir), "float32", 4, CPU, chunk_tokens=8, max_row_tokens=24)
+    config = scorer.model.config
+    shape = LearnerShape(
+        config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size,
+        scorer.weight_bytes(), 0,
+    )  # fmt: skip
+    share = ProcessSettings("cpu", gpu_memory_gib=(scorer.weight_bytes() + 2**20) / 0.8 / 2**30)
+    for support_k, temperature, entry in ((None, 1.0, 4), (3, 1.0, 4), (3, 2.0, 12), (0, 1.0, 12)):
+        scorer.support_k, scorer.loss_temperature = support_k, temperature
+        assert scorer._size_micro_batches(share) == scorer_tokens(shape, int(share.gpu_memory_gib * 2**30), 8, entry)
+    scorer.max_tokens = 16  # an explicit budget below what fits is kept
+    assert scorer._size_micro_batches(share) == 16
+    tiny = ProcessSettings("cpu", gpu_memory_gib=scorer.weight_bytes() / 0.8 / 2**30)
+    with pytest.raises(ConfigError, match="cannot hold one row of 24 tokens.*resources.scorer.num_gpus"):
+        scorer._size_micro_batches(tiny)

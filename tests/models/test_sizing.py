@@ -8,9 +8,11 @@ import pytest
 from miniverl.errors import ConfigError
 from miniverl.models.sizing import (
     LearnerShape,
+    check_scorer_fits,
     check_token_budget,
     fit_tokens,
     learner_peak_bytes,
+    scorer_chunk_entry_bytes,
     scorer_tokens,
 )
 
@@ -26,11 +28,18 @@ TEACHER = LearnerShape(
 
 @pytest.mark.parametrize(
     "tokens, chunk, measured_gib",
-    [(16_384, 512, 3.02), (32_768, 512, 4.86), (32_768, 1024, 4.86), (24_769, 1024, 3.94), (20_072, 256, 3.44)],
+    [
+        (16_384, 512, 3.02),
+        (32_768, 512, 4.86),
+        (32_768, 1024, 4.86),
+        (24_769, 1024, 3.94),
+        (22_624, 1024, 3.79),
+        (20_072, 256, 3.44),
+    ],
 )
 def test_model_matches_the_measured_peaks_from_above_or_within_4_percent(tokens, chunk, measured_gib):
     """Peaks measured on the H200 with the bf16 LoRA arithmetic and the Triton passes (2026-12-02,
-    docs/benchmarks/learner-throughput.md: diag10, confirm3 and diag9's first cell; torch's
+    docs/benchmarks/learner-throughput.md: diag10, confirm3, confirm4 and diag9's first cell; torch's
     max_memory_allocated): the model may overestimate (safe) but never underestimate by more than 4%."""
     modelled = learner_peak_bytes(STUDENT, tokens, chunk, checkpointing=True, closed_form=True) / GIB
     assert modelled >= measured_gib * 0.96
@@ -80,3 +89,45 @@ def test_scorer_budget_grows_with_the_share_and_is_zero_when_the_weights_do_not_
     assert 1_000 < small < large
     assert scorer_tokens(TEACHER, int(3.0 * GIB), 256) == 0
     assert scorer_tokens(TEACHER, int(4.8 * GIB), 0) < small  # whole-micro-batch logits cost per token
+
+
+@pytest.mark.parametrize(
+    "support_k, temperature, kernels, entry",
+    [
+        (None, 1.0, True, 4),  # sampled-token log-probs only (PG-k1, evaluation): the bf16 logits
+        (None, 2.0, True, 4),  # the sampled tokens are scored at temperature 1 whatever the loss's
+        (64, 1.0, True, 4),  # top-K + tail straight from the bf16 logits
+        (64, 2.0, True, 12),  # another loss temperature: log-softmax in fp32
+        (0, 1.0, True, 12),  # full support
+        (151_936, 1.0, True, 12),  # K >= V is the full support
+        (64, 1.0, False, 12),  # no Triton passes: the torch fallback upcasts
+    ],
+)
+def test_a_scoring_chunk_is_counted_in_the_dtype_its_path_keeps(support_k, temperature, kernels, entry):
+    assert scorer_chunk_entry_bytes(support_k, temperature, 151_936, kernels) == entry
+
+
+def test_the_4080_recipes_teacher_fits_its_share_at_1024_token_chunks_only_when_counted_in_bf16():
+    """Run 6 (docs/benchmarks/qlora-4080.md): the 1.5B teacher's 0.35 share of 16 GiB less its context, 1,024-token
+    chunks, GKD top-64. Counted as fp32 copies nothing fit and the scorer fell back to one row per forward
+    (8.5 s of scoring a step); counted as the bf16 logits it keeps, it plans forwards well above the 4,388 tokens
+    it ran at before, and the fp32 count is now refused instead of crawling."""
+    share = int((0.35 * 16 - 0.66) * GIB)
+    bf16 = scorer_chunk_entry_bytes(64, 1.0, TEACHER.vocab, kernels=True)
+    assert check_scorer_fits(TEACHER, share, 1024, bf16, 832) > 1.5 * 4_388  # 8,041
+    with pytest.raises(ConfigError) as err:
+        check_scorer_fits(TEACHER, share, 1024, scorer_chunk_entry_bytes(0, 1.0, TEACHER.vocab, True), 832)
+    msg = str(err.value)
+    assert "cannot hold one row of 832 tokens" in msg and "1024 tokens x 151936 x 12 B" in msg
+    assert "lower trainer.logprob_chunk_tokens" in msg and "resources.scorer.num_gpus" in msg
+    assert "model.teacher.quantization=nf4" in msg
+
+
+def test_a_scorer_without_chunks_is_told_to_set_them_and_a_row_longer_than_the_budget_is_refused():
+    share = int(4.8 * GIB)
+    fits = scorer_tokens(TEACHER, share, 256, 4)
+    assert check_scorer_fits(TEACHER, share, 256, 4, fits) == fits
+    with pytest.raises(ConfigError, match=f"one row of {fits + 1} tokens"):
+        check_scorer_fits(TEACHER, share, 256, 4, fits + 1)
+    with pytest.raises(ConfigError, match=r"set trainer.logprob_chunk_tokens \(e.g. 256\)"):
+        check_scorer_fits(TEACHER, int(3.6 * GIB), 0, 12, 832)
