@@ -3,13 +3,14 @@
     python scripts/bench_learner.py --cells cells.json --out results.jsonl [--profile NAME] [--shape qwen2.5-0.5b]
 
 cells.json: a list of {"name", "objective", "rows", "prompt_tokens", "response_tokens", "topk", "settings",
-"gpu_memory_gib"}; `settings` are LearnerWorker keyword arguments. Two switches measure what the product no
-longer does, to credit each change: "peft_lora": true gives peft's own LoRA arithmetic back (fp32 adapter
-matmuls over upcast inputs) and "eager_vocab": true turns off the Triton vocabulary passes
-(models/vocab_kernels.py). Each cell builds a fresh learner in this process (its memory cap applies to the
-process: run capped cells in their own process, or last). A cell that fails (OOM, refusal) is written with its
-error, never dropped. --profile NAME writes the torch profiler's top kernels for that cell's last update to
-<out>.NAME.prof.txt.
+"gpu_memory_gib"}; `settings` are LearnerWorker keyword arguments; "dtype" (bfloat16 on CUDA, float32 on the CPU by
+default) sets the model's. Three switches measure what the product no longer does, to credit each change:
+"peft_lora": true gives peft's own LoRA arithmetic back (fp32 adapter matmuls over upcast inputs), "eager_vocab":
+true turns off the Triton vocabulary passes (models/vocab_kernels.py) and "per_call_rounding": true rounds the
+adapter to the base's dtype at every call again instead of once per update (RoundedAdapter). Each cell builds a
+fresh learner in this process (its memory cap applies to the process: run capped cells in their own process, or
+last). A cell that fails (OOM, refusal) is written with its error, never dropped. --profile NAME writes the torch
+profiler's top kernels for that cell's last update to <out>.NAME.prof.txt.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from miniverl.bench.workload import build_random_model, real_shape
 from miniverl.models import vocab_kernels
 from miniverl.models.lora import LoraSettings
 from miniverl.workers import ProcessSettings
+from miniverl.workers import learner as learner_module
 from miniverl.workers.learner import LearnerWorker
 
 TINY = ModelShape(
@@ -47,6 +49,25 @@ TINY = ModelShape(
 )
 SHAPES = {"qwen2.5-0.5b": real_shape("qwen2.5-0.5b", 32768), "tiny": TINY}
 _KERNELS = vocab_kernels._use_kernels
+_ROUNDED = learner_module.RoundedAdapter
+
+
+class PerCallRounding:
+    """In place of RoundedAdapter: every adapted projection rounds its adapter in lora_delta at each call."""
+
+    def __init__(self, model) -> None:
+        pass
+
+    def __enter__(self) -> PerCallRounding:
+        return self
+
+    def collect(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -60,6 +81,7 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
     if cell.get("autocast"):
         raise ValueError("the autocast candidate is gone: LoRA now computes in the base's dtype (models/lora.py)")
     vocab_kernels._use_kernels = _KERNELS if not cell.get("eager_vocab") else (lambda x: False)
+    learner_module.RoundedAdapter = PerCallRounding if cell.get("per_call_rounding") else _ROUNDED
     settings = {"micro_batch_size": cell["rows"], **cell["settings"]}
     if device == "cuda" and cell.get("gpu_memory_gib") is None:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)  # an earlier capped cell's cap stays otherwise
@@ -67,7 +89,7 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
     learner = LearnerWorker(
         str(model_path),
         LoraSettings(rank=32, alpha=64.0, dropout=0.0, target_modules=ALL_LINEAR, init_seed=0),
-        "bfloat16" if device == "cuda" else "float32",
+        cell.get("dtype", "bfloat16" if device == "cuda" else "float32"),
         objective,
         lr=1e-5,
         weight_decay=0.0,

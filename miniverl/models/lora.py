@@ -100,13 +100,127 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if any(name in variants or biased.get(name) for name in self.active_adapters):
         return self._peft_forward(x, *args, **kwargs)
     result = self.base_layer(x)
+    rounded = self.__dict__.get("_rounded")  # {adapter: _Rounded} inside a RoundedAdapter scope
     for name in self.active_adapters:
         if name in self.lora_A:
             dropped = self.lora_dropout[name](x)
+            once = None if rounded is None else rounded.get(name)
+            if once is not None and once.a.dtype == dropped.dtype:
+                once.used = True
+                result = result + F.linear(F.linear(dropped, once.a), once.sb)  # lora_delta, rounded beforehand
+                continue
             result = result + lora_delta(
                 dropped, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
             )
     return result
+
+
+@dataclass
+class _Rounded:
+    """One adapted projection's A and s*B in the base's dtype: leaves that collect the step's gradients."""
+
+    a: torch.Tensor  # [r, E]
+    sb: torch.Tensor  # [O, r]
+    used: bool = False
+
+
+class RoundedAdapter:
+    """Inside `with RoundedAdapter(model):` every adapted projection computes `lora_delta` from A and s*B rounded to
+    the base's dtype once, on entry, instead of once per call: the rounding and the scaling left the graph, forward
+    and backward (with gradient checkpointing each micro-batch's forward runs twice). At the 0.5B shape, r32 on
+    every linear layer and 7 micro-batches an update, that is about 4k dtype copies, 2k multiplications and 3k
+    backward nodes of an update's 48k kernel launches, counted from the shapes (the learner bench's profile, diag11,
+    docs/benchmarks/learner-throughput.md: the update is partly CPU-bound). The rounded copies are leaves, so a
+    backward leaves their gradients in bf16; `collect()` after each backward adds them to the fp32 masters'
+    gradients exactly as autograd did through the cast (float(g), times s for B: the same roundings, bit for bit),
+    through flat buffers with a few kernels. Only for a scope in which the masters do not change (one optimizer
+    step's micro-batches). Costs 4 bytes per adapter parameter while open (the bf16 copies and their gradients)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.slots: list[tuple[torch.nn.Module, str]] = []
+        for module in model.modules():
+            if "_peft_forward" not in type(module).__dict__:
+                continue
+            for name in module.active_adapters:
+                if name in module.lora_A:
+                    self.slots.append((module, name))
+
+    def __enter__(self) -> RoundedAdapter:
+        masters_a = [m.lora_A[n].weight for m, n in self.slots]
+        masters_b = [m.lora_B[n].weight for m, n in self.slots]
+        self.scales = [float(m.scaling[n]) for m, n in self.slots]
+        self.masters = masters_a + masters_b
+        dtype = self._base_dtype()
+        with torch.no_grad():
+            scaled = list(torch._foreach_mul(masters_b, self.scales)) if masters_b else []
+            # each lora_delta's own rounding; a copy even where the dtype matches (fp32): never the master itself
+            copies = [t.to(dtype, copy=True) for t in masters_a + scaled]
+        sizes = [t.numel() for t in copies]
+        device = copies[0].device if copies else "cpu"
+        # the copies' gradients accumulate in place into one bf16 buffer: each backward adds to zeros, exactly
+        self.flat_grad = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        self.leaves, self.grad_views = [], []
+        for t, g in zip(copies, self.flat_grad.split(sizes), strict=True):
+            t.requires_grad_(True)
+            t.grad = g.view_as(t)
+            self.leaves.append(t)
+            self.grad_views.append(t.grad)
+        self.sizes = sizes
+        self.master_grad = None  # fp32 [sum(sizes)], the masters' .grad are views of it
+        half = len(self.slots)
+        for (module, name), a, sb in zip(self.slots, self.leaves[:half], self.leaves[half:], strict=True):
+            module.__dict__.setdefault("_rounded", {})[name] = _Rounded(a, sb)
+        return self
+
+    def _base_dtype(self) -> torch.dtype:
+        """The dtype the projections' inputs arrive in: the base weights', a 4-bit base's compute dtype. A call
+        whose input has another dtype computes lora_delta as usual (its gradient reaches the master directly)."""
+        if not self.slots:
+            return torch.float32
+        base = self.slots[0][0].base_layer
+        weight = getattr(base, "weight", None)
+        if weight is not None and weight.is_floating_point():
+            return weight.dtype
+        return getattr(base, "compute_dtype", None) or torch.bfloat16
+
+    def collect(self) -> None:
+        """Add the last backward's gradients of the rounded copies to the masters' (in fp32) and zero them."""
+        if not self.slots:
+            return
+        for leaf, view in zip(self.leaves, self.grad_views, strict=True):
+            if leaf.grad is not view:  # autograd accumulates into a defined .grad in place; never lose a gradient
+                raise RuntimeError("a rounded adapter copy's gradient left its buffer: collect() cannot see it")
+        if self.master_grad is None:
+            self.master_grad = torch.zeros(self.flat_grad.shape, dtype=torch.float32, device=self.flat_grad.device)
+        half = sum(self.sizes[: len(self.slots)])  # A's entries first, then s*B's
+        grad = self.flat_grad.float()
+        scales = set(self.scales)
+        if len(scales) == 1:
+            grad[half:] *= scales.pop()
+        else:
+            for g, s in zip(grad[half:].split(self.sizes[len(self.slots) :]), self.scales, strict=True):
+                g *= s
+        self.master_grad += grad
+        self.flat_grad.zero_()
+
+    def __exit__(self, *exc) -> None:
+        used = [False] * len(self.slots)
+        for i, (module, name) in enumerate(self.slots):
+            used[i] = module.__dict__["_rounded"].pop(name).used
+            if not module.__dict__["_rounded"]:
+                del module.__dict__["_rounded"]
+        if exc[0] is None and self.master_grad is not None:
+            views = self.master_grad.split(self.sizes)
+            for i, (master, view) in enumerate(zip(self.masters, views, strict=True)):
+                if not used[i % len(self.slots)]:
+                    continue  # a projection no forward reached keeps no gradient, as without this scope
+                view = view.view_as(master)
+                if master.grad is None:
+                    master.grad = view
+                else:
+                    master.grad += view
+        self.leaves, self.grad_views, self.flat_grad, self.master_grad = [], [], None, None
 
 
 def live_adapter(model) -> dict[str, torch.Tensor]:

@@ -32,7 +32,9 @@ LAYER_ACTIVATION_BYTES_PER_WIDTH = 13.4
 RUNTIME_BYTES = 128 * 2**20
 
 CHECKPOINT_BYTES = 2  # each layer's input is kept in the model's 16-bit dtype
-ADAPTER_STATE_BYTES = 16  # fp32 adapter weight, its gradient and AdamW's two moments, per adapter parameter
+# Per adapter parameter: the fp32 weight, its gradient and AdamW's two moments (16), and while an update runs the
+# bf16 copy its forwards use and that copy's gradient (4: models/lora.py RoundedAdapter).
+ADAPTER_STATE_BYTES = 20
 # Allocator fragmentation, the CUDA caching allocator's rounding and small tensors: a share of the budget
 # kept free. 15% was enough in the bench (reserved 10% above allocated at 32,768 tokens) but not in the 4080
 # recipe, whose learner runs probes and evaluation between updates: its first update went out of memory with

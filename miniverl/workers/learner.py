@@ -15,7 +15,14 @@ from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_stat
 from miniverl.errors import MiniVerlError, PolicyMismatchError
 from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
-from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, live_adapter, load_adapter_state
+from miniverl.models.lora import (
+    LoraSettings,
+    RoundedAdapter,
+    adapter_state,
+    build_lora_model,
+    live_adapter,
+    load_adapter_state,
+)
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
@@ -287,29 +294,32 @@ class LearnerWorker:
 
     def _gradients(self, batch, scores, advantages, num_tokens, row_weights):
         """Accumulate the step's gradients over its micro-batches; the loss sum and the per-token log-probs and
-        terms, [B, Tr] on the device (filled per micro-batch: one copy back, no sync per micro-batch)."""
+        terms, [B, Tr] on the device (filled per micro-batch: one copy back, no sync per micro-batch). The adapter
+        is rounded to the base's dtype once for all of them (models/lora.py RoundedAdapter)."""
         logprobs = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)
         terms = None if self.objective.token_terms is None else torch.zeros_like(logprobs)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
-            packed = pack_rows(batch, rows)
-            loss, lp, term = packed_token_loss(
-                self.model,
-                batch,
-                packed,
-                scores,
-                self.objective,
-                advantages,
-                num_tokens,
-                self.chunk_tokens,
-                row_weights,
-            )
-            loss.backward()
-            loss_sum += loss.detach()
-            at = (packed.rows.to(self.device), packed.cols.to(self.device))
-            logprobs[at] = lp
-            if terms is not None:
-                terms[at] = term
+        with RoundedAdapter(self.model) as rounded:
+            for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
+                packed = pack_rows(batch, rows)
+                loss, lp, term = packed_token_loss(
+                    self.model,
+                    batch,
+                    packed,
+                    scores,
+                    self.objective,
+                    advantages,
+                    num_tokens,
+                    self.chunk_tokens,
+                    row_weights,
+                )
+                loss.backward()
+                rounded.collect()
+                loss_sum += loss.detach()
+                at = (packed.rows.to(self.device), packed.cols.to(self.device))
+                logprobs[at] = lp
+                if terms is not None:
+                    terms[at] = term
         return loss_sum, logprobs, terms
 
     def _shrink_after_oom(self, batch: RolloutBatch, error: str) -> None:

@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from miniverl.models.lora import LoraSettings, build_lora_model, lora_delta
+from miniverl.models.lora import LoraSettings, RoundedAdapter, build_lora_model, lora_delta
 
 TARGETS = ("q_proj", "v_proj", "down_proj", "embed_tokens")  # an embedding adapter too: it must keep peft's forward
 # peft warns that the tied embedding carries an adapter; here that is the point
@@ -103,3 +103,73 @@ def test_the_swapped_class_pickles_is_never_swapped_twice_and_frees_without_the_
         assert ref() is None  # no reference cycle keeps a discarded model (and its GPU memory) alive
     finally:
         gc.enable()
+
+
+def adapter_grads(model) -> dict[str, torch.Tensor | None]:
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters() if "lora_" in n}
+
+
+def micro_batch_gradients(model, rounded: bool, chunks=3) -> tuple[dict, list]:
+    """The adapter's gradients over `chunks` micro-batches, with the adapter rounded once or per call."""
+    model.zero_grad(set_to_none=True)
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 20, (2, 6), generator=gen) for _ in range(chunks)]
+    outputs = []
+
+    def run(scope=None):
+        for ids in batches:
+            logits = model(input_ids=ids).logits
+            outputs.append(logits.detach())
+            logits.float().logsumexp(-1).sum().backward()
+            if scope is not None:
+                scope.collect()
+
+    if rounded:
+        with RoundedAdapter(model) as scope:
+            run(scope)
+            # every adapted projection took the rounded copies (else this compares lora_delta with itself)
+            assert all(layer.__dict__["_rounded"]["default"].used for layer in adapted(model))
+    else:
+        run()
+    return adapter_grads(model), outputs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rounding_the_adapter_once_per_step_changes_no_bit_of_the_outputs_or_the_gradients(student_dir, dtype):
+    """RoundedAdapter against lora_delta's per-call rounding: the same forward, and the same fp32 gradients
+    accumulated over several micro-batches (float(g), times s for B, then added), with one layer at another
+    scaling (alpha / r = 1.5: not a power of two) so the scaling really multiplies."""
+    model = model_at(student_dir, dtype, alpha=16.0)
+    layers = adapted(model)
+    layers[1].scaling["default"] = 1.5
+    want, want_out = micro_batch_gradients(model, rounded=False)
+    got, got_out = micro_batch_gradients(model, rounded=True)
+    assert all(torch.equal(a, b) for a, b in zip(want_out, got_out, strict=True))
+    assert want.keys() == got.keys()
+    for name in want:
+        assert (want[name] is None) == (got[name] is None), name
+        if want[name] is not None:
+            assert got[name].dtype == torch.float32
+            assert torch.equal(want[name], got[name]), name
+    assert any("embed_tokens" in n and g is not None for n, g in got.items())  # peft's own adapter: autograd as ever
+    assert not any("_rounded" in layer.__dict__ for layer in layers)  # nothing left on the modules
+
+
+def test_a_projection_no_forward_reached_keeps_no_gradient_and_an_error_assigns_none(student_dir):
+    model = model_at(student_dir, torch.bfloat16, alpha=16.0)
+    first, second = adapted(model)[:2]
+    x = torch.randn(3, first.in_features, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    with RoundedAdapter(model) as scope:
+        first(x).float().sum().backward()
+        scope.collect()
+    assert first.lora_A["default"].weight.grad is not None and first.lora_B["default"].weight.grad is not None
+    assert second.lora_A["default"].weight.grad is None and second.lora_B["default"].weight.grad is None
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="out of memory"), RoundedAdapter(model) as scope:
+        first(x).float().sum().backward()
+        scope.collect()
+        raise RuntimeError("CUDA out of memory (stand-in)")
+    assert first.lora_A["default"].weight.grad is None  # the learner redoes the step from nothing
+    assert "_rounded" not in first.__dict__
+    with model.disable_adapter(), RoundedAdapter(model):  # a disabled adapter still goes to peft, inside too
+        assert torch.equal(first(x), first.base_layer(x))
