@@ -273,6 +273,10 @@ class ResourcesConfig:
     # memory and copied device to device (CUDA IPC) when every replica shares the learner's GPU, else through
     # the host; host = always CPU copies through Ray's object store (miniverl/step/sync.py).
     weight_sync: str = "auto"
+    # true: the rollout replica, the scorer and the learner run in ONE actor process, each role on its own CUDA
+    # stream and thread, so their kernels can run at once (trainer.staleness=1 overlaps the next rollout with the
+    # update) and the GPU holds one CUDA context instead of three (cluster/colocate.py). One GPU, HF rollouts.
+    colocate: bool = False
     rollout: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.4))
     scorer: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
     learner: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
@@ -568,6 +572,18 @@ def validate(cfg: MiniVerlConfig) -> None:
     )
     sg = cfg.resources.scorer_gpus
     _require(sg >= 0, f"resources.scorer_gpus={sg}: use 0 (scorer shares each GPU) or a GPU count")
+    if cfg.resources.colocate:
+        _require(
+            (g is None or g <= 1) and sg == 0,
+            f"resources.colocate=true puts one rollout replica, scorer and learner in one process on one GPU, but"
+            f" resources.gpus={g} and resources.scorer_gpus={sg} ask for more; set resources.gpus=1 (or null) and"
+            " resources.scorer_gpus=0, or resources.colocate=false",
+        )
+        _require(
+            r.backend != "vllm",
+            "resources.colocate=true with rollout=vllm: vLLM runs its engine in a process of its own, so it cannot"
+            " share the learner's; use rollout=hf_cached (or hf_reference), or resources.colocate=false",
+        )
     _require(
         sg == 0 or g != 0,
         f"resources.scorer_gpus={sg} places the teacher on dedicated GPUs, but resources.gpus=0 asks for none;"

@@ -13,6 +13,8 @@
 #   compare             miniVERL and TRL's GKDTrainer on the comparison shape (16 prompts x 1 x 512 tokens,
 #                       LoRA r32, beta 0.5, on-policy), one after the other in this call
 #   report              python -m miniverl.bench.e2e_report $OUT: the table of every cell run so far
+#   mps-on / mps-off    start / stop the CUDA Multi-Process Service for the cells between them (its kernels of
+#                       separate processes run at once instead of time-slicing; says so when the machine lacks it)
 # nvidia-smi samples the whole device every 200 ms during each run (<cell>_smi.csv).
 # Two cells at once on an x2 machine: GPU=0 bash scripts/gpu_qlora.sh cell-... & GPU=1 bash scripts/gpu_qlora.sh cell-...
 set -uo pipefail
@@ -54,6 +56,13 @@ for step in "$@"; do
         --steps 3 --lora-rank 32 --beta 0.5 2>&1 | grep -v "Loading weights" > "$out/compare-trl.log"
       sleep 3; kill $smi
       tail -3 "$out/compare-trl.log"; echo "trl smi peak MiB: $(sort -n "$out/compare-trl_smi.csv" | tail -1)" ;;
+    mps-on)
+      if ! command -v nvidia-cuda-mps-control >/dev/null; then echo "no nvidia-cuda-mps-control here: MPS not run"; continue; fi
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d && echo "MPS daemon started" ;;
+    mps-off)
+      echo quit | nvidia-cuda-mps-control 2>/dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     report)
       python3 -m miniverl.bench.e2e_report "$out" | tee "$out/e2e_report.md" ;;
     *) echo "unknown step $step" ;;

@@ -89,6 +89,31 @@ def test_gkd_runs_through_ray_actors(tmp_path, student_dir, teacher_dir):
     assert any((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
 
 
+@pytest.mark.slow
+def test_colocated_roles_compute_the_separate_actors_run_and_overlap_one_step_stale(tmp_path, student_dir, teacher_dir):
+    """resources.colocate=true: rollout, scorer and learner in one actor (cluster/colocate.py). Strict sync gives the
+    separate actors' run number for number (hf_cached, adapter handed over in-process); with trainer.staleness=1
+    the next rollout runs beside the update on its own thread."""
+    common = (*TINY, "+experiment=gkd", "trainer=smoke", "rollout=hf_cached", "tracking=disabled")
+    models = (f"model.student.path={student_dir}", f"model.teacher.path={teacher_dir}")
+    runs = {}
+    for name, extra in (
+        ("colocated", ("resources.colocate=true",)),
+        ("separate", ()),
+        ("stale", ("resources.colocate=true", "trainer.staleness=1")),
+    ):
+        proc = run_main(*common, *models, *extra, f"hydra.run.dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert ("Colocated pid=" in proc.stdout + proc.stderr) == (name != "separate")
+    for mine, theirs in zip(runs["colocated"], runs["separate"], strict=True):
+        for key in ("loss", "reverse_kl", "grad_norm", "eval/reverse_kl", "policy_version"):
+            assert mine.get(key) == theirs.get(key), (mine["step"], key)
+    stale = runs["stale"][1:]
+    assert [x["staleness"] for x in stale] == [0, 1, 1] and [x["policy_version"] for x in stale] == [0, 0, 1]
+    assert all(x["sampler_gap_mean"] < 1e-4 for x in stale)
+
+
 def test_unknown_experiment_fails_with_the_options():
     proc = run_main("+experiment=distill", timeout=120)
     assert proc.returncode != 0

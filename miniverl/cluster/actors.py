@@ -8,20 +8,30 @@ from miniverl.errors import ConfigError
 
 
 def remote_actor(
-    cls: type, num_cpus: float, num_gpus: float, placement: tuple[Any, int] | None, *args: Any, **kwargs: Any
+    cls: type,
+    num_cpus: float,
+    num_gpus: float,
+    placement: tuple[Any, int] | None,
+    *args: Any,
+    concurrency_groups: tuple[str, ...] = (),
+    **kwargs: Any,
 ):
     """Start `cls(*args, **kwargs)` as a Ray actor holding the given resources, in bundle
-    `placement = (placement_group, bundle_index)` when given."""
+    `placement = (placement_group, bundle_index)` when given. Its calls run one at a time, or one at a time per
+    named concurrency group (a colocated actor's roles, cluster/colocate.py)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_concurrency": 1}
+
     if placement is not None:
         pg, index = placement
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=index
         )
-    return ray.remote(cls).options(**options).remote(*args, **kwargs)
+    groups = {group: 1 for group in concurrency_groups}  # Ray takes them with the class, not in .options()
+    remote_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
+    return remote_cls.options(**options).remote(*args, **kwargs)
 
 
 def gpu_placement_group(cpus_per_bundle: list[float], timeout_s: float = 120.0):

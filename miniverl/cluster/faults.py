@@ -189,12 +189,15 @@ class StopRequests:
 
 def actor_names(actors: dict[str, list[Any]]) -> dict[str, str]:
     """Ray actor id (hex) -> 'rollout replica 0' etc., to name the actor in a RayActorError."""
+    from miniverl.cluster.colocate import RoleHandle, actor_handle
+
     out = {}
     for role, group in actors.items():
         for i, actor in enumerate(group):
-            actor_id = getattr(actor, "_actor_id", None)
+            actor_id = getattr(actor_handle(actor), "_actor_id", None)
             if actor_id is not None:
-                out[actor_id.hex()] = f"{role} replica {i}"
+                colocated = isinstance(actor, RoleHandle)
+                out[actor_id.hex()] = "colocated (rollout, scorer, learner)" if colocated else f"{role} replica {i}"
     return out
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from miniverl.cluster.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
+from miniverl.cluster.colocate import ROLES, RoleHandle, actor_handle, colocated_class
 from miniverl.cluster.faults import shielded_children
 from miniverl.cluster.placement import plan_placement
 from miniverl.config import MiniVerlConfig
@@ -69,15 +71,21 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
     check_cluster_resources(plan.totals(), ray.cluster_resources())
     pg = gpu_placement_group(plan.bundle_cpus) if plan.bundle_cpus else None
 
+    emulated = setup.device == "cuda" and bool(res.emulate_gpu_gib)
+
     def gpu_cap_gib(actor: str) -> float | None:
         """The actor's torch cap on the emulated GPU (resources.emulate_gpu_gib), or None without emulation."""
-        emulated = setup.device == "cuda" and res.emulate_gpu_gib
         return emulated_cap_gib(res.emulate_gpu_gib, plan.num_gpus[actor], f"{actor} share") if emulated else None
+
+    threads = actor_threads(res.torch_threads, cfg.trainer.staleness, os.cpu_count() or 1)
+    colocated: dict[str, tuple[type, tuple, dict]] = {}  # resources.colocate: each role's constructor, built below
 
     def start(cls, actor: str, i: int, *args, **kwargs):
         share = plan.num_gpus[actor]
-        threads = actor_threads(res.torch_threads, cfg.trainer.staleness, os.cpu_count() or 1)
         process = ProcessSettings(setup.device, threads, gpu_cap_gib(actor), share, actor=True)
+        if res.colocate:  # the role's share sizes its work; the colocated process's cap is their sum
+            colocated[actor] = (cls, (*args, dataclasses.replace(process, process_cap=False)), kwargs)
+            return actor  # a placeholder until the one actor exists
         place = (pg, plan.bundle[actor][i]) if pg else None
         return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
 
@@ -103,7 +111,8 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
         start(RolloutWorker, "rollout", i, cfg.rollout.backend, student, lora, m.student.dtype, backend_options=options)
         for i in range(plan.count["rollout"])
     ]
-    _wait_ready("rollout", rollouts)  # before the others claim memory
+    if not res.colocate:
+        _wait_ready("rollout", rollouts)  # before the others claim memory
     # what the scorer's forwards are sized for: the objective's support, and rows as long as a rollout's
     scoring = {
         "support_k": objective.teacher_support_k,
@@ -170,6 +179,16 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
             for i in range(plan.count["learner"])
         ],
     }
+    if res.colocate:
+        share = sum(plan.num_gpus[role] for role in ROLES)
+        # one CUDA context for the three roles: the process may use the sum of their shares less one
+        cap = emulated_cap_gib(res.emulate_gpu_gib, share, "the colocated shares") if emulated else None
+        process = ProcessSettings(setup.device, threads, cap, share, actor=True)
+        cpus = sum(plan.num_cpus[role] for role in ROLES)
+        cls = colocated_class({role: spec[0] for role, spec in colocated.items()})
+        handle = remote_actor(cls, cpus, share, (pg, 0) if pg else None, colocated, process, concurrency_groups=ROLES)
+        _wait_ready("colocated", [handle])
+        actors = {role: [RoleHandle(handle, role)] for role in ROLES}
     _wait_ready("scorer", actors["scorer"])
     _wait_ready("learner", actors["learner"])
     if plan.count["learner"] > 1:
@@ -184,7 +203,7 @@ def _wait_ready(name: str, group: list[Any]) -> None:
 
     for i, actor in enumerate(group):
         try:
-            ray.get(actor.__ray_ready__.remote())
+            ray.get(actor_handle(actor).__ray_ready__.remote())
         except Exception as e:
             raise RuntimeError(f"the {name} actor (replica {i}) failed to start: {e}") from e
 
@@ -194,8 +213,8 @@ def teardown(actors: dict[str, list[Any]], pg) -> None:
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    for group in actors.values():
-        for actor in group:
-            ray.kill(actor)
+    handles = {id(actor_handle(a)): actor_handle(a) for group in actors.values() for a in group}
+    for handle in handles.values():  # a colocated actor is killed once, not once per role
+        ray.kill(handle)
     if pg is not None:
         remove_placement_group(pg)

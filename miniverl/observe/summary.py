@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from miniverl.cluster.actors import call
+from miniverl.cluster.colocate import RoleHandle
 from miniverl.config import MiniVerlConfig
 from miniverl.setup.prepare import Setup
 from miniverl.setup.teachers import teacher_name, teacher_specs
@@ -21,15 +22,18 @@ def run_summary(
     metrics_file: str,
     wall_seconds: float,
 ) -> dict[str, Any]:
-    """A finished run: its first and last evaluation, where it went, peak memory per actor, the gate's numbers.
+    """A finished run: its first and last evaluation, where it went, peak memory per actor process, the gate's
+    numbers.
 
     `result` is the loop's LoopResult (first_eval, last_eval, checkpoint).
     """
-    memory = {
-        name if len(group) == 1 else f"{name}{i}": call(a, "memory")
-        for name, group in actors.items()
-        for i, a in enumerate(group)
-    }
+    memory = {}
+    for name, group in actors.items():
+        for i, a in enumerate(group):
+            if isinstance(a, RoleHandle):  # one process holds every role: its peaks are theirs together
+                memory.setdefault("colocated", call(a, "memory"))
+            else:
+                memory[name if len(group) == 1 else f"{name}{i}"] = call(a, "memory")
     return {
         "status": "finished",
         "steps": cfg.trainer.total_steps,

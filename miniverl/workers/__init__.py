@@ -20,6 +20,9 @@ class ProcessSettings:
     # An actor process (cluster.launch.build_actors): SIGINT/SIGTERM are ignored, because a terminal's Ctrl-C, `timeout`
     # or a scheduler signal the whole process group, and stopping (checkpoint first) is the driver's job.
     actor: bool = False
+    # False: gpu_memory_gib is this role's share inside a colocated process (cluster/colocate.py), for sizing only;
+    # the process's cap (the sum of its roles') is set once by its host.
+    process_cap: bool = True
 
 
 # What every actor process holds on the GPU outside torch's allocator (its CUDA context, cuBLAS and NCCL
@@ -85,7 +88,7 @@ def setup_process(settings: ProcessSettings) -> str:
         return "cpu"
     if not torch.cuda.is_available():
         raise RuntimeError("this actor was asked to use CUDA but sees no GPU (CUDA_VISIBLE_DEVICES is empty?)")
-    if settings.gpu_memory_gib is not None:
+    if settings.gpu_memory_gib is not None and settings.process_cap:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, settings.gpu_memory_gib * 2**30 / total), 0)
     return "cuda"

@@ -44,7 +44,8 @@ class RolloutWorker:
         device, and finished before this returns: the learner rewrites that buffer at its next publish."""
         self.backend.load_adapter(snapshot.tensors())
         if snapshot.shared is not None:
-            torch.cuda.synchronize()
+            # the copies ran on this caller's stream; the device's others may be busy (a colocated learner's update)
+            torch.cuda.current_stream().synchronize()
         self.served = snapshot.identity
         return self.served
 

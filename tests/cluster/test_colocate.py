@@ -1,0 +1,81 @@
+"""resources.colocate (cluster/colocate.py): three roles in one actor, each called through its own handle, the roles'
+calls at once and one role's calls in order."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from miniverl.cluster.colocate import RoleHandle, actor_handle, colocated_class
+from miniverl.workers import ProcessSettings
+
+CPU = ProcessSettings("cpu", torch_threads=1)
+
+
+class Rollout:
+    def __init__(self, name: str, process: ProcessSettings) -> None:
+        self.name, self.loads = name, []
+
+    def load(self, version: int) -> str:
+        self.loads.append(version)
+        return f"{self.name} serves v{version}"
+
+    def _private(self) -> None:
+        raise AssertionError("not exposed")
+
+
+class Learner:
+    def __init__(self, process: ProcessSettings, lr: float = 0.0) -> None:
+        self.lr = lr
+
+    def load(self, path: str) -> str:  # the same name as a rollout method: each role keeps its own
+        return f"learner loaded {path} at lr {self.lr}"
+
+
+def test_each_role_keeps_its_own_methods_and_its_handle_names_them():
+    cls = colocated_class({"rollout": Rollout, "learner": Learner}, concurrency_groups=False)
+    assert {"rollout__load", "learner__load"} <= set(vars(cls)) and "rollout___private" not in vars(cls)
+    host = cls({"rollout": (Rollout, ("r0", CPU), {}), "learner": (Learner, (CPU,), {"lr": 0.5})}, CPU)
+    rollout, learner = RoleHandle(host, "rollout"), RoleHandle(host, "learner")
+    assert rollout.load(3) == "r0 serves v3" and host.parts["rollout"].loads == [3]
+    assert learner.load("ckpt") == "learner loaded ckpt at lr 0.5"
+    assert actor_handle(learner) is host and actor_handle(host) is host
+    with pytest.raises(AttributeError):
+        rollout.__ray_ready__  # noqa: B018  Ray's members belong to the whole actor, reached through actor_handle
+    with pytest.raises(ValueError, match="unknown roles \\['critic'\\]"):
+        colocated_class({"critic": Learner})
+
+
+@pytest.mark.slow
+def test_two_roles_run_at_once_and_one_roles_calls_in_order():
+    ray = pytest.importorskip("ray")
+    from miniverl.cluster.actors import fetch, remote_actor, submit
+
+    class Sleeper:  # defined here so Ray ships it by value (the test module is not importable in its workers)
+        def __init__(self, process: ProcessSettings) -> None:
+            pass
+
+        def nap(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return time.monotonic()
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        cls = colocated_class({"rollout": Sleeper, "learner": Sleeper})
+        specs = {role: (Sleeper, (CPU,), {}) for role in ("rollout", "learner")}
+        handle = remote_actor(cls, 1, 0, None, specs, CPU, concurrency_groups=("rollout", "scorer", "learner"))
+        rollout, learner = RoleHandle(handle, "rollout"), RoleHandle(handle, "learner")
+        fetch([submit(rollout, "nap", 0.0)])  # constructed
+        t0 = time.monotonic()
+        fetch([submit(rollout, "nap", 1.5), submit(learner, "nap", 1.5)])
+        assert time.monotonic() - t0 < 2.7  # the two roles slept at once
+        t0 = time.monotonic()
+        first, second = fetch([submit(learner, "nap", 1.0), submit(learner, "nap", 1.0)])
+        assert time.monotonic() - t0 >= 2.0 and second - first >= 0.99  # one role's calls one after the other
+        ray.kill(handle)
+    finally:
+        if started_here:
+            ray.shutdown()
