@@ -17,8 +17,9 @@ def remote_actor(
     **kwargs: Any,
 ):
     """Start `cls(*args, **kwargs)` as a Ray actor holding the given resources, in bundle
-    `placement = (placement_group, bundle_index)` when given. Its calls run one at a time, or one at a time per
-    named concurrency group (a colocated actor's roles, cluster/colocate.py)."""
+    `placement = (placement_group, bundle_index)` when given. Its calls run one at a time; with
+    `concurrency_groups`, a method named `<group>__<name>` runs in that group, one call at a time per group
+    (a colocated actor's roles, cluster/colocate.py)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -30,6 +31,10 @@ def remote_actor(
             placement_group=pg, placement_group_bundle_index=index
         )
     groups = {group: 1 for group in concurrency_groups}  # Ray takes them with the class, not in .options()
+    for name, fn in list(vars(cls).items()):
+        group = name.split("__", 1)[0]
+        if callable(fn) and group in groups:
+            setattr(cls, name, ray.method(concurrency_group=group)(fn))
     remote_cls = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
     return remote_cls.options(**options).remote(*args, **kwargs)
 

@@ -8,6 +8,13 @@ pays one CUDA context instead of three.
 
 The controller is unchanged: each role is handed a RoleHandle, which turns `handle.method` into the colocated
 actor's `role__method`, so submit/call/fetch (cluster/actors.py) work as with three actors.
+
+Not yet measured on a GPU. Expected costs: the roles share one Python interpreter (the learner's update is partly
+CPU-bound, so the GIL is shared with the rollout's decode loop), and hf_cached captures a CUDA graph for each new
+decode width, which synchronizes the device and empties the allocator's cache (torch.cuda.graph): with
+trainer.staleness=1 the first rollout's captures run beside an update. CUDA_CAPTURE_LOCK (miniverl/workers) keeps the
+learner's cache release out of a capture; an update that runs out of memory during one is redone smaller
+(`micro_batch_tokens` in the metrics shows it).
 """
 
 from __future__ import annotations
@@ -42,10 +49,10 @@ def actor_handle(actor: Any) -> Any:
     return actor.handle if isinstance(actor, RoleHandle) else actor
 
 
-def colocated_class(parts: dict[str, type], concurrency_groups: bool = True) -> type:
+def colocated_class(parts: dict[str, type]) -> type:
     """A class whose instance holds one object of each `parts[role]` and exposes each public method `name` of that
-    role's class as `role__name`, run on the role's CUDA stream; with `concurrency_groups` (the Ray actor) each such
-    method is in the role's concurrency group, so different roles' calls can run at once."""
+    role's class as `role__name`, run on the role's CUDA stream. remote_actor (cluster/actors.py) puts each
+    `role__*` method in the role's concurrency group, so different roles' calls can run at once."""
     unknown = set(parts) - set(ROLES)
     if unknown:
         raise ValueError(f"unknown roles {sorted(unknown)}; colocated roles are {ROLES}")
@@ -53,39 +60,49 @@ def colocated_class(parts: dict[str, type], concurrency_groups: bool = True) -> 
     for role, cls in parts.items():
         for name, _ in inspect.getmembers(cls, inspect.isfunction):
             if not name.startswith("_"):
-                members[f"{role}__{name}"] = _forwarder(role, name, concurrency_groups)
+                members[f"{role}__{name}"] = _forwarder(role, name)
     return type("Colocated", (), members)
+
+
+def processes(actors: dict[str, list[Any]]) -> dict[str, Any]:
+    """One handle per actor process, named for what it holds: `rollout`, `scorer0`, ... or `colocated` (whose
+    memory peaks are its roles' together: asking each role would count them three times)."""
+    out: dict[str, Any] = {}
+    for role, group in actors.items():
+        for i, actor in enumerate(group):
+            if isinstance(actor, RoleHandle):
+                out.setdefault("colocated", actor)
+            else:
+                out[role if len(group) == 1 else f"{role}{i}"] = actor
+    return out
 
 
 def _init(self, specs: dict[str, tuple[type, tuple, dict]], process: ProcessSettings) -> None:
     """`specs[role]` = (class, args, kwargs) as each role's own actor would be built; `process`: this process's
-    settings, its memory cap the sum of the roles' (their own settings carry their shares for sizing only)."""
+    settings, its memory cap the sum of the roles' (their own settings carry their shares for sizing only). Each
+    role is built on its own stream: the caching allocator reuses a freed block only on the stream it came from."""
     self.device = setup_process(process)
+    roles = [role for role in ROLES if role in specs]
+    self.streams = {role: torch.cuda.Stream() for role in roles} if self.device == "cuda" else {}
     self.parts = {}
-    for role in ROLES:
-        if role in specs:
-            cls, args, kwargs = specs[role]
-            self.parts[role] = cls(*args, **kwargs)
-    self.streams = {}
-    if self.device == "cuda":
-        self.streams = {role: torch.cuda.Stream() for role in self.parts}
-        torch.cuda.synchronize()  # what the constructors queued on the default stream is done before any role's stream
+    for role in roles:
+        cls, args, kwargs = specs[role]
+        self.parts[role] = _on_stream(self.streams.get(role), cls, *args, **kwargs)
 
 
-def _forwarder(role: str, name: str, concurrency_group: bool):
+def _on_stream(stream, fn, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) on `stream` (None: as is), finished when it returns: its result is safe for any role."""
+    if stream is None:
+        return fn(*args, **kwargs)
+    with torch.cuda.stream(stream):
+        out = fn(*args, **kwargs)
+    stream.synchronize()  # this stream only: the other roles' work runs on
+    return out
+
+
+def _forwarder(role: str, name: str):
     def method(self, *args: Any, **kwargs: Any) -> Any:
-        target = getattr(self.parts[role], name)
-        stream = self.streams.get(role)
-        if stream is None:
-            return target(*args, **kwargs)
-        with torch.cuda.stream(stream):
-            out = target(*args, **kwargs)
-        stream.synchronize()  # the call's GPU work is done when its result is (as across processes); others run on
-        return out
+        return _on_stream(self.streams.get(role), getattr(self.parts[role], name), *args, **kwargs)
 
     method.__name__ = method.__qualname__ = f"{role}__{name}"
-    if concurrency_group:
-        import ray
-
-        method = ray.method(concurrency_group=role)(method)
     return method

@@ -106,7 +106,7 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             dropped = self.lora_dropout[name](x)
             once = None if rounded is None else rounded.get(name)
             if once is not None and once.a.dtype == dropped.dtype:
-                once.used = True
+                once.used |= torch.is_grad_enabled()  # a no-grad forward leaves the gradient None, as without the scope
                 result = result + F.linear(F.linear(dropped, once.a), once.sb)  # lora_delta, rounded beforehand
                 continue
             result = result + lora_delta(
@@ -134,7 +134,10 @@ class RoundedAdapter:
     backward leaves their gradients in bf16; `collect()` after each backward adds them to the fp32 masters'
     gradients exactly as autograd did through the cast (float(g), times s for B: the same roundings, bit for bit),
     through flat buffers with a few kernels. Only for a scope in which the masters do not change (one optimizer
-    step's micro-batches). Costs 4 bytes per adapter parameter while open (the bf16 copies and their gradients)."""
+    step's micro-batches), with one forward of each projection per backward (the learner's micro-batches; the
+    recomputation under gradient checkpointing reuses that forward's graph): a projection run twice before one
+    backward gets its two gradients summed in bf16, where the per-call path sums them in fp32. Costs 4 bytes per
+    adapter parameter while open (the bf16 copies and their gradients)."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -153,7 +156,7 @@ class RoundedAdapter:
         self.masters = masters_a + masters_b
         dtype = self._base_dtype()
         with torch.no_grad():
-            scaled = list(torch._foreach_mul(masters_b, self.scales)) if masters_b else []
+            scaled = [b * scale for b, scale in zip(masters_b, self.scales, strict=True)]
             # each lora_delta's own rounding; a copy even where the dtype matches (fp32): never the master itself
             copies = [t.to(dtype, copy=True) for t in masters_a + scaled]
         sizes = [t.numel() for t in copies]
@@ -178,11 +181,13 @@ class RoundedAdapter:
         whose input has another dtype computes lora_delta as usual (its gradient reaches the master directly)."""
         if not self.slots:
             return torch.float32
+        from miniverl.models.loading import NF4_COMPUTE_DTYPE
+
         base = self.slots[0][0].base_layer
         weight = getattr(base, "weight", None)
         if weight is not None and weight.is_floating_point():
             return weight.dtype
-        return getattr(base, "compute_dtype", None) or torch.bfloat16
+        return getattr(base, "compute_dtype", None) or NF4_COMPUTE_DTYPE
 
     def collect(self) -> None:
         """Add the last backward's gradients of the rounded copies to the masters' (in fp32) and zero them."""
@@ -205,6 +210,8 @@ class RoundedAdapter:
         self.flat_grad.zero_()
 
     def __exit__(self, *exc) -> None:
+        if exc[0] is None and self.slots and bool(self.flat_grad.any()):
+            self.collect()  # a backward not yet collected is added, not dropped
         used = [False] * len(self.slots)
         for i, (module, name) in enumerate(self.slots):
             used[i] = module.__dict__["_rounded"].pop(name).used

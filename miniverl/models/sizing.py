@@ -59,8 +59,10 @@ class LearnerShape:
 # [T, intermediate] in bf16: about 6 bytes per unit of hidden + intermediate size). An estimate from the shapes,
 # checked once against a measured peak (scorer_tokens).
 SCORER_LAYER_BYTES_PER_WIDTH = 6.0
-# fp32 [c, V] buffers of one scoring chunk (upcast logits, log-softmax, the top-K / tail arithmetic): no backward.
-SCORER_CHUNK_FP32_COPIES = 3
+# fp32 [c, V] buffers of one scoring chunk at a loss temperature other than 1 or with a full support (no backward):
+# the upcast and divided logits, the log-softmax, the previous chunk's log-softmax until it is replaced, and the
+# tail's scatter beside the logsumexp's temporary; with the chunk's bf16 logits about 14 bytes per logit at the peak.
+SCORER_CHUNK_FP32_COPIES = 4
 
 
 def scorer_chunk_entry_bytes(support_k: int | None, loss_temperature: float, vocab: int, kernels: bool) -> int:
@@ -101,18 +103,31 @@ def check_scorer_fits(
     """scorer_tokens, refused with the arithmetic when one row of `longest_row` tokens does not fit: a teacher
     scoring a row at a time would run out of memory, or crawl where the row just fits beside a chunk."""
     fits = scorer_tokens(shape, share_bytes, chunk_tokens, entry_bytes)
-    if fits >= max(longest_row, 1):
+    row = max(longest_row, 1)
+    if fits >= row:
         return fits
     usable = share_bytes * (1 - SLACK_FRACTION) - shape.weight_bytes
-    chunk = max(chunk_tokens, 0) * shape.vocab * entry_bytes
-    fix = "lower trainer.logprob_chunk_tokens" if chunk_tokens > 0 else "set trainer.logprob_chunk_tokens (e.g. 256)"
+    head = f"the teacher scorer's memory share of {human(share_bytes)} cannot hold one row of {row} tokens"
+    share_fixes = "give the scorer a larger resources.scorer.num_gpus share or quantize the teacher"
+    if usable <= 0:
+        raise ConfigError(
+            f"{head}: {human(shape.weight_bytes)} of teacher weights alone exceed it less {SLACK_FRACTION:.0%} slack;"
+            f" {share_fixes} (model.teacher.quantization=nf4)"
+        )
+    per_token = shape.hidden * CHECKPOINT_BYTES + SCORER_LAYER_BYTES_PER_WIDTH * (shape.hidden + shape.intermediate)
+    if chunk_tokens > 0:
+        logits = f"one LM-head chunk of {chunk_tokens} tokens x {shape.vocab} x {entry_bytes} B takes"
+        logits += f" {human(chunk_tokens * shape.vocab * entry_bytes)}"
+        fix = "lower trainer.logprob_chunk_tokens"
+    else:
+        logits = f"with trainer.logprob_chunk_tokens=0 every token's logits cost {shape.vocab} x {entry_bytes} B too"
+        per_token += shape.vocab * entry_bytes
+        fix = "set trainer.logprob_chunk_tokens (e.g. 256)"
     raise ConfigError(
-        f"the teacher scorer's memory share of {human(share_bytes)} cannot hold one row of {max(longest_row, 1)}"
-        f" tokens: less {SLACK_FRACTION:.0%} slack and {human(shape.weight_bytes)} of teacher weights it leaves"
-        f" {human(max(int(usable), 0))}, and one LM-head chunk of {max(chunk_tokens, 0)} tokens x {shape.vocab}"
-        f" x {entry_bytes} B takes {human(chunk)}; {fix}, give the scorer a larger resources.scorer.num_gpus"
-        " share, shorten rollout.max_new_tokens or data.max_prompt_length, or quantize the teacher"
-        " (model.teacher.quantization=nf4)"
+        f"{head}: less {SLACK_FRACTION:.0%} slack and {human(shape.weight_bytes)} of teacher weights it leaves"
+        f" {human(int(usable))}; {logits}, and the row's activations need {row} x {human(int(per_token))}"
+        f" = {human(int(row * per_token))}; {fix}, {share_fixes} (model.teacher.quantization=nf4), or shorten"
+        " rollout.max_new_tokens or data.max_prompt_length"
     )
 
 

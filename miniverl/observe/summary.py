@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from miniverl.cluster.actors import call
-from miniverl.cluster.colocate import RoleHandle
+from miniverl.cluster.colocate import processes
 from miniverl.config import MiniVerlConfig
 from miniverl.setup.prepare import Setup
 from miniverl.setup.teachers import teacher_name, teacher_specs
@@ -27,13 +27,7 @@ def run_summary(
 
     `result` is the loop's LoopResult (first_eval, last_eval, checkpoint).
     """
-    memory = {}
-    for name, group in actors.items():
-        for i, a in enumerate(group):
-            if isinstance(a, RoleHandle):  # one process holds every role: its peaks are theirs together
-                memory.setdefault("colocated", call(a, "memory"))
-            else:
-                memory[name if len(group) == 1 else f"{name}{i}"] = call(a, "memory")
+    memory = {name: call(a, "memory") for name, a in processes(actors).items()}
     return {
         "status": "finished",
         "steps": cfg.trainer.total_steps,

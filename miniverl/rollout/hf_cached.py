@@ -35,6 +35,7 @@ from miniverl.rollout import Completion
 from miniverl.rollout.hf_reference import left_pad
 from miniverl.rollout.sampling import SamplingParams, make_generators, sample_next
 from miniverl.step.served_policy import probe_tolerance
+from miniverl.workers import CUDA_CAPTURE_LOCK
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 LORA_GROUPS = ("qkv_lora", "o_lora", "gate_up_lora", "down_lora")
@@ -528,8 +529,9 @@ class HFCachedBackend:
                 self._decode_step(width)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (a profiler, a memory poll) must not break the capture.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        # thread_local: another thread's CUDA calls (a profiler, a memory poll, a colocated learner) must not break
+        # the capture; the lock keeps that learner's cache release out of it (miniverl/workers/__init__.py).
+        with CUDA_CAPTURE_LOCK, torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = self._decode_step(width)
         return graph, logits
 

@@ -18,6 +18,7 @@ from typing import Any
 from miniverl.batches import PromptBatch
 from miniverl.checkpoints.store import prune, step_dir
 from miniverl.cluster.actors import call
+from miniverl.cluster.colocate import processes
 from miniverl.cluster.faults import RunInterrupted, StopRequests, actor_names, dead_actor_error
 from miniverl.cluster.gpu_memory import device_used_gib
 from miniverl.config import MiniVerlConfig
@@ -135,9 +136,7 @@ class TrainingLoop:
         if self.gauges is not None:
             self.gauges.record(done, metrics)
             if self.setup.device == "cuda":
-                self.gauges.record_memory(
-                    {f"{role}{i}": call(a, "memory") for role, g in self.actors.items() for i, a in enumerate(g)}
-                )
+                self.gauges.record_memory({name: call(a, "memory") for name, a in processes(self.actors).items()})
 
     def _interrupt(self, done: int, saved: bool) -> None:
         import signal

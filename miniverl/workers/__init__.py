@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
+
+# One CUDA graph capture at a time in a process, and no release of the allocator's cache during one: torch asserts
+# that no capture is underway in empty_cache(), and a colocated process (cluster/colocate.py) captures the rollout's
+# decode graphs on one thread while the learner may give its cache back after running out of memory on another.
+CUDA_CAPTURE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,14 @@ from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
 from miniverl.step.served_policy import PROBE_TOKENS, draw_probe
-from miniverl.workers import ProcessSettings, gpu_uuid, memory_report, memory_share_bytes, setup_process
+from miniverl.workers import (
+    CUDA_CAPTURE_LOCK,
+    ProcessSettings,
+    gpu_uuid,
+    memory_report,
+    memory_share_bytes,
+    setup_process,
+)
 
 # How much an out-of-memory update lowers the token budget before it is redone (LearnerWorker._shrink_after_oom).
 OOM_SHRINK = 0.75
@@ -345,7 +352,8 @@ class LearnerWorker:
                 f" trainer.logprob_chunk_tokens, or shorten rollout.max_new_tokens. CUDA said: {error[:300]}"
             )
         if self.device == "cuda":
-            torch.cuda.empty_cache()
+            with CUDA_CAPTURE_LOCK:  # not while a colocated rollout captures a CUDA graph (torch asserts)
+                torch.cuda.empty_cache()
         print(
             f"learner: out of GPU memory at micro-batches of {self.max_tokens} tokens; redoing this update at"
             f" {smaller} tokens, kept for the rest of the run",

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from miniverl.cluster.colocate import RoleHandle, actor_handle, colocated_class
+from miniverl.cluster.colocate import RoleHandle, actor_handle, colocated_class, processes
 from miniverl.workers import ProcessSettings
 
 CPU = ProcessSettings("cpu", torch_threads=1)
@@ -34,7 +34,7 @@ class Learner:
 
 
 def test_each_role_keeps_its_own_methods_and_its_handle_names_them():
-    cls = colocated_class({"rollout": Rollout, "learner": Learner}, concurrency_groups=False)
+    cls = colocated_class({"rollout": Rollout, "learner": Learner})
     assert {"rollout__load", "learner__load"} <= set(vars(cls)) and "rollout___private" not in vars(cls)
     host = cls({"rollout": (Rollout, ("r0", CPU), {}), "learner": (Learner, (CPU,), {"lr": 0.5})}, CPU)
     rollout, learner = RoleHandle(host, "rollout"), RoleHandle(host, "learner")
@@ -45,6 +45,13 @@ def test_each_role_keeps_its_own_methods_and_its_handle_names_them():
         rollout.__ray_ready__  # noqa: B018  Ray's members belong to the whole actor, reached through actor_handle
     with pytest.raises(ValueError, match="unknown roles \\['critic'\\]"):
         colocated_class({"critic": Learner})
+    # one memory report per process: the colocated one once, separate actors by role (and replica)
+    assert processes({"rollout": [rollout], "learner": [learner]}) == {"colocated": rollout}
+    assert processes({"rollout": ["r"], "learner": ["l0", "l1"]}) == {
+        "rollout": "r",
+        "learner0": "l0",
+        "learner1": "l1",
+    }
 
 
 @pytest.mark.slow
@@ -70,8 +77,8 @@ def test_two_roles_run_at_once_and_one_roles_calls_in_order():
         rollout, learner = RoleHandle(handle, "rollout"), RoleHandle(handle, "learner")
         fetch([submit(rollout, "nap", 0.0)])  # constructed
         t0 = time.monotonic()
-        fetch([submit(rollout, "nap", 1.5), submit(learner, "nap", 1.5)])
-        assert time.monotonic() - t0 < 2.7  # the two roles slept at once
+        fetch([submit(rollout, "nap", 2.0), submit(learner, "nap", 2.0)])
+        assert time.monotonic() - t0 < 3.6  # the two roles slept at once (one after the other: 4 s)
         t0 = time.monotonic()
         first, second = fetch([submit(learner, "nap", 1.0), submit(learner, "nap", 1.0)])
         assert time.monotonic() - t0 >= 2.0 and second - first >= 0.99  # one role's calls one after the other

@@ -380,7 +380,7 @@ def test_the_scorer_sizes_its_forwards_for_the_support_it_is_built_for_and_refus
         scorer.weight_bytes(), 0,
     )  # fmt: skip
     share = ProcessSettings("cpu", gpu_memory_gib=(scorer.weight_bytes() + 2**20) / 0.8 / 2**30)
-    for support_k, temperature, entry in ((None, 1.0, 4), (3, 1.0, 4), (3, 2.0, 12), (0, 1.0, 12)):
+    for support_k, temperature, entry in ((None, 1.0, 4), (3, 1.0, 4), (3, 2.0, 16), (0, 1.0, 16)):
         scorer.support_k, scorer.loss_temperature = support_k, temperature
         assert scorer._size_micro_batches(share) == scorer_tokens(shape, int(share.gpu_memory_gib * 2**30), 8, entry)
     scorer.max_tokens = 16  # an explicit budget below what fits is kept

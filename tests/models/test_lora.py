@@ -112,6 +112,7 @@ def adapter_grads(model) -> dict[str, torch.Tensor | None]:
 def micro_batch_gradients(model, rounded: bool, chunks=3) -> tuple[dict, list]:
     """The adapter's gradients over `chunks` micro-batches, with the adapter rounded once or per call."""
     model.zero_grad(set_to_none=True)
+    model.train()
     gen = torch.Generator().manual_seed(7)
     batches = [torch.randint(0, 20, (2, 6), generator=gen) for _ in range(chunks)]
     outputs = []
@@ -134,12 +135,19 @@ def micro_batch_gradients(model, rounded: bool, chunks=3) -> tuple[dict, list]:
     return adapter_grads(model), outputs
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rounding_the_adapter_once_per_step_changes_no_bit_of_the_outputs_or_the_gradients(student_dir, dtype):
+@pytest.mark.parametrize(
+    "dtype, checkpointing", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)]
+)
+def test_rounding_the_adapter_once_per_step_changes_no_bit_of_the_outputs_or_the_gradients(
+    student_dir, dtype, checkpointing
+):
     """RoundedAdapter against lora_delta's per-call rounding: the same forward, and the same fp32 gradients
     accumulated over several micro-batches (float(g), times s for B, then added), with one layer at another
-    scaling (alpha / r = 1.5: not a power of two) so the scaling really multiplies."""
+    scaling (alpha / r = 1.5: not a power of two) so the scaling really multiplies; also under the learner's
+    non-reentrant gradient checkpointing (the recomputation reuses the rounded copies)."""
     model = model_at(student_dir, dtype, alpha=16.0)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = adapted(model)
     layers[1].scaling["default"] = 1.5
     want, want_out = micro_batch_gradients(model, rounded=False)
@@ -173,3 +181,18 @@ def test_a_projection_no_forward_reached_keeps_no_gradient_and_an_error_assigns_
     assert "_rounded" not in first.__dict__
     with model.disable_adapter(), RoundedAdapter(model):  # a disabled adapter still goes to peft, inside too
         assert torch.equal(first(x), first.base_layer(x))
+
+
+def test_a_backward_left_uncollected_is_added_at_exit_and_a_no_grad_forward_adds_no_gradient(student_dir):
+    model = model_at(student_dir, torch.bfloat16, alpha=16.0)
+    first, second = adapted(model)[:2]
+    x = torch.randn(3, first.in_features, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    first(x).float().sum().backward()
+    want = first.lora_A["default"].weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    with RoundedAdapter(model):
+        first(x).float().sum().backward()  # no collect(): the scope's exit adds it
+        with torch.no_grad():
+            second(x)
+    assert torch.equal(first.lora_A["default"].weight.grad, want)
+    assert second.lora_A["default"].weight.grad is None  # used without grad: no zero gradient for AdamW to move

@@ -97,10 +97,10 @@ def test_scorer_budget_grows_with_the_share_and_is_zero_when_the_weights_do_not_
         (None, 1.0, True, 4),  # sampled-token log-probs only (PG-k1, evaluation): the bf16 logits
         (None, 2.0, True, 4),  # the sampled tokens are scored at temperature 1 whatever the loss's
         (64, 1.0, True, 4),  # top-K + tail straight from the bf16 logits
-        (64, 2.0, True, 12),  # another loss temperature: log-softmax in fp32
-        (0, 1.0, True, 12),  # full support
-        (151_936, 1.0, True, 12),  # K >= V is the full support
-        (64, 1.0, False, 12),  # no Triton passes: the torch fallback upcasts
+        (64, 2.0, True, 16),  # another loss temperature: log-softmax in fp32
+        (0, 1.0, True, 16),  # full support
+        (151_936, 1.0, True, 16),  # K >= V is the full support
+        (64, 1.0, False, 16),  # no Triton passes: the torch fallback upcasts
     ],
 )
 def test_a_scoring_chunk_is_counted_in_the_dtype_its_path_keeps(support_k, temperature, kernels, entry):
@@ -118,7 +118,7 @@ def test_the_4080_recipes_teacher_fits_its_share_at_1024_token_chunks_only_when_
     with pytest.raises(ConfigError) as err:
         check_scorer_fits(TEACHER, share, 1024, scorer_chunk_entry_bytes(0, 1.0, TEACHER.vocab, True), 832)
     msg = str(err.value)
-    assert "cannot hold one row of 832 tokens" in msg and "1024 tokens x 151936 x 12 B" in msg
+    assert "cannot hold one row of 832 tokens" in msg and "1024 tokens x 151936 x 16 B" in msg
     assert "lower trainer.logprob_chunk_tokens" in msg and "resources.scorer.num_gpus" in msg
     assert "model.teacher.quantization=nf4" in msg
 
@@ -129,5 +129,10 @@ def test_a_scorer_without_chunks_is_told_to_set_them_and_a_row_longer_than_the_b
     assert check_scorer_fits(TEACHER, share, 256, 4, fits) == fits
     with pytest.raises(ConfigError, match=f"one row of {fits + 1} tokens"):
         check_scorer_fits(TEACHER, share, 256, 4, fits + 1)
-    with pytest.raises(ConfigError, match=r"set trainer.logprob_chunk_tokens \(e.g. 256\)"):
-        check_scorer_fits(TEACHER, int(3.6 * GIB), 0, 12, 832)
+    with pytest.raises(
+        ConfigError, match=r"every token's logits cost .* set trainer.logprob_chunk_tokens \(e.g. 256\)"
+    ):
+        check_scorer_fits(TEACHER, int(3.6 * GIB), 0, 16, 832)
+    with pytest.raises(ConfigError, match="teacher weights alone exceed it") as err:
+        check_scorer_fits(TEACHER, int(3.0 * GIB), 256, 4, 832)
+    assert "logprob_chunk_tokens" not in str(err.value)  # a smaller chunk cannot help there
