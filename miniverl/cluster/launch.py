@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from miniverl.cluster.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
-from miniverl.cluster.colocate import ROLES, RoleHandle, actor_handle, colocated_class
+from miniverl.cluster.colocate import ROLES, RoleHandle, actor_handle, colocated_class, processes
 from miniverl.cluster.faults import shielded_children
 from miniverl.cluster.placement import plan_placement
 from miniverl.config import MiniVerlConfig
@@ -213,8 +213,7 @@ def teardown(actors: dict[str, list[Any]], pg) -> None:
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    handles = {id(actor_handle(a)): actor_handle(a) for group in actors.values() for a in group}
-    for handle in handles.values():  # a colocated actor is killed once, not once per role
-        ray.kill(handle)
+    for actor in processes(actors).values():  # a colocated actor is killed once, not once per role
+        ray.kill(actor_handle(actor))
     if pg is not None:
         remove_placement_group(pg)

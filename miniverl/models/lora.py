@@ -140,7 +140,6 @@ class RoundedAdapter:
     adapter parameter while open (the bf16 copies and their gradients)."""
 
     def __init__(self, model) -> None:
-        self.model = model
         self.slots: list[tuple[torch.nn.Module, str]] = []
         for module in model.modules():
             if "_peft_forward" not in type(module).__dict__:
@@ -153,6 +152,7 @@ class RoundedAdapter:
         masters_a = [m.lora_A[n].weight for m, n in self.slots]
         masters_b = [m.lora_B[n].weight for m, n in self.slots]
         self.scales = [float(m.scaling[n]) for m, n in self.slots]
+        self.scale = self.scales[0] if len(set(self.scales)) == 1 else None  # one for every B, as usually
         self.masters = masters_a + masters_b
         dtype = self._base_dtype()
         with torch.no_grad():
@@ -200,9 +200,8 @@ class RoundedAdapter:
             self.master_grad = torch.zeros(self.flat_grad.shape, dtype=torch.float32, device=self.flat_grad.device)
         half = sum(self.sizes[: len(self.slots)])  # A's entries first, then s*B's
         grad = self.flat_grad.float()
-        scales = set(self.scales)
-        if len(scales) == 1:
-            grad[half:] *= scales.pop()
+        if self.scale is not None:
+            grad[half:] *= self.scale
         else:
             for g, s in zip(grad[half:].split(self.sizes[len(self.slots) :]), self.scales, strict=True):
                 g *= s

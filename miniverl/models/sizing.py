@@ -85,16 +85,21 @@ def scorer_tokens(
     """Tokens per teacher forward (no gradient): the final hidden states of every token stay for the LM-head
     chunks, and one layer's activations exist at a time; the weights are fixed. `entry_bytes`: one chunk entry
     (scorer_chunk_entry_bytes). 0 when nothing fits."""
+    usable, per_token, chunk = _scorer_costs(shape, share_bytes, chunk_tokens, entry_bytes)
+    return max(int((usable - chunk) // per_token), 0)
+
+
+def _scorer_costs(shape: LearnerShape, share_bytes: int, chunk_tokens: int, entry_bytes: int):
+    """(bytes the share leaves beside the weights, bytes per token of a forward, bytes of one LM-head chunk)."""
     # Weights only: in the recipe's end-to-end run (docs/benchmarks/qlora-4080.md) the 1.5B teacher peaked at
     # 3.52 GiB with 4,388-token forwards and 256-token fp32 chunks, which weights + this per-token model + one
     # chunk give within 2% without the learner's runtime intercept (no backward, no optimizer).
     usable = share_bytes * (1 - SLACK_FRACTION) - shape.weight_bytes
     per_token = shape.hidden * CHECKPOINT_BYTES + SCORER_LAYER_BYTES_PER_WIDTH * (shape.hidden + shape.intermediate)
-    chunk = max(chunk_tokens, 0)
-    vocab = chunk * shape.vocab * entry_bytes
-    if chunk == 0:  # a whole micro-batch's logits at once: they cost per token too
+    chunk = max(chunk_tokens, 0) * shape.vocab * entry_bytes
+    if chunk_tokens <= 0:  # a whole micro-batch's logits at once: they cost per token too
         per_token += shape.vocab * entry_bytes
-    return max(int((usable - vocab) // per_token), 0)
+    return usable, per_token, chunk
 
 
 def check_scorer_fits(
@@ -106,7 +111,7 @@ def check_scorer_fits(
     row = max(longest_row, 1)
     if fits >= row:
         return fits
-    usable = share_bytes * (1 - SLACK_FRACTION) - shape.weight_bytes
+    usable, per_token, chunk = _scorer_costs(shape, share_bytes, chunk_tokens, entry_bytes)
     head = f"the teacher scorer's memory share of {human(share_bytes)} cannot hold one row of {row} tokens"
     share_fixes = "give the scorer a larger resources.scorer.num_gpus share or quantize the teacher"
     if usable <= 0:
@@ -114,14 +119,11 @@ def check_scorer_fits(
             f"{head}: {human(shape.weight_bytes)} of teacher weights alone exceed it less {SLACK_FRACTION:.0%} slack;"
             f" {share_fixes} (model.teacher.quantization=nf4)"
         )
-    per_token = shape.hidden * CHECKPOINT_BYTES + SCORER_LAYER_BYTES_PER_WIDTH * (shape.hidden + shape.intermediate)
     if chunk_tokens > 0:
-        logits = f"one LM-head chunk of {chunk_tokens} tokens x {shape.vocab} x {entry_bytes} B takes"
-        logits += f" {human(chunk_tokens * shape.vocab * entry_bytes)}"
+        logits = f"one LM-head chunk of {chunk_tokens} tokens x {shape.vocab} x {entry_bytes} B takes {human(chunk)}"
         fix = "lower trainer.logprob_chunk_tokens"
     else:
         logits = f"with trainer.logprob_chunk_tokens=0 every token's logits cost {shape.vocab} x {entry_bytes} B too"
-        per_token += shape.vocab * entry_bytes
         fix = "set trainer.logprob_chunk_tokens (e.g. 256)"
     raise ConfigError(
         f"{head}: less {SLACK_FRACTION:.0%} slack and {human(shape.weight_bytes)} of teacher weights it leaves"
