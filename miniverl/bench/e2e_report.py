@@ -8,6 +8,7 @@ Used by scripts/gpu_qlora.sh (docs/benchmarks/qlora-4080.prereg.md fixes the cel
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -78,7 +79,13 @@ def table(cells: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    out_dir = Path(argv[0])
+    parser = argparse.ArgumentParser(prog="python -m miniverl.bench.e2e_report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path, help="a folder of <cell>_metrics.jsonl (and <cell>_smi.csv) files")
+    out_dir = parser.parse_args(argv).out_dir
+    if not out_dir.is_dir():
+        parser.error(
+            f"{out_dir} is not a folder: give the folder the GPU script wrote its <cell>_metrics.jsonl files to"
+        )
     cells = sorted(p.name.removesuffix("_metrics.jsonl") for p in out_dir.glob("*_metrics.jsonl"))
     results = [read_cell(out_dir, c) for c in cells]
     (out_dir / "e2e_report.json").write_text(json.dumps(results, indent=2))

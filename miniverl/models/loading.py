@@ -52,6 +52,22 @@ def require_quantization(quantization: str, device: str, field: str) -> None:
         )
 
 
+def checkpoint_numel(model_dir: str) -> int:
+    """Elements of every tensor in the model directory's *.safetensors files, read from their headers (no weights
+    loaded); 0 when it has none (a hub id, or .bin weights)."""
+    from safetensors import safe_open
+
+    numel = 0
+    for f in sorted(Path(model_dir).expanduser().glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():  # noqa: SIM118 - safe_open has no __iter__
+                n = 1
+                for d in h.get_slice(key).get_shape():
+                    n *= d
+                numel += n
+    return numel
+
+
 def torch_dtype(name: str, device: str) -> torch.dtype:
     """`auto` is bf16 on CUDA and fp32 on the CPU (CPU bf16 matmuls are slow and imprecise)."""
     if name == "auto":

@@ -97,20 +97,11 @@ def check_settings(s: VllmSettings) -> None:
 
 def checkpoint_bytes(model_dir: str, dtype: torch.dtype) -> int:
     """Bytes of the model's weights in `dtype`, read from the safetensors headers (no weights loaded)."""
-    from safetensors import safe_open
+    from miniverl.models.loading import checkpoint_numel
 
-    files = sorted(Path(model_dir).expanduser().glob("*.safetensors"))
-    if not files:
+    numel = checkpoint_numel(model_dir)
+    if not numel:
         raise ConfigError(f"{model_dir!r} has no *.safetensors weights; rollout=vllm loads safetensors checkpoints")
-    numel = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for key in h.keys():  # noqa: SIM118 - safe_open has no __iter__
-                shape = h.get_slice(key).get_shape()
-                n = 1
-                for d in shape:
-                    n *= d
-                numel += n
     return numel * torch.finfo(dtype).bits // 8
 
 

@@ -106,6 +106,47 @@ def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
             )
 
 
+def check_scorer_share(
+    cfg: MiniVerlConfig, device: str, objective, teachers: dict, paths: dict, configs: dict, vocab: int
+) -> None:
+    """On an emulated card (resources.emulate_gpu_gib) the scorer's memory share is known before any actor starts,
+    so teachers that cannot score one row in it are refused here, with the arithmetic the scorer would give after
+    loading them (models/sizing.py check_scorer_fits), not after Ray started and the student loaded (a 12 GiB
+    card with the 1.5B bf16 teacher, docs/benchmarks/staleness-gpu.md, session 8). Counted at their most frugal
+    (LM-head chunks in the model's dtype, weights from the safetensors headers), so nothing refused here would
+    have fit; 4-bit teachers and weights in other formats are left to the scorer's own check.
+
+    `objective`: the built objective (its support and loss temperature); `teachers`: setup role -> its model
+    spec (setup/teachers.py teacher_specs); `paths` and `configs` (transformers configs): by role."""
+    from miniverl.models.loading import checkpoint_numel, torch_dtype
+    from miniverl.models.sizing import LearnerShape, check_scorer_fits, scorer_chunk_entry_bytes
+    from miniverl.workers import emulated_cap_gib
+
+    res = cfg.resources
+    if device != "cuda" or res.emulate_gpu_gib is None or any(s.quantization != "none" for s in teachers.values()):
+        return
+    weights = {
+        role: checkpoint_numel(paths[role]) * torch_dtype(s.dtype, device).itemsize for role, s in teachers.items()
+    }
+    if not all(weights.values()):
+        return
+    fraction = 1.0 if res.scorer_gpus > 0 else res.scorer.num_gpus  # scorer_gpus: a GPU of its own
+    share = int(emulated_cap_gib(res.emulate_gpu_gib, fraction, "resources.scorer.num_gpus") * 2**30)
+    entry = scorer_chunk_entry_bytes(objective.teacher_support_k, objective.loss_temperature, vocab, kernels=True)
+    for role in teachers:  # one scorer process holds every teacher (workers/teachers.py)
+        c = configs[role]
+        shape = LearnerShape(
+            layers=c.num_hidden_layers,
+            hidden=c.hidden_size,
+            intermediate=c.intermediate_size,
+            vocab=vocab,
+            weight_bytes=sum(weights.values()),
+            adapter_params=0,
+        )
+        longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+        check_scorer_fits(shape, share, cfg.trainer.logprob_chunk_tokens, entry, longest_row)
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run starts: the checkpoint, the step it holds, and the run's step-0 evaluation."""

@@ -37,6 +37,7 @@ from miniverl.setup.preflight import (
     check_device_settings,
     check_gpu_request,
     check_lora_targets,
+    check_scorer_share,
     check_tracking,
     resolve_resume,
 )
@@ -134,6 +135,7 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
         t.max_tokens_per_micro_batch,
         objective.closed_form_head,
     )
+    check_scorer_share(cfg, device, objective, teachers, paths, configs, vocab_size)
     stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from miniverl.bench.e2e_report import memory_slope, read_cell, summarize, table
+from miniverl.bench.e2e_report import main, memory_slope, read_cell, summarize, table
 
 
 def step(k: int, mem: float, gap: float = 0.1, clipped: float = 0.0, t: float = 1.0) -> dict:
@@ -44,3 +44,17 @@ def test_a_cell_that_never_ran_is_reported_not_dropped(tmp_path):
     assert cells[1] == {"cell": "missing", "steps": 0, "smi_peak_gib": 0.0}
     text = table(cells)
     assert "| ok | 5 | 1 |" in text and "| missing | 0 | - |" in text
+
+
+def test_a_folder_that_is_not_there_is_refused_and_nothing_is_written(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "no-such-run")])
+    assert stop.value.code == 2 and "is not a folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_report_writes_its_json_beside_the_cells(tmp_path, capsys):
+    (tmp_path / "ok_metrics.jsonl").write_text("\n".join(json.dumps(step(k, 8.0)) for k in range(1, 6)))
+    main([str(tmp_path)])
+    assert json.loads((tmp_path / "e2e_report.json").read_text())[0]["steps"] == 5
+    assert "| ok | 5 |" in capsys.readouterr().out

@@ -155,3 +155,24 @@ def test_gpus_asked_for_must_exist_unless_an_existing_ray_cluster_has_them():
         check_gpu_request(load("resources.gpus=2"), "cuda", cuda_devices=1, ray_running=False)
     check_gpu_request(load(), "cuda", cuda_devices=1, ray_running=False)  # the default: one GPU
     check_gpu_request(load(), "cpu", cuda_devices=0, ray_running=False)
+
+
+def test_a_teacher_its_scorer_share_cannot_hold_is_refused_before_any_actor(student_dir, teacher_dir, monkeypatch):
+    """Session 8 on the GPU: a 12 GiB emulated card left the 1.5B bf16 teacher's scorer no room, and the scorer said
+    so only after Ray had started and the student had loaded. On an emulated card the share is known in the driver,
+    so prepare refuses it with the same arithmetic; what fits passes, and a 4-bit teacher is left to the scorer."""
+    import miniverl.setup.prepare as prep
+    from miniverl.models.loading import checkpoint_numel
+
+    monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
+    card = ("resources.emulate_gpu_gib=1", "resources.rollout.num_gpus=0.15", "resources.scorer.num_gpus=0.7")
+    quiet = lambda *_: None  # noqa: E731
+    assert checkpoint_numel(str(teacher_dir)) > 0 and checkpoint_numel(str(teacher_dir / "missing")) == 0
+    prep.prepare(with_models(student_dir, teacher_dir, *card), log=quiet)  # 43 MB hold short rows of a tiny teacher
+    long_rows = with_models(student_dir, teacher_dir, *card, "rollout.max_new_tokens=60000")
+    with pytest.raises(ConfigError, match=r"the teacher scorer's memory share of .* cannot hold one row of 6\d{4} tok"):
+        prep.prepare(long_rows, log=quiet)
+    four_bit = with_models(
+        student_dir, teacher_dir, *card, "rollout.max_new_tokens=60000", "model.teacher.quantization=nf4"
+    )
+    prep.prepare(four_bit, log=quiet)  # its loaded size is the scorer's to count (bitsandbytes is a dependency)
