@@ -277,6 +277,11 @@ class ResourcesConfig:
     # stream and thread, so their kernels can run at once (trainer.staleness=1 overlaps the next rollout with the
     # update) and the GPU holds one CUDA context instead of three (cluster/colocate.py). One GPU, HF rollouts.
     colocate: bool = False
+    # With colocate: the colocated process's Python thread switch interval in ms (sys.setswitchinterval). Its roles
+    # share one interpreter, so a role whose thread wants the GIL while another role runs Python waits up to this
+    # long (with trainer.staleness=1 the rollout's decode loop beside the learner's launch-bound update). None:
+    # Python's 5 ms. Refused without colocate (separate actors each run one role).
+    switch_interval_ms: float | None = None
     rollout: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.4))
     scorer: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
     learner: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
@@ -583,6 +588,14 @@ def validate(cfg: MiniVerlConfig) -> None:
             r.backend != "vllm",
             "resources.colocate=true with rollout=vllm: vLLM runs its engine in a process of its own, so it cannot"
             " share the learner's; use rollout=hf_cached (or hf_reference), or resources.colocate=false",
+        )
+    si = cfg.resources.switch_interval_ms
+    if si is not None:
+        _require(si > 0, f"resources.switch_interval_ms={si}: use a positive interval in ms, or null (Python's 5 ms)")
+        _require(
+            cfg.resources.colocate,
+            f"resources.switch_interval_ms={si} sets how a colocated process's roles take turns with Python, but"
+            " resources.colocate=false runs each role in its own process; set resources.colocate=true or drop it",
         )
     _require(
         sg == 0 or g != 0,

@@ -113,6 +113,11 @@ def test_loss_weights_are_off_by_default_and_mopd_weighs_sorting():
         (["resources.colocate=true", "resources.gpus=2"], "resources.colocate=true puts one rollout replica"),
         (["resources.colocate=true", "resources.scorer_gpus=1"], "set resources.gpus=1 .* resources.scorer_gpus=0"),
         (["resources.colocate=true", "rollout=vllm"], "resources.colocate=true with rollout=vllm"),
+        (["resources.switch_interval_ms=0.5"], "switch_interval_ms=0.5 sets how a colocated .* set resources.colocate"),
+        (
+            ["resources.colocate=true", "resources.switch_interval_ms=0"],
+            "switch_interval_ms=0.0: use a positive interval",
+        ),
         (["data.overlong=truncate"], "data.overlong='truncate': use filter .* or error"),
         (["data.val_files=[v.jsonl]"], "data.val_files is set but data.train_files is empty"),
         (["data.train_files=[/nowhere/t.parquet]"], r"data.train_files: \['/nowhere/t.parquet'\] does not exist"),

@@ -9,12 +9,15 @@ pays one CUDA context instead of three.
 The controller is unchanged: each role is handed a RoleHandle, which turns `handle.method` into the colocated
 actor's `role__method`, so submit/call/fetch (cluster/actors.py) work as with three actors.
 
-Not yet measured on a GPU. Expected costs: the roles share one Python interpreter (the learner's update is partly
-CPU-bound, so the GIL is shared with the rollout's decode loop), and hf_cached captures a CUDA graph for each new
-decode width, which synchronizes the device and empties the allocator's cache (torch.cuda.graph): with
-trainer.staleness=1 the first rollout's captures run beside an update. CUDA_CAPTURE_LOCK (miniverl/workers) keeps the
-learner's cache release out of a capture; an update that runs out of memory during one is redone smaller
-(`micro_batch_tokens` in the metrics shows it).
+Measured on an H200 at the 4080 recipe (docs/benchmarks/staleness-gpu.md, session 8): strict, 7.14 s per step
+against 7.66 with separate actors and a whole-GPU peak 1.1 GiB lower; with trainer.staleness=1, 5.68 s (1.35x the
+separate strict run; 0.97x with separate processes). Its costs: the roles share the SMs and one Python interpreter
+(the learner's update is partly CPU-bound, and beside the rollout's decode loop it went 2.44 -> 4.00 s;
+resources.switch_interval_ms sets how long a role waits for another's Python, ProcessSettings.switch_interval_s),
+and hf_cached captures a CUDA graph for each new decode width, which synchronizes the device and empties the
+allocator's cache (torch.cuda.graph): with trainer.staleness=1 the first rollout's captures run beside an update.
+CUDA_CAPTURE_LOCK (miniverl/workers) keeps the learner's cache release out of a capture; an update that runs out of
+memory during one is redone smaller (`micro_batch_tokens` in the metrics shows it).
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
         share = sum(plan.num_gpus[role] for role in ROLES)
         # one CUDA context for the three roles: the process may use the sum of their shares less one
         cap = emulated_cap_gib(res.emulate_gpu_gib, share, "the colocated shares") if emulated else None
-        process = ProcessSettings(setup.device, threads, cap, share, actor=True)
+        switch = None if res.switch_interval_ms is None else res.switch_interval_ms / 1e3
+        process = ProcessSettings(setup.device, threads, cap, share, actor=True, switch_interval_s=switch)
         cpus = sum(plan.num_cpus[role] for role in ROLES)
         cls = colocated_class({role: spec[0] for role, spec in colocated.items()})
         handle = remote_actor(cls, cpus, share, (pg, 0) if pg else None, colocated, process, concurrency_groups=ROLES)

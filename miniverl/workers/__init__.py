@@ -29,6 +29,9 @@ class ProcessSettings:
     # False: gpu_memory_gib is this role's share inside a colocated process (cluster/colocate.py), for sizing only;
     # the process's cap (the sum of its roles') is set once by its host.
     process_cap: bool = True
+    # sys.setswitchinterval for this process, seconds (resources.switch_interval_ms: colocated roles share one
+    # interpreter); None keeps Python's.
+    switch_interval_s: float | None = None
 
 
 # What every actor process holds on the GPU outside torch's allocator (its CUDA context, cuBLAS and NCCL
@@ -90,6 +93,11 @@ def setup_process(settings: ProcessSettings) -> str:
     if settings.actor:
         ignore_stop_signals()
     torch.set_num_threads(settings.torch_threads or os.cpu_count() or 1)
+    if settings.switch_interval_s is not None:
+        import sys
+
+        sys.setswitchinterval(settings.switch_interval_s)
+        print(f"process: Python switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
     if settings.device != "cuda":
         return "cpu"
     if not torch.cuda.is_available():

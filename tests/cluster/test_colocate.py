@@ -86,3 +86,20 @@ def test_two_roles_run_at_once_and_one_roles_calls_in_order():
     finally:
         if started_here:
             ray.shutdown()
+
+
+def test_a_process_takes_the_switch_interval_it_is_given_and_keeps_pythons_otherwise():
+    """resources.switch_interval_ms reaches the colocated process as ProcessSettings.switch_interval_s."""
+    import sys
+
+    from miniverl.workers import setup_process
+
+    before = sys.getswitchinterval()
+    try:
+        setup_process(ProcessSettings("cpu", torch_threads=1, switch_interval_s=0.0005))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(before)
+        setup_process(CPU)
+        assert sys.getswitchinterval() == before
+    finally:
+        sys.setswitchinterval(before)
