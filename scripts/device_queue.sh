@@ -2,7 +2,7 @@
 # A device session's GPU work as one queue that outlasts a single device call (10 minutes each), so the machine
 # never idles between cells. From the project root on the device machine, after staging the bundles:
 #
-#   bash scripts/device_queue.sh start QUEUE_FILE     # returns at once; the queue runs under setsid
+#   bash scripts/device_queue.sh start QUEUE_FILE...  # returns at once; the files' commands run in order under setsid
 #   bash scripts/device_queue.sh collect SECONDS      # packs results into $OUT/res.tgz every 20 s, until the
 #                                                     # queue is done or SECONDS have passed (one call's worth;
 #                                                     # $QUEUE_POLL_S sets the 20 s)
@@ -18,16 +18,18 @@ root=${QUEUE_ROOT:-/tmp/queue}
 res=$root/res
 case "${1:-}" in
   start)
-    queue=${2:?give the queue file: bash scripts/device_queue.sh start QUEUE_FILE}
-    [ -f "$queue" ] || { echo "no queue file $queue" >&2; exit 2; }
+    shift
+    [ $# -gt 0 ] || { echo "give the queue file(s): bash scripts/device_queue.sh start QUEUE_FILE..." >&2; exit 2; }
+    for queue in "$@"; do [ -f "$queue" ] || { echo "no queue file $queue" >&2; exit 2; }; done
     [ -d miniverl ] || { echo "run from the project root" >&2; exit 2; }
     if [ -f "$res/queue.log" ] && ! grep -q ALL_DONE "$res/queue.log"; then
       echo "a queue is still running ($res/queue.log); wait for it with collect" >&2; exit 2
     fi
     rm -rf "$root/tree" "$res"; mkdir -p "$root/tree" "$res"
     tar --exclude=./.devbundle --exclude=./.git -cf - . | tar -xf - -C "$root/tree"
-    cp "$queue" "$res/queue.txt"
-    echo "== queued $(grep -cvE '^\s*(#|$)' "$queue") commands ($(date +%T))" > "$res/queue.log"  # before start returns
+    for queue in "$@"; do cat "$queue"; echo; done > "$res/queue.txt"  # a file without a final newline stays whole
+    count=$(grep -cvE '^\s*(#|$)' "$res/queue.txt")
+    echo "== queued $count commands from $* ($(date +%T))" > "$res/queue.log"  # before start returns
     runner=$(cat <<'EOF'
 cd "$1/tree"; res=$1/res
 [ -f /tmp/site/env.sh ] && . /tmp/site/env.sh
@@ -45,7 +47,7 @@ log ALL_DONE
 EOF
 )
     setsid nohup bash -c "$runner" queue "$root" > "$root/runner.log" 2>&1 < /dev/null &
-    echo "queue started: $(grep -cvE '^\s*(#|$)' "$queue") commands, log $res/queue.log" ;;
+    echo "queue started: $count commands, log $res/queue.log" ;;
   collect)
     out=${OUT:?set OUT (the device call sets it)}
     seconds=${2:?give the seconds to wait: bash scripts/device_queue.sh collect 560}
@@ -66,5 +68,5 @@ EOF
     grep -q ALL_DONE "$res/queue.log" 2>/dev/null && echo "queue done" || echo "queue still running"
     grep '^== ' "$res/queue.log" | tail -6 ;;
   *)
-    echo "usage: bash scripts/device_queue.sh start QUEUE_FILE | collect SECONDS" >&2; exit 2 ;;
+    echo "usage: bash scripts/device_queue.sh start QUEUE_FILE... | collect SECONDS" >&2; exit 2 ;;
 esac

@@ -26,9 +26,10 @@ def project(tmp_path: Path) -> Path:
 def test_a_queue_runs_every_command_in_order_from_its_own_copy_and_is_collected(tmp_path):
     tree, root, out = project(tmp_path), tmp_path / "q", tmp_path / "out"
     out.mkdir()
-    queue = tree / "queue.txt"
-    queue.write_text('# a comment\n\necho first\nfalse\ncat miniverl/marker.txt; echo " out=$OUT"\n')
-    started = run(["start", str(queue)], tree, root, out)
+    queue, more = tree / "queue.txt", tree / "more.txt"
+    queue.write_text("# a comment\n\necho first\nfalse")  # no final newline: not joined to the next file's line
+    more.write_text('cat miniverl/marker.txt; echo " out=$OUT"')
+    started = run(["start", str(queue), str(more)], tree, root, out)
     assert started.returncode == 0 and "3 commands" in started.stdout
     (tree / "miniverl" / "marker.txt").write_text("v2")  # a later device call re-copies the tree: not seen
     collected = run(["collect", "60"], tree, root, out)
@@ -51,6 +52,7 @@ def test_a_queue_runs_every_command_in_order_from_its_own_copy_and_is_collected(
 def test_bad_calls_say_what_to_do_and_start_nothing(tmp_path):
     tree, root, out = project(tmp_path), tmp_path / "q", tmp_path / "out"
     out.mkdir()
+    assert run(["start"], tree, root, out).returncode == 2
     missing = run(["start", str(tree / "nope.txt")], tree, root, out)
     assert missing.returncode == 2 and "no queue file" in missing.stderr and not root.exists()
     early = run(["collect", "5"], tree, root, out)
