@@ -16,13 +16,14 @@
 set -uo pipefail
 root=${QUEUE_ROOT:-/tmp/queue}
 res=$root/res
+finished() { grep -q ALL_DONE "$res/queue.log" 2>/dev/null; }  # the runner's last line
 case "${1:-}" in
   start)
     shift
     [ $# -gt 0 ] || { echo "give the queue file(s): bash scripts/device_queue.sh start QUEUE_FILE..." >&2; exit 2; }
     for queue in "$@"; do [ -f "$queue" ] || { echo "no queue file $queue" >&2; exit 2; }; done
     [ -d miniverl ] || { echo "run from the project root" >&2; exit 2; }
-    if [ -f "$res/queue.log" ] && ! grep -q ALL_DONE "$res/queue.log"; then
+    if [ -f "$res/queue.log" ] && ! finished; then
       echo "a queue is still running ($res/queue.log); wait for it with collect" >&2; exit 2
     fi
     rm -rf "$root/tree" "$res"; mkdir -p "$root/tree" "$res"
@@ -61,11 +62,11 @@ EOF
     }
     while [ "$(date +%s)" -lt "$end" ]; do
       pack
-      grep -q ALL_DONE "$res/queue.log" 2>/dev/null && break
+      finished && break
       sleep "${QUEUE_POLL_S:-20}"
     done
     pack
-    grep -q ALL_DONE "$res/queue.log" 2>/dev/null && echo "queue done" || echo "queue still running"
+    finished && echo "queue done" || echo "queue still running"
     grep '^== ' "$res/queue.log" | tail -6 ;;
   *)
     echo "usage: bash scripts/device_queue.sh start QUEUE_FILE... | collect SECONDS" >&2; exit 2 ;;

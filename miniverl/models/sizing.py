@@ -55,6 +55,19 @@ class LearnerShape:
     adapter_params: int
 
 
+def teacher_shape(config, vocab: int, weight_bytes: int) -> LearnerShape:
+    """A teacher as the scorer's memory model sees it: the sizes in its transformers `config`, the logits it is
+    scored over (`vocab`) and the bytes its weights take as loaded; no adapter."""
+    return LearnerShape(
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        vocab=vocab,
+        weight_bytes=weight_bytes,
+        adapter_params=0,
+    )
+
+
 # A no-gradient forward keeps only one layer's transient activations per token (the MLP's gate, up and product,
 # [T, intermediate] in bf16: about 6 bytes per unit of hidden + intermediate size). An estimate from the shapes,
 # checked once against a measured peak (scorer_tokens).

@@ -119,7 +119,7 @@ def check_scorer_share(
     `objective`: the built objective (its support and loss temperature); `teachers`: setup role -> its model
     spec (setup/teachers.py teacher_specs); `paths` and `configs` (transformers configs): by role."""
     from miniverl.models.loading import checkpoint_numel, torch_dtype
-    from miniverl.models.sizing import LearnerShape, check_scorer_fits, scorer_chunk_entry_bytes
+    from miniverl.models.sizing import check_scorer_fits, scorer_chunk_entry_bytes, teacher_shape
     from miniverl.workers import emulated_cap_gib
 
     res = cfg.resources
@@ -133,17 +133,10 @@ def check_scorer_share(
     fraction = 1.0 if res.scorer_gpus > 0 else res.scorer.num_gpus  # scorer_gpus: a GPU of its own
     share = int(emulated_cap_gib(res.emulate_gpu_gib, fraction, "resources.scorer.num_gpus") * 2**30)
     entry = scorer_chunk_entry_bytes(objective.teacher_support_k, objective.loss_temperature, vocab, kernels=True)
-    for role in teachers:  # one scorer process holds every teacher (workers/teachers.py)
-        c = configs[role]
-        shape = LearnerShape(
-            layers=c.num_hidden_layers,
-            hidden=c.hidden_size,
-            intermediate=c.intermediate_size,
-            vocab=vocab,
-            weight_bytes=sum(weights.values()),
-            adapter_params=0,
-        )
-        longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    held = sum(weights.values())  # one scorer process holds every teacher (workers/teachers.py)
+    for role in teachers:
+        shape = teacher_shape(configs[role], vocab, held)
         check_scorer_fits(shape, share, cfg.trainer.logprob_chunk_tokens, entry, longest_row)
 
 
