@@ -205,6 +205,10 @@ class TrainerConfig:
     # tensor exists. 0 = a whole micro-batch's tokens at once (fine for tiny vocabularies).
     logprob_chunk_tokens: int = 0
     gradient_checkpointing: bool = False  # recompute decoder activations in backward (less memory, ~30% slower)
+    # Each decoder layer of the learner through torch.compile (miniverl/models/compiled.py): about half the kernel
+    # launches of an update whose time is launches and Python; the first update compiles (tens of seconds). Opt-in:
+    # not yet measured on a GPU.
+    compile_layers: bool = False
     # The largest vocabulary-sized buffer the run may hold (GiB): the teacher's full-vocabulary support of a
     # step (objective.teacher_topk=0) and the learner's direct-path logits are refused above it, with the
     # arithmetic (miniverl/models/memory.py).

@@ -175,6 +175,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
                 max_row_tokens=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
                 staleness=t.staleness,
                 loss_weight_by_source=dict(t.loss_weight_by_source),
+                compile_layers=t.compile_layers,
             )
             for i in range(plan.count["learner"])
         ],

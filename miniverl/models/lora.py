@@ -106,7 +106,10 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             dropped = self.lora_dropout[name](x)
             once = None if rounded is None else rounded.get(name)
             if once is not None and once.a.dtype == dropped.dtype:
-                once.used |= torch.is_grad_enabled()  # a no-grad forward leaves the gradient None, as without the scope
+                # a no-grad forward leaves the gradient None, as without the scope; inside a compiled layer's
+                # checkpoint dynamo refuses the write (a graph break): RoundedAdapter(all_used=True) marks them
+                if not torch.compiler.is_compiling():
+                    once.used |= torch.is_grad_enabled()
                 result = result + F.linear(F.linear(dropped, once.a), once.sb)  # lora_delta, rounded beforehand
                 continue
             result = result + lora_delta(
@@ -137,9 +140,14 @@ class RoundedAdapter:
     step's micro-batches), with one forward of each projection per backward (the learner's micro-batches; the
     recomputation under gradient checkpointing reuses that forward's graph): a projection run twice before one
     backward gets its two gradients summed in bf16, where the per-call path sums them in fp32. Costs 4 bytes per
-    adapter parameter while open (the bf16 copies and their gradients)."""
+    adapter parameter while open (the bf16 copies and their gradients).
 
-    def __init__(self, model) -> None:
+    `all_used`: every adapted projection counts as reached (its master gets a gradient, zero if no forward reached
+    it), for a scope whose forwards run under grad through every layer (the learner's micro-batches) and may be
+    compiled (models/compiled.py), where a forward cannot mark itself."""
+
+    def __init__(self, model, all_used: bool = False) -> None:
+        self.all_used = all_used
         self.slots: list[tuple[torch.nn.Module, str]] = []
         for module in model.modules():
             if "_peft_forward" not in type(module).__dict__:
@@ -173,7 +181,7 @@ class RoundedAdapter:
         self.master_grad = None  # fp32 [sum(sizes)], the masters' .grad are views of it
         half = len(self.slots)
         for (module, name), a, sb in zip(self.slots, self.leaves[:half], self.leaves[half:], strict=True):
-            module.__dict__.setdefault("_rounded", {})[name] = _Rounded(a, sb)
+            module.__dict__.setdefault("_rounded", {})[name] = _Rounded(a, sb, used=self.all_used)
         return self
 
     def _base_dtype(self) -> torch.dtype:

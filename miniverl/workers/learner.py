@@ -83,6 +83,7 @@ class LearnerWorker:
         max_row_tokens: int = 0,
         staleness: int = 0,
         loss_weight_by_source: dict[str, float] | None = None,
+        compile_layers: bool = False,
     ) -> None:
         """The last four come from the run (model.student.quantization, trainer.logprob_chunk_tokens,
         trainer.gradient_checkpointing, trainer.max_tokens_per_micro_batch): `quantization` nf4 loads a 4-bit
@@ -95,7 +96,8 @@ class LearnerWorker:
         versions a batch may lag this learner; with 1 the learner keeps the adapter of the last published
         versions, to hold a lagging batch's sampler to the version that sampled it. `loss_weight_by_source`
         (trainer.loss_weight_by_source): data_source -> weight of its rows' token losses, 1 for the rest; empty
-        or None computes the loss exactly as without it."""
+        or None computes the loss exactly as without it. `compile_layers` (trainer.compile_layers): each decoder
+        layer through torch.compile (models/compiled.py)."""
         self.device = setup_process(process)
         self.rank, self.world_size = rank, world_size
         self.model = build_lora_model(model_path, lora, torch_dtype(dtype, self.device), self.device, quantization)
@@ -103,6 +105,15 @@ class LearnerWorker:
             # Non-reentrant checkpointing propagates gradients into the adapter even though the frozen
             # embeddings' outputs do not require grad (the reentrant kind would need enable_input_require_grads).
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.compiled = compile_layers
+        if compile_layers:
+            from miniverl.models.compiled import compile_decoder_layers
+
+            count = compile_decoder_layers(self.model)
+            print(
+                f"learner: {count} decoder layers compiled (trainer.compile_layers): the first update compiles",
+                flush=True,
+            )
         self.chunk_tokens = logprob_chunk_tokens
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
@@ -306,7 +317,7 @@ class LearnerWorker:
         logprobs = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)
         terms = None if self.objective.token_terms is None else torch.zeros_like(logprobs)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        with RoundedAdapter(self.model) as rounded:
+        with RoundedAdapter(self.model, all_used=self.compiled) as rounded:
             for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
                 packed = pack_rows(batch, rows)
                 loss, lp, term = packed_token_loss(

@@ -1,0 +1,82 @@
+"""trainer.compile_layers (models/compiled.py): the learner with each decoder layer through torch.compile computes
+the same update as eager, with gradient checkpointing and micro-batches of different shapes, without graph breaks,
+and keeps the adapter's names; a model without decoder layers is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+
+from miniverl.errors import ConfigError
+from miniverl.models.compiled import compile_decoder_layers
+from miniverl.models.lora import adapter_state
+from miniverl.models.packing import batch_micro_batches
+from miniverl.workers.learner import LearnerWorker
+from tests.objectives.test_objective_invariances import (
+    CPU,
+    LORA,
+    REWARDS,
+    assert_same,
+    data,  # noqa: F401 (fixture)
+    objectives,
+    score,
+    two_updates,
+)
+
+
+def learner(student_dir, objective, compiled: bool) -> LearnerWorker:
+    torch.manual_seed(0)
+    return LearnerWorker(
+        str(student_dir),
+        LORA,
+        "float32",
+        objective,
+        1e-2,
+        0.0,
+        1e9,
+        2,  # rows per micro-batch: 4 micro-batches of different lengths
+        CPU,
+        gradient_checkpointing=True,
+        compile_layers=compiled,
+    )
+
+
+def profiled_update(worker: LearnerWorker, batch, scores) -> Counter:
+    """The op and region names of one more update, counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    worker.publish_policy()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        worker.update(dataclasses.replace(batch, policy_version=worker.version), scores, REWARDS)
+    return Counter(e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("name", ["gkd_top8", "pg_k1"])
+def test_compiled_layers_give_the_eager_update_every_micro_batch_compiled(name, data, student_dir):  # noqa: F811
+    batch, scorer = data
+    objective = objectives()[name]
+    scores = score(scorer, objective, batch)
+    eager = learner(student_dir, objective, compiled=False)
+    compiled = learner(student_dir, objective, compiled=True)
+    layers = compiled.model.get_base_model().model.layers
+    assert all("forward" in layer.__dict__ and not layer.gradient_checkpointing for layer in layers)
+    want = two_updates(eager, batch, scores)
+    got = two_updates(compiled, batch, scores)
+    # fp32: Inductor's fused arithmetic reorders sums, nothing more
+    assert_same(want, got, rtol=1e-4, atol=1e-5)
+    assert set(adapter_state(compiled.model)) == set(adapter_state(eager.model))  # published under the same names
+    # Every micro-batch's every layer ran as a compiled region: a graph break (RoundedAdapter marking a projection
+    # used inside the checkpoint did that) falls back to eager for the whole layer, every call.
+    ops, eager_ops = profiled_update(compiled, batch, scores), profiled_update(eager, batch, scores)
+    micro_batches = len(batch_micro_batches(batch, 0, 2))
+    backwards = ops["CompiledFunctionBackward"]  # one per compiled region that trained (PG-k1's reference: none)
+    assert micro_batches > 1 and backwards == micro_batches * len(layers)
+    assert ops["aten::mul"] < eager_ops["aten::mul"] / 2  # the elementwise work fused away
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    with pytest.raises(ConfigError, match="no transformers decoder layers.*compile_layers=false"):
+        compile_decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
