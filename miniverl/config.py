@@ -207,7 +207,7 @@ class TrainerConfig:
     gradient_checkpointing: bool = False  # recompute decoder activations in backward (less memory, ~30% slower)
     # Each decoder layer of the learner through torch.compile (miniverl/models/compiled.py): about half the kernel
     # launches of an update whose time is launches and Python; the first update compiles (tens of seconds). Opt-in:
-    # not yet measured on a GPU.
+    # not yet measured on a GPU. bf16/fp32 students only (an NF4 student is refused: untested).
     compile_layers: bool = False
     # The largest vocabulary-sized buffer the run may hold (GiB): the teacher's full-vocabulary support of a
     # step (objective.teacher_topk=0) and the learner's direct-path logits are refused above it, with the
@@ -593,6 +593,11 @@ def validate(cfg: MiniVerlConfig) -> None:
             "resources.colocate=true with rollout=vllm: vLLM runs its engine in a process of its own, so it cannot"
             " share the learner's; use rollout=hf_cached (or hf_reference), or resources.colocate=false",
         )
+    _require(
+        not (cfg.trainer.compile_layers and cfg.model.student.quantization != "none"),
+        f"trainer.compile_layers=true with model.student.quantization={cfg.model.student.quantization}: compiling"
+        " bitsandbytes' 4-bit layers has not been tested; set trainer.compile_layers=false (or a bf16 student)",
+    )
     si = cfg.resources.switch_interval_ms
     if si is not None:
         _require(si > 0, f"resources.switch_interval_ms={si}: use a positive interval in ms, or null (Python's 5 ms)")

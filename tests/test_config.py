@@ -113,6 +113,10 @@ def test_loss_weights_are_off_by_default_and_mopd_weighs_sorting():
         (["resources.colocate=true", "resources.gpus=2"], "resources.colocate=true puts one rollout replica"),
         (["resources.colocate=true", "resources.scorer_gpus=1"], "set resources.gpus=1 .* resources.scorer_gpus=0"),
         (["resources.colocate=true", "rollout=vllm"], "resources.colocate=true with rollout=vllm"),
+        (
+            ["trainer.compile_layers=true", "model.student.quantization=nf4"],
+            "compile_layers=true with model.student.quantization=nf4: compiling bitsandbytes",
+        ),
         (["resources.switch_interval_ms=0.5"], "switch_interval_ms=0.5 sets how a colocated .* set resources.colocate"),
         (
             ["resources.colocate=true", "resources.switch_interval_ms=0"],
