@@ -101,7 +101,8 @@ def exact_sampler(learner, batch: RolloutBatch) -> RolloutBatch:
 
 
 def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: int, repeats: int) -> dict:
-    """Seconds of each timed update after `warmup` untimed ones, and the learner's peak memory.
+    """Seconds of each timed update after `warmup` untimed ones (their seconds too: a compiled learner,
+    trainer.compile_layers, compiles in the first), and the learner's peak memory.
 
     The batch is re-stamped with the learner's version before each call (strict sync refuses stale data).
     """
@@ -110,6 +111,7 @@ def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: in
     cuda = torch.cuda.is_available() and learner.device == "cuda"
     batch = exact_sampler(learner, batch)
     times: list[float] = []
+    warmups: list[float] = []
     for i in range(warmup + repeats):
         learner.publish_policy(include_weights=False)
         stamped = dataclasses.replace(batch, policy_version=learner.version)
@@ -121,12 +123,12 @@ def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: in
         metrics = learner.update(stamped, scores, None)
         if cuda:
             torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+        (times if i >= warmup else warmups).append(time.perf_counter() - start)
     tokens = int(batch.response_mask.sum())
     median = sorted(times)[len(times) // 2]
     return {
         "update_s": times,
+        "warmup_update_s": warmups,
         "median_update_s": median,
         "trained_tokens": tokens,
         "tokens_per_s": tokens / median,

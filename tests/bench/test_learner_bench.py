@@ -40,6 +40,7 @@ def test_bench_updates_pass_the_sampler_gap_check(tmp_path):
         scores = synthetic_scores(batch, 96, 8 if name == "gkd" else None, seed=0)
         result = time_updates(learner, batch, scores, warmup=1, repeats=1)
         assert result["trained_tokens"] == 48 and result["tokens_per_s"] > 0
+        assert len(result["warmup_update_s"]) == 1 and len(result["update_s"]) == 1  # the warm-up's seconds kept apart
         assert learner.version == 2  # both updates applied, none refused
 
 
