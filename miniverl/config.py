@@ -207,7 +207,9 @@ class TrainerConfig:
     gradient_checkpointing: bool = False  # recompute decoder activations in backward (less memory, ~30% slower)
     # Each decoder layer of the learner through torch.compile (miniverl/models/compiled.py): about half the kernel
     # launches of an update whose time is launches and Python; the first update compiles (tens of seconds). Opt-in:
-    # not yet measured on a GPU. bf16/fp32 students only (an NF4 student is refused: untested).
+    # not yet measured on a GPU. Validation refuses it with an NF4 student (untested) and beside a colocated
+    # one-behind rollout (trainer.staleness=1: Inductor's first-run benchmarking synchronizes the device, which would
+    # break the rollout's CUDA-graph captures running beside the first update).
     compile_layers: bool = False
     # The largest vocabulary-sized buffer the run may hold (GiB): the teacher's full-vocabulary support of a
     # step (objective.teacher_topk=0) and the learner's direct-path logits are refused above it, with the
@@ -597,6 +599,12 @@ def validate(cfg: MiniVerlConfig) -> None:
         not (cfg.trainer.compile_layers and cfg.model.student.quantization != "none"),
         f"trainer.compile_layers=true with model.student.quantization={cfg.model.student.quantization}: compiling"
         " bitsandbytes' 4-bit layers has not been tested; set trainer.compile_layers=false (or a bf16 student)",
+    )
+    _require(
+        not (cfg.trainer.compile_layers and cfg.resources.colocate and cfg.trainer.staleness > 0),
+        f"trainer.compile_layers=true with resources.colocate=true and trainer.staleness={cfg.trainer.staleness}:"
+        " the first compiled update synchronizes the device while the colocated rollout may be capturing CUDA"
+        " graphs beside it; set trainer.staleness=0, resources.colocate=false or trainer.compile_layers=false",
     )
     si = cfg.resources.switch_interval_ms
     if si is not None:

@@ -55,7 +55,7 @@ _ROUNDED = learner_module.RoundedAdapter
 class PerCallRounding:
     """In place of RoundedAdapter: every adapted projection rounds its adapter in lora_delta at each call."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, all_used: bool = False) -> None:
         pass
 
     def __enter__(self) -> PerCallRounding:

@@ -41,7 +41,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$res/qu
 while IFS= read -r cmd || [ -n "$cmd" ]; do
   case "$cmd" in ''|'#'*) continue ;; esac
   log "run: $cmd"
-  bash -c "$cmd" >> "$res/queue.log" 2>&1
+  bash -c "$cmd" >> "$res/queue.log" 2>&1 < /dev/null  # a command reading stdin must not eat the queue
   log "rc $?"
 done < "$res/queue.txt"
 log ALL_DONE

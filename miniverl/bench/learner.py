@@ -133,6 +133,7 @@ def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: in
         "trained_tokens": tokens,
         "tokens_per_s": tokens / median,
         "loss": metrics["loss"],
+        "micro_batch_tokens": metrics["micro_batch_tokens"],  # lower than planned after an out-of-memory redo
         **learner.memory(),
     }
 

@@ -9,10 +9,12 @@ matmuls (about 75) stay. Not yet measured on a GPU: opt-in until the learner ben
 
 How: each layer's forward becomes a compiled function that calls the layer's own forward, under a non-reentrant
 checkpoint of its own when the model had gradient checkpointing on, and transformers' checkpointing of that layer is
-turned off (transformers 5.17 checkpoints in the layer's `__call__`, later releases inside `forward`: either would
-put the checkpoint outside the compiled region, run the compiled forward twice and lose most of the gain). The
-layers stay where they are, so the adapter's parameter names (publishing, checkpoints) do not change;
-`torch.compile(layer)` would rename them. Shapes are dynamic: micro-batches of any [rows, length] share one graph.
+turned off (transformers 5.17, the GPU machine's, checkpoints in the layer's `__call__`, outside anything compiled
+here: it would run the compiled forward twice and lose most of the gain; later releases checkpoint inside `forward`;
+the checkpoint here is the same in both). The layers stay where they are, so the adapter's parameter names
+(publishing, checkpoints) do not change; `torch.compile(layer)` would rename them. Shapes are dynamic: micro-batches
+of any [rows, length] share one graph (a one-row micro-batch compiles its own variant: dynamo specializes sizes 0
+and 1). `fullgraph=True`: a graph break is an error, not a silent fall-back to eager.
 
 What it changes besides speed: Inductor keeps bf16 intermediates in fp32 unless told otherwise; here it rounds them
 as eager bf16 does (`emulate_precision_casts`), so the learner's log-probs stay within about 1e-3 nats of the eager
@@ -29,7 +31,8 @@ import torch
 from miniverl.errors import ConfigError
 
 # No-grad calls (evaluation, probes, the sampler-gap check), the adapter disabled (the reference policy), train and
-# eval mode each add a compiled variant of the one function every layer shares; dynamo's default limit is 8.
+# eval mode, a one-row micro-batch each add a compiled variant of the one function every layer shares (5 at the 0.5B
+# depth over a few updates, measured on the CPU); dynamo's default limit is 8.
 RECOMPILE_LIMIT = 64
 
 
@@ -57,7 +60,7 @@ def compile_decoder_layers(model) -> int:
                 return checkpoint(partial(own, **kwargs), *args, use_reentrant=False)
             return own(*args, **kwargs)
 
-        return torch.compile(forward, dynamic=True)
+        return torch.compile(forward, dynamic=True, fullgraph=True)
 
     for layer in layers:
         checkpointed = bool(layer.gradient_checkpointing)
