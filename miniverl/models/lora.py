@@ -106,10 +106,11 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             dropped = self.lora_dropout[name](x)
             once = None if rounded is None else rounded.get(name)
             if once is not None and once.a.dtype == dropped.dtype:
-                # a no-grad forward leaves the gradient None, as without the scope; inside a compiled layer's
-                # checkpoint dynamo refuses the write (a graph break): RoundedAdapter(all_used=True) marks them
-                if not torch.compiler.is_compiling():
-                    once.used |= torch.is_grad_enabled()
+                # a no-grad forward leaves the gradient None, as without the scope. Written once: inside a compiled
+                # layer's checkpoint dynamo refuses the write (a graph break), so there RoundedAdapter(all_used=True)
+                # has marked every projection already
+                if not once.used:
+                    once.used = torch.is_grad_enabled()
                 result = result + F.linear(F.linear(dropped, once.a), once.sb)  # lora_delta, rounded beforehand
                 continue
             result = result + lora_delta(

@@ -27,12 +27,12 @@ from tests.objectives.test_objective_invariances import (
 )
 
 
-def learner(student_dir, objective, compiled: bool) -> LearnerWorker:
+def learner(student_dir, objective, compiled: bool, dtype: str = "float32") -> LearnerWorker:
     torch.manual_seed(0)
     return LearnerWorker(
         str(student_dir),
         LORA,
-        "float32",
+        dtype,
         objective,
         1e-2,
         0.0,
@@ -90,11 +90,7 @@ def test_in_bf16_the_compiled_learner_rounds_as_eager_does(data, student_dir):  
     scores = score(scorer, objective, batch)
     workers = []
     for compiled in (False, True):
-        torch.manual_seed(0)
-        worker = LearnerWorker(
-            str(student_dir), LORA, "bfloat16", objective, 1e-2, 0.0, 1e9, 2, CPU,
-            gradient_checkpointing=True, compile_layers=compiled,
-        )  # fmt: skip
+        worker = learner(student_dir, objective, compiled, dtype="bfloat16")
         worker.publish_policy()
         worker.update(dataclasses.replace(batch, policy_version=0), scores, None)
         workers.append(worker)
