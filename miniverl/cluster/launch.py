@@ -15,7 +15,7 @@ from miniverl.models.lora import LoraSettings
 from miniverl.rollout.vllm_settings import settings_from_config
 from miniverl.setup.prepare import Setup
 from miniverl.setup.teachers import teacher_name, teacher_specs
-from miniverl.workers import ProcessSettings, emulated_cap_gib
+from miniverl.workers import COLOCATED_CONTEXT_GIB, ProcessSettings, emulated_cap_gib
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
@@ -182,8 +182,10 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
     }
     if res.colocate:
         share = sum(plan.num_gpus[role] for role in ROLES)
-        # one CUDA context for the three roles: the process may use the sum of their shares less one
-        cap = emulated_cap_gib(res.emulate_gpu_gib, share, "the colocated shares") if emulated else None
+        # one CUDA context for the three roles: the process may use the sum of their shares less that context
+        cap = None
+        if emulated:
+            cap = emulated_cap_gib(res.emulate_gpu_gib, share, "the colocated shares", COLOCATED_CONTEXT_GIB)
         switch = None if res.switch_interval_ms is None else res.switch_interval_ms / 1e3
         process = ProcessSettings(setup.device, threads, cap, share, actor=True, switch_interval_s=switch)
         cpus = sum(plan.num_cpus[role] for role in ROLES)

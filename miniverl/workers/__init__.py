@@ -38,18 +38,25 @@ class ProcessSettings:
 # handles): measured on the H200 as nvidia-smi's whole-device peak (15,666 MiB) less the three actors'
 # torch-reserved peaks (13,650 MiB), per actor (torch 2.11, CUDA 13; docs/benchmarks/qlora-4080.md).
 CUDA_CONTEXT_GIB = 0.66
+# The same for the one process of resources.colocate=true (three roles on three threads and streams, an NF4 teacher's
+# bitsandbytes kernels): 0.97 GiB measured on the H200 as nvidia-smi's whole-device peak less the process's
+# torch-reserved peak, eager (11,783 - 10,790 MiB) and with compiled layers (12,603 - 11,610 MiB) alike
+# (docs/benchmarks/qlora-4080.md runs 8 and 9). With 0.66 here the 12 GiB layout's process was capped at 11.34 GiB
+# and the device peaked at 12.3 GiB.
+COLOCATED_CONTEXT_GIB = 1.0
 
 
-def emulated_cap_gib(card_gib: float, fraction: float, what: str) -> float:
+def emulated_cap_gib(card_gib: float, fraction: float, what: str, context_gib: float = CUDA_CONTEXT_GIB) -> float:
     """An actor's torch memory cap on an emulated card of `card_gib`: its fraction of the card less its own
-    CUDA context, so the actors' caps and contexts together fit the card nvidia-smi would show."""
+    CUDA context (`context_gib`: COLOCATED_CONTEXT_GIB for the colocated process), so the actors' caps and
+    contexts together fit the card nvidia-smi would show."""
     from miniverl.errors import ConfigError
 
-    cap = card_gib * fraction - CUDA_CONTEXT_GIB
+    cap = card_gib * fraction - context_gib
     if cap <= 0:
         raise ConfigError(
             f"{what}={fraction:g} of resources.emulate_gpu_gib={card_gib:g} is {card_gib * fraction:.2f} GiB, no more"
-            f" than the {CUDA_CONTEXT_GIB} GiB its CUDA context takes; give that actor a larger share"
+            f" than the {context_gib} GiB its CUDA context takes; give that actor a larger share"
         )
     return cap
 

@@ -106,6 +106,17 @@ def test_an_emulated_card_counts_each_actors_cuda_context():
         check_device_settings(load("resources.emulate_gpu_gib=16", "resources.learner.num_gpus=0.03"), "cuda")
 
 
+def test_the_colocated_process_is_capped_below_the_card_by_its_measured_context():
+    """Issue 15, run 9: the colocated process (one context, three roles, an NF4 teacher) holds 0.97 GiB outside
+    torch's allocator, not one actor's 0.66; capped as one actor, the 12 GiB layout peaked at 12.3 GiB."""
+    from miniverl.workers import COLOCATED_CONTEXT_GIB, emulated_cap_gib
+
+    measured_outside_allocator_gib = (12_603 - 11_610) / 1024  # nvidia-smi peak less torch's reserved peak, MiB
+    cap = emulated_cap_gib(12, 1.0, "the colocated shares", COLOCATED_CONTEXT_GIB)
+    assert cap + measured_outside_allocator_gib <= 12
+    assert emulated_cap_gib(12, 1.0, "x") + measured_outside_allocator_gib > 12  # one actor's context: too little
+
+
 def test_a_cache_dir_that_is_a_file_names_the_key(tmp_path):
     """Issue 17: model.cache_dir=<a file> was a NotADirectoryError traceback."""
     file = tmp_path / "cache"
