@@ -79,8 +79,44 @@ def _configure_compiler() -> None:
 
     if hasattr(inductor, "emulate_precision_casts"):
         inductor.emulate_precision_casts = True  # round bf16 intermediates as eager does
+        _round_fused_casts_on_cpu()
     name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # the older name
     setattr(dynamo, name, max(getattr(dynamo, name), RECOMPILE_LIMIT))
     if hasattr(fx, "use_duck_shape"):
         # duck sizing equates symbols of equal value: a row length equal to another dimension forced a recompile
         fx.use_duck_shape = False
+
+
+# Marks what this process's compiled code was generated with (torch.compiler.config.cache_key_tag): Inductor's
+# on-disk caches must not hand back CPU kernels generated without _round_fused_casts_on_cpu.
+CACHE_TAG = "miniverl-cpu-rounds-fused-casts"
+
+
+def _round_fused_casts_on_cpu() -> None:
+    """Make Inductor's CPU (C++) backend honour emulate_precision_casts as its GPU backend does.
+
+    In torch 2.11 (2.12 not checked) the C++ backend, on casting an fp32 value to bf16 inside a fused kernel,
+    records in its CSE cache that casting the bf16 result back to fp32 gives the original fp32 value (pytorch#115260);
+    a later op in the same kernel then reads the unrounded value, whatever emulate_precision_casts says: RMSNorm's
+    `weight * h.to(bf16)` multiplies by the unrounded h. torch 2.13 skips that shortcut under emulate_precision_casts
+    (pytorch#185337); this does the same on older releases (and changes nothing on 2.13, which no longer calls it
+    then)."""
+    import torch._inductor.config as inductor
+    import torch.compiler.config as compiler
+
+    try:
+        from torch._inductor.codegen.cpp import CppKernel
+    except ImportError:  # pragma: no cover - a torch without the C++ backend
+        return
+    original = CppKernel.cache_dtype_convert
+    if getattr(original, "_miniverl_rounds", False):
+        return
+
+    def cache_dtype_convert(self, *args: Any, **kwargs: Any) -> None:
+        if not inductor.emulate_precision_casts:
+            original(self, *args, **kwargs)
+
+    cache_dtype_convert._miniverl_rounds = True  # type: ignore[attr-defined]
+    CppKernel.cache_dtype_convert = cache_dtype_convert
+    if CACHE_TAG not in compiler.cache_key_tag:
+        compiler.cache_key_tag = f"{compiler.cache_key_tag}+{CACHE_TAG}" if compiler.cache_key_tag else CACHE_TAG

@@ -98,3 +98,22 @@ def test_in_bf16_the_compiled_learner_rounds_as_eager_does(data, student_dir):  
     eager, compiled = (w.policy_logprobs(batch)[mask].float() for w in workers)
     gap = (eager - compiled).abs()
     assert gap.mean() < 2e-3 and gap.max() < 2e-2, (gap.mean(), gap.max())
+
+
+def test_on_the_cpu_a_fused_kernel_rounds_a_bf16_cast_as_eager_does():
+    """RMSNorm's `weight * h.to(bf16)` in one fused CPU kernel: torch 2.11's C++ backend read back the unrounded h
+    even under emulate_precision_casts (models/compiled.py, _round_fused_casts_on_cpu); eager rounds it."""
+    import torch._dynamo
+
+    from miniverl.models.compiled import _configure_compiler
+
+    def norm(x, w):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * h.to(torch.bfloat16)
+
+    _configure_compiler()
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((16, 64), (64,)))
+    torch.testing.assert_close(torch.compile(norm, dynamic=False)(x, w), norm(x, w), rtol=0, atol=0)
