@@ -243,3 +243,18 @@ def test_the_command_line_refusal_comes_before_ray(tmp_path):
     )
     assert out.returncode == 2 and "objective.beta is not a setting of objective pg_k1" in out.stderr
     assert "ray" not in out.stderr.lower() and not any(tmp_path.iterdir())
+
+
+def test_the_12_gib_recipe_is_the_measured_run_11_layout(tmp_path):
+    """gkd_4080_12g holds the overrides qlora-4080.md's run 11 measured (6.80 s per step at 11.9 GiB), nothing else."""
+    train = tmp_path / "train.parquet"
+    train.write_bytes(b"")
+    run11 = (
+        "resources.colocate=true resources.emulate_gpu_gib=12 model.teacher.quantization=nf4 "
+        "resources.scorer.num_gpus=0.3 resources.learner.num_gpus=0.35 trainer.compile_layers=true"
+    ).split()
+    data = f"data.train_files=[{train}]"
+    recipe = load("+experiment=gkd_4080_12g", data)
+    assert recipe == load("+experiment=gkd_4080", data, *run11)
+    assert recipe != load("+experiment=gkd_4080", data)
+    validate(recipe)
