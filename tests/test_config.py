@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -246,13 +247,12 @@ def test_the_command_line_refusal_comes_before_ray(tmp_path):
 
 
 def test_the_12_gib_recipe_is_the_measured_run_11_layout(tmp_path):
-    """gkd_4080_12g holds the overrides qlora-4080.md's run 11 measured (6.80 s per step at 11.9 GiB), nothing else."""
+    """gkd_4080_12g holds the overrides qlora-4080.md's run 11 ran (6.80 s per step at 11.9 GiB; its queue file has
+    the command), nothing else."""
     train = tmp_path / "train.parquet"
     train.write_bytes(b"")
-    run11 = (
-        "resources.colocate=true resources.emulate_gpu_gib=12 model.teacher.quantization=nf4 "
-        "resources.scorer.num_gpus=0.3 resources.learner.num_gpus=0.35 trainer.compile_layers=true"
-    ).split()
+    queue = (CONF.parent / "scripts" / "queues" / "qlora-run11.txt").read_text()
+    run11 = re.search(r'TAG=12g-a-compiled-cap OVERRIDES="([^"]+)"', queue).group(1).split()
     data = f"data.train_files=[{train}]"
     recipe = load("+experiment=gkd_4080_12g", data)
     assert recipe == load("+experiment=gkd_4080", data, *run11)
