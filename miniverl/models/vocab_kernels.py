@@ -1,6 +1,7 @@
 """The two passes over a chunk of [c, V] logits that the fused LM-head loss needs, one read (and one write) each.
 
-- `row_logsumexp`: log sum_j exp(z_ij) per row, in fp32, straight from the logits' own dtype;
+- `row_logsumexp`: log sum_j exp(z_ij) per row, in fp32, straight from the logits' own dtype (and
+  `segment_logsumexp`, the same per run of columns: rollout/sampling.py draws tokens from it);
 - `scaled_softmax_`: z_ij <- exp(z_ij - base_i) * coef_i in place, computed in fp32, stored in the logits' dtype.
 
 Everything else the loss reads of a position's logits is a gather of K + 1 columns, so with these two a chunk
@@ -85,11 +86,22 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """log sum exp over each row, accumulated in fp32 (x is not copied to fp32). Shapes: [c, V] -> [c] float32."""
     if not _use_kernels(x) or x.shape[0] == 0:
         return torch.logsumexp(x.float(), dim=-1)
+    return torch.logsumexp(segment_logsumexp(x, SEGMENT_COLUMNS), dim=-1)
+
+
+def segment_logsumexp(x: torch.Tensor, segment: int) -> torch.Tensor:
+    """log sum exp over each run of `segment` columns of each row (the last run may be short), in fp32; -inf for a
+    run of only -inf. `segment` a multiple of BLOCK_COLUMNS or a power of two below it.
+    Shapes: [c, V] -> [c, ceil(V / segment)] float32."""
+    segments = _cdiv(x.shape[1], segment)
+    if not _use_kernels(x) or x.shape[0] == 0:
+        padded = torch.nn.functional.pad(x.float(), (0, segments * segment - x.shape[1]), value=float("-inf"))
+        return torch.logsumexp(padded.view(x.shape[0], segments, segment), dim=-1)
     row_lse, _ = _kernels()
-    segments = _cdiv(x.shape[1], SEGMENT_COLUMNS)
     partial = torch.empty(x.shape[0], segments, dtype=torch.float32, device=x.device)
-    row_lse[(x.shape[0], segments)](x, partial, x.stride(0), x.shape[1], SEGMENT=SEGMENT_COLUMNS, BLOCK=BLOCK_COLUMNS)
-    return torch.logsumexp(partial, dim=-1)
+    block = min(segment, BLOCK_COLUMNS)
+    row_lse[(x.shape[0], segments)](x, partial, x.stride(0), x.shape[1], SEGMENT=segment, BLOCK=block)
+    return partial
 
 
 def scaled_softmax_(x: torch.Tensor, base: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from miniverl.models.logprobs import sequence_logprobs
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, live_adapter, load_adapter_state
 from miniverl.policy import weights_digest
 from miniverl.rollout import Completion
-from miniverl.rollout.sampling import SamplingParams, make_generators, sample_next
+from miniverl.rollout.sampling import SamplingParams, sample_next
 from miniverl.step.served_policy import probe_tolerance
 
 
@@ -56,11 +56,11 @@ class HFReferenceBackend:
         rows = [list(p) for p in prompts for _ in range(params.n)]
         if len(seeds) != len(rows):
             raise ValueError(f"need one seed per completion ({len(rows)}), got {len(seeds)}")
-        gens = make_generators(seeds)
+        row_seeds = torch.tensor(seeds, dtype=torch.long, device=self.device)
         done = [Completion([], [], False) for _ in rows]
         stop = set(params.stop_token_ids)
         active = list(range(len(rows)))
-        for _ in range(params.max_new_tokens):
+        for step in range(params.max_new_tokens):
             ids, mask = left_pad([rows[i] + done[i].token_ids for i in active])
             logits = self.model(
                 input_ids=ids.to(self.device),
@@ -69,7 +69,8 @@ class HFReferenceBackend:
                 use_cache=False,
                 logits_to_keep=1,  # only the next-token logits: [b, T, V] would not fit at real vocab sizes
             ).logits[:, -1]  # [b, V]
-            tokens, logprobs = sample_next(logits, params, [gens[i] for i in active])
+            index = torch.tensor(active, device=self.device)
+            tokens, logprobs = sample_next(logits, params, row_seeds[index], step)
             for i, tok, lp in zip(active, tokens.tolist(), logprobs.tolist()):
                 done[i].token_ids.append(tok)
                 done[i].logprobs.append(lp)

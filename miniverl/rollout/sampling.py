@@ -1,8 +1,9 @@
 """Token sampling shared by every Hugging Face backend, so their outputs are comparable bit for bit.
 
-Each row owns a `torch.Generator` seeded from its request seed and draws one uniform number per step;
-the token is found by inverse-CDF over the processed distribution. The draw therefore depends only
-on the row's seed, its step and its own logits, never on which other rows share the batch.
+Each row draws one uniform number per step from a counter-based hash of (its request seed, the step)
+(`counter_uniforms`); the token is found by inverse-CDF over the processed distribution. The draw
+therefore depends only on the row's seed, its step and its own logits, never on which other rows share
+the batch, and needs no generator state: the whole sampling step runs on the device, inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from miniverl.models.vocab_kernels import row_logsumexp, segment_logsumexp
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,43 @@ def row_seeds(seed: int, num_rows: int, first_row: int = 0) -> list[int]:
     return [(seed * 1_000_003 + i) % (2**63 - 1) for i in range(first_row, first_row + num_rows)]
 
 
-def make_generators(seeds: list[int]) -> list[torch.Generator]:
-    gens = []
-    for s in seeds:
-        g = torch.Generator(device="cpu")
-        g.manual_seed(s)
-        gens.append(g)
-    return gens
+# The counter-based draw (counter_uniforms): a 32-bit integer hash ("lowbias32", C. Wellons' hash-prospector:
+# xor-shift 16, multiply, xor-shift 15, multiply, xor-shift 16) absorbs the seed's two 32-bit halves and the step.
+# Every value stays below 2**50 in int64, so the same integers come out on any device (no overflow, no float).
+MASK32 = 0xFFFFFFFF
+MIX_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+STREAM_KEY = 0x9E3779B9  # 2**32 / golden ratio: keeps seed 0 at step 0 away from the hash's fixed point 0
+UNIFORM_BITS = 24  # a float32 mantissa: every k / 2**24 is exact
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x in [0, 2**32), in pieces that never overflow int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX_MULTIPLIERS[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, MIX_MULTIPLIERS[1])
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seeds: torch.Tensor, step: torch.Tensor | int) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row for sampling step `step`, a pure function of (row seed, step).
+
+    No generator state: the draw of a row never depends on the other rows of the batch, on how many steps were
+    drawn before, or on the device (integer arithmetic only), so it can run inside a CUDA graph, and samplers that
+    batch rows differently (hf_reference, hf_cached) draw the same numbers. All 63 bits of a seed count (torch's CPU
+    generator keeps only the low 32 of a manual seed).
+
+    Shapes: seeds [B] int64 (>= 0), step [] / [1] int64 tensor or int -> [B] float32, multiples of 2**-24.
+    """
+    h = _mix32((seeds & MASK32) ^ STREAM_KEY)
+    h = _mix32(h ^ (seeds >> 32))
+    h = _mix32(h ^ (step & MASK32))
+    return (h >> (32 - UNIFORM_BITS)).float() * 2.0**-UNIFORM_BITS
 
 
 def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -75,21 +108,53 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+    logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, step: torch.Tensor | int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row and return it with its raw (temperature-1, untruncated) log-prob.
 
-    Shapes: logits [B, V], one generator per row -> tokens [B] long, logprobs [B] float32.
+    Inverse-CDF over the processed distribution with the row's counter-based draw for `step`; no host sync, no
+    generator state, so it runs inside a captured CUDA graph as it runs eagerly. Without top-k/top-p the CDF is
+    taken in two levels (`_two_level_inverse_cdf`), so the vocabulary is read once, not scanned.
+
+    Shapes: logits [B, V], seeds [B] int64 on logits' device -> tokens [B] long, logprobs [B] float32.
     """
-    raw = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
     if params.greedy:
-        tokens = raw.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        lse = row_logsumexp(logits)
+    elif params.top_k or params.top_p < 1.0:
+        cdf = processed_logprobs(logits, params).exp_().cumsum_(dim=-1)  # [B, V]
+        target = (counter_uniforms(seeds, step) * cdf[:, -1]).clamp(min=torch.finfo(torch.float32).tiny)
+        tokens = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+        lse = row_logsumexp(logits)
     else:
-        probs = processed_logprobs(logits, params).exp()  # [B, V]
-        u = torch.cat([torch.rand(1, generator=g) for g in generators]).to(probs.device)  # [B]
-        cdf = probs.cumsum(dim=-1)
-        # u = 0 must not land on a leading zero-probability token: aim strictly above 0.
-        target = (u * cdf[:, -1]).clamp(min=torch.finfo(torch.float32).tiny)  # [B]
-        tokens = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1)
-        tokens = tokens.clamp(max=probs.shape[-1] - 1)
-    return tokens, raw.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        scaled = logits if params.temperature == 1.0 else logits.float() / params.temperature
+        tokens, total = _two_level_inverse_cdf(scaled, counter_uniforms(seeds, step))
+        lse = total if params.temperature == 1.0 else row_logsumexp(logits)
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float() - lse
+    return tokens, logprobs
+
+
+# Columns per first-level CDF entry: a [B, V / 4096] CDF over the segments' masses, then a scan of one segment.
+SAMPLE_SEGMENT = 4096
+
+
+def _two_level_inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token at cumulative mass u * total of softmax(x), found per row as: the segment of SAMPLE_SEGMENT
+    columns holding it (a CDF of the segments' masses, models/vocab_kernels.py `segment_logsumexp`: one pass over
+    x), then the column inside that segment (a scan of its columns only). A draw never lands on a column of
+    probability 0: the target is capped at the segment's own last cumulative value.
+
+    Shapes: x [B, V], u [B] in [0, 1) -> tokens [B] long, log of the total mass [B] float32."""
+    v = x.shape[1]
+    seg = segment_logsumexp(x, SAMPLE_SEGMENT)  # [B, S]
+    total = torch.logsumexp(seg, dim=-1)  # [B]
+    cdf = (seg - total[:, None]).exp_().cumsum_(dim=-1)  # [B, S]
+    target = (u * cdf[:, -1]).clamp(min=torch.finfo(torch.float32).tiny)  # [B]
+    s = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1).clamp(max=seg.shape[1] - 1)  # [B]
+    before = torch.where(s > 0, cdf.gather(-1, (s - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)  # [B]
+    cols = s.unsqueeze(-1) * SAMPLE_SEGMENT + torch.arange(SAMPLE_SEGMENT, device=x.device)  # [B, SEG]
+    inside = x.gather(-1, cols.clamp(max=v - 1)).float().masked_fill(cols >= v, float("-inf"))  # [B, SEG]
+    inner = (inside - total[:, None]).exp_().cumsum_(dim=-1) + before[:, None]  # [B, SEG] absolute CDF
+    aim = torch.minimum(target, inner[:, -1]).unsqueeze(-1)
+    tokens = s * SAMPLE_SEGMENT + torch.searchsorted(inner, aim).squeeze(-1).clamp(max=SAMPLE_SEGMENT - 1)
+    return tokens, total
