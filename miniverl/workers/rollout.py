@@ -52,13 +52,13 @@ class RolloutWorker:
     def serve(self, snapshot: PolicySnapshot, probe: list[list[int]] | None = None, repeats: int = 1) -> ServedPolicy:
         """Load the snapshot and report what is served now, in one call (miniverl/step/sync.py proves it): the
         name received, the backend's digest of the adapter its serving path reads (`served_digest`), and the
-        probe through the serving path `repeats` times (none without a probe)."""
+        probe through the serving path `repeats` times (none without a probe; see `_probe_recomposed`)."""
         start = time.perf_counter()
         identity = self.load_policy(snapshot)
         loaded = time.perf_counter()
         digest = self.backend.served_digest()
         digested = time.perf_counter()
-        probes = [self.probe_logprobs(probe) for _ in range(repeats)] if probe else []
+        probes = [self._probe_recomposed(probe, i) for i in range(repeats)] if probe else []
         seconds = {
             "load": loaded - start,
             "served_digest": digested - loaded,
@@ -66,13 +66,34 @@ class RolloutWorker:
         }
         return ServedPolicy(identity, digest, probes, seconds)
 
+    def _probe_recomposed(self, probe: list[list[int]], repeat: int) -> list[list[float]]:
+        """The probe's log-probs, the repeats after the first computed in another batch make-up (the sequences
+        reversed, the first one again at the end: another order and row count), mapped back. The strict-sync change
+        test takes two probes of the same weights as the replica's noise floor; later refreshes probe other
+        batches (recent rollouts join the fixed probe), and a batch's shape moves a sampler's log-probs by rounding
+        (1.4e-6 nats for an fp32 hf_cached on the CPU): repeats of one make-up would measure a floor of 0."""
+        if repeat == 0:
+            return self.probe_logprobs(probe)
+        out = self.probe_logprobs([*probe[::-1], probe[0]])
+        return out[: len(probe)][::-1]
+
     def device_uuid(self) -> str | None:
         """The physical GPU this replica serves on (None on the CPU); see LearnerWorker.device_uuid."""
         return gpu_uuid(self.device)
 
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """The probe through the backend's serving path (see RolloutBackend.probe_logprobs)."""
-        return self.backend.probe_logprobs(sequences)
+        """The probe through the backend's serving path (see RolloutBackend.probe_logprobs), one call per sequence
+        length: a batch pads its shorter sequences, and padding moves their log-probs by rounding, so a sequence
+        would score differently beside other company from one refresh to the next (the probe's recent rollouts
+        change). Without padding a deterministic replica scores each sequence the same whatever joins it."""
+        by_length: dict[int, list[int]] = {}
+        for i, seq in enumerate(sequences):
+            by_length.setdefault(len(seq), []).append(i)
+        out: list[list[float]] = [[] for _ in sequences]
+        for rows in by_length.values():
+            for i, logprobs in zip(rows, self.backend.probe_logprobs([sequences[i] for i in rows])):
+                out[i] = logprobs
+        return out
 
     def probe_tolerance(self) -> float:
         """Nats the served probe may sit from the learner's for this backend and dtype."""
