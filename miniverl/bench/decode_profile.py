@@ -1,0 +1,267 @@
+"""Where a decode step's time goes: hf_cached's generate at RL sizes, timed whole and traced by torch.profiler.
+
+    python -m miniverl.bench.decode_profile --out DIR [--cells 64x4x512,256x4x512] [--prompt-len 16:64]
+        [--stop-median 0] [--profile-steps 64]
+
+Needs only torch, transformers and peft (no Hydra, no Ray), so it runs on the GPU machine as it is. For each cell
+(prompts x samples x max new tokens) it builds the random-init Qwen2.5-0.5B-shape model with a non-zero rank-32
+LoRA (the RL-size bench's model and adapter), then reports:
+- `generate`: wall seconds and generated tokens/s of whole calls (after a warm-up call that captures graphs);
+- `trace`: one call of `--profile-steps` new tokens under torch.profiler: GPU kernel time by category, kernels per
+  decode step, the GPU's busy fraction of the wall (the rest is the host: launches, syncs, Python), and the
+  host-side time of the calls that wait for the GPU or launch graphs;
+- `replay`: the decode graph of the full width replayed back to back, timed by CUDA events: the step's GPU time
+  with no host in the way.
+`--stop-median M` gives every row stop tokens: a set of ~ln(2) V / M token ids, so on a random-init model (nearly
+uniform next-token distribution) lengths are geometric with median ~M, capped by max new tokens (a long tail: a
+share of rows runs to the cap). The measured length distribution is reported with the cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from miniverl.bench.config import AdapterSpec
+from miniverl.bench.workload import build_random_model, lora_settings, make_adapter, real_shape
+from miniverl.rollout.sampling import SamplingParams, row_seeds
+
+# Kernel name -> category, first match wins (CUDA kernel names of cuBLAS, cuDNN, ATen and Triton).
+KERNEL_CATEGORIES = (
+    ("gemm", r"gemm|nvjet|cutlass|sm90_xmma|cublas|splitKreduce|matmul"),
+    ("softmax", r"softmax"),
+    ("scan/sort", r"scan|cumsum|sort|radix|searchsorted"),
+    ("reduce", r"reduce|argmax|norm"),
+    ("index/copy", r"index|gather|scatter|copy|cat|memcpy|Memcpy|fill|memset|Memset"),
+    ("triton", r"^triton"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
+)
+# Host calls that wait for the GPU or hand it work, by torch.profiler's CPU-side names.
+HOST_CALLS = (
+    "cudaGraphLaunch",
+    "cudaStreamSynchronize",
+    "cudaMemcpyAsync",
+    "cudaLaunchKernel",
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "aten::rand",
+)
+
+
+TOP_KERNELS = 30
+
+
+def category(name: str) -> str:
+    for label, pattern in KERNEL_CATEGORIES:
+        if re.search(pattern, name):
+            return label
+    return "other"
+
+
+def parse_cells(text: str) -> list[tuple[int, int, int]]:
+    cells = []
+    for part in text.split(","):
+        g, n, t = (int(x) for x in part.lower().split("x"))
+        cells.append((g, n, t))
+    return cells
+
+
+def make_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def stop_set(median: int, vocab: int, seed: int) -> tuple[int, ...]:
+    """~ln(2) V / median random token ids: a per-step stop chance of ln 2 / median on a uniform next-token law."""
+    if median <= 0:
+        return ()
+    k = max(1, round(math.log(2) * vocab / median))
+    return tuple(sorted(random.Random(seed).sample(range(vocab), k)))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_generate(backend, prompts, params, seeds, device: str, repeats: int) -> dict:
+    walls, lengths = [], []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = backend.generate(prompts, params, seeds)
+        _sync(device)
+        walls.append(time.perf_counter() - t0)
+        lengths = [len(c.token_ids) for c in out]
+    tokens = sum(lengths)
+    wall = statistics.median(walls)
+    ordered = sorted(lengths)
+    return {
+        "wall_s": walls,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "lengths": {
+            "min": ordered[0],
+            "median": ordered[len(ordered) // 2],
+            "p90": ordered[int(0.9 * (len(ordered) - 1))],
+            "max": ordered[-1],
+            "mean": tokens / len(ordered),
+            "capped_share": sum(n == params.max_new_tokens for n in lengths) / len(lengths),
+        },
+    }
+
+
+def trace(backend, prompts, params, seeds, device: str) -> dict:
+    """One generate call under torch.profiler: kernel time by category, kernels per step, host calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        out = backend.generate(prompts, params, seeds)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    steps = max(len(c.token_ids) for c in out)
+    kernels: dict[str, dict] = {}
+    intervals = []
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or e.device_time <= 0:
+            continue
+        cat = category(e.name)
+        k = kernels.setdefault(cat, {"count": 0, "us": 0.0})
+        k["count"] += 1
+        k["us"] += e.device_time
+        intervals.append((e.time_range.start, e.time_range.end))
+    busy = 0.0
+    last_end = -math.inf
+    for start, end in sorted(intervals):  # union of kernel intervals (us)
+        if end <= last_end:
+            continue
+        busy += end - max(start, last_end)
+        last_end = end
+    host = {}
+    for e in prof.key_averages():
+        if e.key in HOST_CALLS:
+            host[e.key] = {"count": e.count, "cpu_ms": e.cpu_time_total / 1e3}
+    total_kernels = sum(k["count"] for k in kernels.values())
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.device_time > 0:
+            entry = by_name.setdefault(e.name[:120], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.device_time
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    return {
+        "steps": steps,
+        "wall_s": wall,
+        "wall_ms_per_step": wall * 1e3 / steps,
+        "gpu_busy_ms_per_step": busy / 1e3 / steps,
+        "gpu_busy_fraction": busy / 1e6 / wall,
+        "kernels_per_step": total_kernels / steps,
+        "kernel_ms_per_step": {c: k["us"] / 1e3 / steps for c, k in sorted(kernels.items())},
+        "kernel_count_per_step": {c: k["count"] / steps for c, k in sorted(kernels.items())},
+        "host_calls": host,
+        "top_kernels": [{"name": n, "per_step": c / steps, "us_per_step": us / steps} for n, (c, us) in top],
+    }
+
+
+def replay(backend, device: str, iters: int = 100) -> dict:
+    """The captured decode graphs replayed back to back (CUDA events): each width's GPU time per step."""
+    if not device.startswith("cuda"):
+        return {}
+    out = {}
+    for width, entry in sorted(getattr(backend, "_graphs", {}).items()):
+        graph = entry[0] if isinstance(entry, tuple) else entry
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out[str(width)] = start.elapsed_time(end) / iters
+    return out
+
+
+def run(args) -> dict:
+    from miniverl.rollout import BACKENDS
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lo, hi = (int(x) for x in args.prompt_len.split(":"))
+    shape = real_shape(args.shape, 4096, 0) if args.shape != "tiny" else None
+    spec = AdapterSpec(rank=32, alpha=64.0, target_modules=list(TARGETS), init_std=0.02, seed=1)
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+    result["args"] = vars(args)
+    with tempfile.TemporaryDirectory(prefix="decode-profile-") as tmp:
+        if shape is None:
+            from miniverl.bench.config import ModelShape
+
+            shape = ModelShape(64, 2, 4, 2, 128, 512, True, 4096, 0)
+        model_dir = build_random_model(shape, dtype, device, Path(tmp) / "model")
+        cls = BACKENDS.get(args.backend)
+        backend = cls(model_path=str(model_dir), lora=lora_settings(spec), dtype=dtype, device=device)
+        backend.load_adapter(make_adapter(backend.adapter_weights(), spec))
+        result["decode_mode"] = getattr(backend, "decode_mode", None)
+        cells = []
+        for g, n, t in parse_cells(args.cells):
+            prompts = make_prompts(g, lo, hi, shape.vocab_size, seed=g)
+            params = SamplingParams(
+                n=n, max_new_tokens=t, stop_token_ids=stop_set(args.stop_median, shape.vocab_size, 7)
+            )
+            seeds = row_seeds(0, g * n)
+            time_generate(backend, prompts, params, seeds, device, 1)  # warm-up: graphs, cuBLAS handles
+            cell = {"cell": f"{g}x{n}x{t}", "stop_tokens": len(params.stop_token_ids)}
+            cell["generate"] = time_generate(backend, prompts, params, seeds, device, args.repeats)
+            short = SamplingParams(n=n, max_new_tokens=min(t, args.profile_steps), stop_token_ids=())
+            cell["trace"] = trace(backend, prompts, short, seeds, device)
+            cell["replay_ms"] = replay(backend, device)
+            cells.append(cell)
+            print(summary_line(cell), flush=True)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "decode_profile.json").write_text(json.dumps(result | {"cells": cells}, indent=1))
+        result["cells"] = cells
+    return result
+
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def summary_line(cell: dict) -> str:
+    gen, tr = cell["generate"], cell["trace"]
+    top = sorted(tr["kernel_ms_per_step"].items(), key=lambda kv: -kv[1])[:4]
+    return (
+        f"{cell['cell']}: {gen['tokens_per_s']:,.0f} tok/s (wall {statistics.median(gen['wall_s']):.2f} s, mean length"
+        f" {gen['lengths']['mean']:.0f}) | trace: {tr['wall_ms_per_step']:.2f} ms/step wall,"
+        f" GPU busy {tr['gpu_busy_ms_per_step']:.2f} ms ({tr['gpu_busy_fraction']:.0%}),"
+        f" {tr['kernels_per_step']:.0f} kernels/step; "
+        + ", ".join(f"{c} {ms:.2f}" for c, ms in top)
+        + f" | replay ms by width {cell['replay_ms']}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", default="hf_cached")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", help="qwen2.5-0.5b, qwen2.5-1.5b or tiny (CPU smoke)")
+    ap.add_argument("--cells", default="64x4x512,256x4x512")
+    ap.add_argument("--prompt-len", default="16:64", help="min:max prompt tokens (uniform)")
+    ap.add_argument("--stop-median", type=int, default=0, help="median length under stop tokens (0: none)")
+    ap.add_argument("--profile-steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    run(ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()
