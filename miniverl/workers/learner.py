@@ -437,6 +437,13 @@ class LearnerWorker:
             gap_abs, gap_max = float(total), float(peak)
         tolerance = self.objective.sampler_tolerance
         mean = gap_abs / max(num_tokens, 1)
+        if not math.isfinite(mean) or not math.isfinite(gap_max):  # `mean > bound` is False for NaN
+            self.optimizer.zero_grad(set_to_none=True)
+            raise SamplerGapError(
+                f"the sampler's log-probs of this step's {num_tokens} tokens are not finite against the learner's"
+                f" v{self.version} (mean gap {mean}, max {gap_max}); the update was not applied. The rollout side"
+                " returned NaN or infinite log-probs: check its model, dtype and sampling settings"
+            )
         if mean > tolerance.max_mean_gap:
             self.optimizer.zero_grad(set_to_none=True)
             raise SamplerGapError(

@@ -168,3 +168,8 @@ def test_the_learner_refuses_a_step_whose_sampler_gap_is_beyond_the_objective(pa
         learner.update(batch, scores, None)
     assert learner.version == 0
     assert all(torch.equal(v, before[k]) for k, v in learner.model.named_parameters() if v.requires_grad)
+    batch.rollout_log_probs += 0.6 * batch.response_mask
+    batch.rollout_log_probs[0, 0] = float("nan")  # a NaN mean passed `mean > bound` (issue 33)
+    with pytest.raises(SamplerGapError, match=r"not finite against the learner's v0 \(mean gap nan"):
+        learner.update(batch, scores, None)
+    assert all(torch.equal(v, before[k]) for k, v in learner.model.named_parameters() if v.requires_grad)
