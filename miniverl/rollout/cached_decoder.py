@@ -41,10 +41,23 @@ class LoraGroup:
     slots: list[tuple[str, str, slice, slice]]  # (A name, B name, its rank columns, its output rows)
     a_cast: torch.Tensor  # [R, E] in the base's dtype: the last R rows of the group's extended base weight
     sb_cast: torch.Tensor  # [O, R] in the base's dtype: s B
+    # every projection's (output rows, rank columns, s); an unadapted one has no rank columns and s = 0
+    blocks: list[tuple[slice, slice, float]]
 
     @property
     def rank(self) -> int:
         return self.a.shape[0]
+
+    def fixed_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+        """What the decode reads besides the adapter's named weights, and what it must be: B's entries outside the
+        diagonal blocks (must be 0: they would mix one projection's rank columns into another's outputs) and each
+        projection's rows of `scale` (must be its s). Shapes: views of b and of scale."""
+        zeros, scales, values = [], [], []
+        for rows, cols, s in self.blocks:
+            zeros += [v for v in (self.b[rows, : cols.start], self.b[rows, cols.stop :]) if v.numel()]
+            scales.append(self.scale[rows])
+            values.append(float(torch.tensor(s, dtype=self.scale.dtype)))  # s as the buffer holds it (10 / 3 too)
+        return zeros, scales, values
 
 
 def lora_group(modules, names: dict[int, str], dtype: torch.dtype) -> LoraGroup | None:
@@ -71,18 +84,19 @@ def lora_group(modules, names: dict[int, str], dtype: torch.dtype) -> LoraGroup 
     a = torch.zeros(sum(ranks), ref.shape[1], dtype=ref.dtype, device=ref.device)
     b = torch.zeros(sum(outs), sum(ranks), dtype=ref.dtype, device=ref.device)
     scale = torch.zeros(sum(outs), 1, dtype=ref.dtype, device=ref.device)
-    slots, r0, o0 = [], 0, 0
+    slots, blocks, r0, o0 = [], [], 0, 0
     for w, r, o in zip(adapted, ranks, outs):
+        rows, cols = slice(r0, r0 + r), slice(o0, o0 + o)
+        blocks.append((cols, rows, 0.0 if w is None else w[2]))
         if w is not None:
             lora_a, lora_b, s = w
-            rows, cols = slice(r0, r0 + r), slice(o0, o0 + o)
             a[rows] = lora_a.detach()
             b[cols, rows] = lora_b.detach()
             scale[cols] = s
             slots.append((names[lora_a.data_ptr()], names[lora_b.data_ptr()], rows, cols))
         r0, o0 = r0 + r, o0 + o
     # a_cast is set by the caller: rows of the group's extended base weight (CachedDecoder._serving_weights)
-    return LoraGroup(a, b, scale, slots, torch.empty(0, dtype=dtype), torch.empty_like(b, dtype=dtype))
+    return LoraGroup(a, b, scale, slots, torch.empty(0, dtype=dtype), torch.empty_like(b, dtype=dtype), blocks)
 
 
 def _base(module) -> torch.Tensor:
@@ -232,10 +246,32 @@ class CachedDecoder:
                 " before still read the old ones, so what the replica serves cannot be proven and the run stops."
                 " A load must copy into the buffers in place (CachedDecoder.load)"
             )
+        self._check_fixed_parts()
         self._cast_adapter()
         if self._served is None:
             self._served = FlatCopy(self.views)
         return self._served.digest()
+
+    def _check_fixed_parts(self) -> None:
+        """The serving buffers' parts outside the digest are what they must be (LoraGroup.fixed_parts): the zeros
+        of every block-diagonal B and the scales s = lora_alpha / r. One reduction over them all, one sync."""
+        zeros, scales, values = [], [], []
+        for lora in self._loras():
+            z, sc, v = lora.fixed_parts()
+            zeros += z
+            scales += sc
+            values += v
+        if not zeros and not scales:
+            return
+        off = [*torch._foreach_add(scales, [-v for v in values]), *zeros]
+        worst = torch.stack(torch._foreach_norm(off, float("inf"))).max()
+        if not worst.item() == 0:  # NaN fails too
+            raise PolicyMismatchError(
+                "hf_cached's serving buffers hold values outside the adapter's named weights (a non-zero entry off"
+                " the block-diagonal B, or a scale other than lora_alpha / r): the decode would serve another"
+                f" adapter than the digested one (largest deviation {worst.item():.3g}), so the run stops. A load"
+                " must write the adapter's own blocks only (CachedDecoder.load)"
+            )
 
     def _adapter_views(self) -> dict[str, torch.Tensor]:
         """Each LoRA weight as a view of the buffer the decode step reads. Shapes: A [r, in], B [out, r]."""

@@ -174,6 +174,26 @@ def test_the_served_digest_is_read_from_the_serving_buffers(random_model_dir):
         fast.served_digest()
 
 
+def test_the_digest_refuses_serving_buffers_off_the_adapters_blocks(random_model_dir):
+    """B is block-diagonal and s fixed: neither is among the adapter's named weights, yet the decode reads both
+    (issue 33: 0.5 written off a block moved the probe 0.003 nats, s x 3 moved it 0.09, the digest unchanged)."""
+    ref, fast = pair(random_model_dir, adapter_seed=None)
+    adapter = random_adapter(ref.adapter_weights(), seed=4)
+    fast.load_adapter(adapter)
+    assert fast.served_digest() == weights_digest(adapter)
+    qkv = fast.decoder.weights[0]["qkv_lora"]
+    (q_rows, _, _), (_, k_ranks, _) = qkv.blocks[0], qkv.blocks[1]
+    qkv.b[q_rows.start, k_ranks.start] = 0.5  # q's output rows reading k's rank columns
+    with pytest.raises(PolicyMismatchError, match=r"off the block-diagonal B.*deviation 0\.5"):
+        fast.served_digest()
+    qkv.b[q_rows.start, k_ranks.start] = 0.0
+    assert fast.served_digest() == weights_digest(adapter)
+    down = fast.decoder.weights[1]["down_lora"]
+    down.scale.mul_(3.0)
+    with pytest.raises(PolicyMismatchError, match="a scale other than lora_alpha / r"):
+        fast.served_digest()
+
+
 def test_what_the_decode_reads_derives_from_the_digested_buffers(random_model_dir):
     """The decode reads A and s B rounded to the serving dtype (models/lora.py lora_delta), not the published
     buffers the digest reads. A stale or corrupted copy is rewritten from the digested bytes by the digest
