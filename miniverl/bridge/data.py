@@ -13,17 +13,15 @@ turns a run's data config into rows (built-in tasks, and prompt files through mi
 
 from __future__ import annotations
 
-import random
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from miniverl.data.prompts import EVAL_SEED_OFFSET
+from miniverl.data.prompts import prompt_rng
 from miniverl.data.stream import VALID as VALID_PROMPT
 from miniverl.data.tasks import draw_examples
 from miniverl.errors import ConfigError
 
-TRAIN_SEED_STRIDE = 7919  # PromptSource.batch seeds step `s` with `seed * 7919 + s` (tested to agree)
 REWARD_STYLE = "rule"  # verl's name for a programmatic reward that checks ground_truth
 ROW_KEYS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 
@@ -77,7 +75,7 @@ def task_rows(task: str, min_len: int, max_len: int, seed: int, steps: int, grou
     """
     rows = []
     for step in range(steps):
-        rng = random.Random(seed * TRAIN_SEED_STRIDE + step)
+        rng = prompt_rng(seed, "train", step)
         for i, (source, ex) in enumerate(draw_examples(task, rng, min_len, max_len, groups)):
             rows.append(make_row(source, ex.prompt, ex.answer, source, len(rows), "train", f"s{step}-{i}"))
     return rows
@@ -85,7 +83,7 @@ def task_rows(task: str, min_len: int, max_len: int, seed: int, steps: int, grou
 
 def task_eval_rows(task: str, min_len: int, max_len: int, seed: int, count: int) -> list[dict]:
     """The held-out evaluation prompts (PromptSource.eval_batch), as verl's validation split."""
-    rng = random.Random(seed + EVAL_SEED_OFFSET)
+    rng = prompt_rng(seed, "eval")
     examples = draw_examples(task, rng, min_len, max_len, count)
     return [make_row(s, ex.prompt, ex.answer, s, i, "test", f"eval-{i}") for i, (s, ex) in enumerate(examples)]
 

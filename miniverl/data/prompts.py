@@ -11,7 +11,13 @@ from miniverl.batches import PromptBatch
 from miniverl.data.tasks import TASKS, draw_examples, task_names
 from miniverl.errors import ConfigError
 
-EVAL_SEED_OFFSET = 1_000_000  # eval prompts come from a stream disjoint from every training step's
+
+def prompt_rng(seed: int, purpose: str, step: int = 0) -> random.Random:
+    """The random stream of one draw of built-in prompts, for (data.seed, purpose "train" or "eval", step). Python
+    seeds a str through SHA-512, so no two (seed, purpose, step) share a stream. The former integer scheme did:
+    training step s used seed * 7919 + s and the evaluation seed + 1,000,000, so with data.seed=126 training step
+    2,332 drew exactly the evaluation prompts (issue 33)."""
+    return random.Random(f"miniverl-prompts:{purpose}:{seed}:{step}")
 
 
 class PromptSource:
@@ -47,7 +53,7 @@ class PromptSource:
         return f"built-in task {self.name!r} ({self.min_len}-{self.max_len} characters, raw text)"
 
     def batch(self, step: int, groups: int) -> PromptBatch:
-        return self._make(random.Random(self.seed * 7919 + step), groups, f"s{step}")
+        return self._make(prompt_rng(self.seed, "train", step), groups, f"s{step}")
 
     def eval_batch(self, count: int) -> PromptBatch:
-        return self._make(random.Random(self.seed + EVAL_SEED_OFFSET), count, "eval")
+        return self._make(prompt_rng(self.seed, "eval"), count, "eval")

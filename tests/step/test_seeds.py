@@ -52,3 +52,25 @@ def test_config_validation_refuses_seeds_that_would_collide(override, message):
 
     with pytest.raises(ConfigError, match=message):
         validate(load(override))
+
+
+def test_training_prompts_never_draw_the_evaluation_stream(student_dir):
+    """Built-in prompts drew step s from data.seed * 7919 + s and the evaluation from data.seed + 1,000,000: with
+    data.seed=126, training step 2,332 drew the evaluation prompts (issue 33). Now each draw hashes (seed, purpose,
+    step); the bridge's export draws the same streams."""
+    from transformers import AutoTokenizer
+
+    from miniverl.bridge.data import task_eval_rows, task_rows
+    from miniverl.data.prompts import PromptSource
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    source = PromptSource("reverse", 2, 6, tok, 32, seed=126)
+    held_out = source.eval_batch(16)
+    assert source.batch(2332, 16).ground_truth != held_out.ground_truth
+    firsts = {tuple(source.batch(step, 4).ground_truth) for step in range(300)}
+    assert len(firsts) == 300  # 300 steps, 300 different draws
+    rows = task_rows("reverse", 2, 6, 126, 3, 4)
+    assert [r["reward_model"]["ground_truth"] for r in rows[8:]] == source.batch(2, 4).ground_truth
+    assert [
+        r["reward_model"]["ground_truth"] for r in task_eval_rows("reverse", 2, 6, 126, 16)
+    ] == held_out.ground_truth
