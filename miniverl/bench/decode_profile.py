@@ -133,14 +133,17 @@ def trace(backend, prompts, params, seeds, device: str) -> dict:
         wall = time.perf_counter() - t0
     steps = max(len(c.token_ids) for c in out)
     kernels: dict[str, dict] = {}
+    by_name: dict[str, list[float]] = {}
     intervals = []
     for e in prof.events():
         if e.device_type.name != "CUDA" or e.device_time <= 0:
             continue
-        cat = category(e.name)
-        k = kernels.setdefault(cat, {"count": 0, "us": 0.0})
+        k = kernels.setdefault(category(e.name), {"count": 0, "us": 0.0})
         k["count"] += 1
         k["us"] += e.device_time
+        entry = by_name.setdefault(e.name[:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time
         intervals.append((e.time_range.start, e.time_range.end))
     busy = 0.0
     last_end = -math.inf
@@ -154,12 +157,6 @@ def trace(backend, prompts, params, seeds, device: str) -> dict:
         if e.key in HOST_CALLS:
             host[e.key] = {"count": e.count, "cpu_ms": e.cpu_time_total / 1e3}
     total_kernels = sum(k["count"] for k in kernels.values())
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA" and e.device_time > 0:
-            entry = by_name.setdefault(e.name[:120], [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.device_time
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     return {
         "steps": steps,
@@ -180,8 +177,7 @@ def replay(backend, device: str, iters: int = 100) -> dict:
     if not device.startswith("cuda"):
         return {}
     out = {}
-    for width, entry in sorted(getattr(backend, "_graphs", {}).items()):
-        graph = entry[0] if isinstance(entry, tuple) else entry
+    for width, (graph, _logits) in sorted(getattr(backend, "_graphs", {}).items()):
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

@@ -1,9 +1,10 @@
 """hf_cached's decoder: the student's layers over serving weights, with the adapter applied unmerged.
 
-The base linear weights are fused (q/k/v and gate/up; the peft modules' own base weights become views of the
-fused copies, so nothing is held twice) and the adapter sits beside them in serving buffers that a refresh
-writes in place (CUDA graphs hold their addresses), computed with the learner's arithmetic (models/lora.py
-`lora_delta`: the LoRA term in the base's dtype; one A and one B matmul per fused group). The model's own
+Per projection group (q/k/v, o, gate/up, down) the base linear weights are fused into one tensor with the
+adapter's A stacked under them (the peft modules' own base weights become views of it, so nothing is held twice);
+the rest of the adapter sits beside them in serving buffers that a refresh writes in place (CUDA graphs hold
+their addresses), computed with the learner's arithmetic (models/lora.py `lora_delta`: the LoRA term in the base's
+dtype; one A and one B matmul per fused group). The model's own
 embedding, rotary embedding, activation and LM head are used as they are. Supported: Llama-style decoders
 (qwen2, llama) with plain LoRA adapters. Attention reads keys/values the caller provides (rollout/decode_cache.py).
 """
@@ -174,6 +175,7 @@ class CachedDecoder:
         # once (a load copies into them; the served digest reads them). The buffers themselves never change
         # storage: CUDA graphs hold their addresses, so `served_digest` refuses buffers replaced since.
         self.views = self._adapter_views()
+        self._fixed = self._fixed_parts()  # what the digest does not hash, as views of the same buffers
         self._storage = self._buffer_addresses()
         self._served: FlatCopy | None = None  # the served adapter packed for its digest (made at the first one)
 
@@ -236,10 +238,9 @@ class CachedDecoder:
         """miniverl.policy.weights_digest of the adapter the decode step reads, from the serving buffers
         themselves (packed into one flat buffer of adapter size on their device, allocated at the first call).
         The decode reads bf16 copies of A and s B: they are rewritten from the digested buffers first, so what is
-        served derives from exactly the bytes digested (and from s = lora_alpha / r, fixed at build and checked
-        by the probe at the run's first refresh and under the gate's trial adapter). Refuses buffers whose storage
-        changed since they were built: a CUDA graph captured before would still read the old memory, so their
-        digest would not say what is served."""
+        served derives from exactly the bytes digested, and from what `_check_fixed_parts` finds as built (B's
+        off-block zeros, s = lora_alpha / r). Refuses buffers whose storage changed since they were built: a CUDA
+        graph captured before would still read the old memory, so their digest would not say what is served."""
         if self._buffer_addresses() != self._storage:
             raise PolicyMismatchError(
                 "hf_cached's adapter buffers were replaced after the decoder was built; CUDA graphs captured"
@@ -252,15 +253,20 @@ class CachedDecoder:
             self._served = FlatCopy(self.views)
         return self._served.digest()
 
-    def _check_fixed_parts(self) -> None:
-        """The serving buffers' parts outside the digest are what they must be (LoraGroup.fixed_parts): the zeros
-        of every block-diagonal B and the scales s = lora_alpha / r. One reduction over them all, one sync."""
+    def _fixed_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+        """Every group's LoraGroup.fixed_parts together: B's off-block views, scale views, the scales' values."""
         zeros, scales, values = [], [], []
         for lora in self._loras():
             z, sc, v = lora.fixed_parts()
             zeros += z
             scales += sc
             values += v
+        return zeros, scales, values
+
+    def _check_fixed_parts(self) -> None:
+        """The serving buffers' parts outside the digest are what they must be (LoraGroup.fixed_parts): the zeros
+        of every block-diagonal B and the scales s = lora_alpha / r. One reduction over them all, one sync."""
+        zeros, scales, values = self._fixed
         if not zeros and not scales:
             return
         off = [*torch._foreach_add(scales, [-v for v in values]), *zeros]

@@ -56,7 +56,7 @@ class HFReferenceBackend:
         rows = [list(p) for p in prompts for _ in range(params.n)]
         if len(seeds) != len(rows):
             raise ValueError(f"need one seed per completion ({len(rows)}), got {len(seeds)}")
-        row_seeds = torch.tensor(seeds, dtype=torch.long, device=self.device)
+        seed_of_row = torch.tensor(seeds, dtype=torch.long, device=self.device)
         done = [Completion([], [], False) for _ in rows]
         stop = set(params.stop_token_ids)
         active = list(range(len(rows)))
@@ -70,7 +70,7 @@ class HFReferenceBackend:
                 logits_to_keep=1,  # only the next-token logits: [b, T, V] would not fit at real vocab sizes
             ).logits[:, -1]  # [b, V]
             index = torch.tensor(active, device=self.device)
-            tokens, logprobs = sample_next(logits, params, row_seeds[index], step)
+            tokens, logprobs = sample_next(logits, params, seed_of_row[index], step)
             for i, tok, lp in zip(active, tokens.tolist(), logprobs.tolist()):
                 done[i].token_ids.append(tok)
                 done[i].logprobs.append(lp)

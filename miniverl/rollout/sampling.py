@@ -118,18 +118,19 @@ def sample_next(
 
     Shapes: logits [B, V], seeds [B] int64 on logits' device -> tokens [B] long, logprobs [B] float32.
     """
+    lse = None  # log sum exp of the raw logits: the two-level CDF's total at temperature 1, else its own pass
     if params.greedy:
         tokens = logits.argmax(dim=-1)
-        lse = row_logsumexp(logits)
     elif params.top_k or params.top_p < 1.0:
         cdf = processed_logprobs(logits, params).exp_().cumsum_(dim=-1)  # [B, V]
         target = (counter_uniforms(seeds, step) * cdf[:, -1]).clamp(min=torch.finfo(torch.float32).tiny)
         tokens = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1).clamp(max=logits.shape[-1] - 1)
-        lse = row_logsumexp(logits)
     else:
         scaled = logits if params.temperature == 1.0 else logits.float() / params.temperature
         tokens, total = _two_level_inverse_cdf(scaled, counter_uniforms(seeds, step))
-        lse = total if params.temperature == 1.0 else row_logsumexp(logits)
+        lse = total if params.temperature == 1.0 else None
+    if lse is None:
+        lse = row_logsumexp(logits)
     logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float() - lse
     return tokens, logprobs
 

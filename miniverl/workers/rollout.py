@@ -69,9 +69,10 @@ class RolloutWorker:
     def _probe_recomposed(self, probe: list[list[int]], repeat: int) -> list[list[float]]:
         """The probe's log-probs, the repeats after the first computed in another batch make-up (the sequences
         reversed, the first one again at the end: another order and row count), mapped back. The strict-sync change
-        test takes two probes of the same weights as the replica's noise floor; later refreshes probe other
-        batches (recent rollouts join the fixed probe), and a batch's shape moves a sampler's log-probs by rounding
-        (1.4e-6 nats for an fp32 hf_cached on the CPU): repeats of one make-up would measure a floor of 0."""
+        test takes two probes of the same weights as the replica's noise floor, and later refreshes probe other
+        batches (recent rollouts join the fixed probe). Padding, which moved an fp32 hf_cached's log-probs by
+        1.4e-6 nats on the CPU, is gone (`probe_logprobs` scores each length alone); the row count is left, and on
+        a GPU a GEMM's rounding may follow its shape: repeats of one make-up would not see that."""
         if repeat == 0:
             return self.probe_logprobs(probe)
         out = self.probe_logprobs([*probe[::-1], probe[0]])
