@@ -276,7 +276,7 @@ def test_cuda_graphs_match_the_oracle_and_follow_adapter_reloads(random_model_di
         ref.load_adapter(adapter)
         fast.load_adapter(adapter)
         identical, gap = compare(ref.generate(prompts, params, seeds), fast.generate(prompts, params, seeds))
-        assert fast.decode_mode.startswith("cuda_graph")
+        assert fast.decode_mode == "cuda_graph"  # head dim 8: below the fused kernels' tl.dot minimum
         assert identical >= MIN_IDENTICAL
         assert gap <= LOGPROB_TOL
         assert fast.served_digest() == ref.served_digest() == weights_digest(adapter)
@@ -292,7 +292,7 @@ def test_cuda_greedy_identical_on_trained_model(student_dir):
     seeds = row_seeds(0, 15)
     ref_out, fast_out = ref.generate(prompts, params, seeds), fast.generate(prompts, params, seeds)
     assert [c.token_ids for c in fast_out] == [c.token_ids for c in ref_out]
-    assert fast.decode_mode.startswith("cuda_graph")
+    assert fast.decode_mode == "cuda_graph"  # head dim 8: below the fused kernels' tl.dot minimum
 
 
 def test_served_equals_the_learners_arithmetic_after_updates_at_a_small_lr_in_bf16(parts, student_dir, monkeypatch):
