@@ -31,6 +31,7 @@ miniverl() {  # name, steps, extra overrides...
   local name=$1 steps=$2; shift 2
   e2e_cell "$name" "$steps" model.teacher.path=/tmp/m/teacher data.train_files=[] "$@"
 }
+status=0  # the worst exit status of the steps: a queue's log shows a refused or failed cell as non-zero
 for step in "$@"; do
   echo "== gpu $gpu: $step ($(date +%T))"
   case "$step" in
@@ -45,7 +46,7 @@ for step in "$@"; do
       extra=("objective=$obj" "rollout=$backend")
       [ "$quant" = nf4 ] && extra+=(model.student.quantization=nf4 model.teacher.quantization=nf4)
       read -r -a more <<< "${OVERRIDES:-}"
-      miniverl "$step${TAG:+-$TAG}" "${STEPS:-$default_steps}" "${extra[@]}" "${more[@]}" ;;
+      miniverl "$step${TAG:+-$TAG}" "${STEPS:-$default_steps}" "${extra[@]}" "${more[@]}" || status=$? ;;
     compare)
       models
       miniverl compare-miniverl 12 data.prompts_per_step=16 rollout.n=1 trainer.micro_batch_size=16
@@ -68,3 +69,4 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
 done
+exit $status
