@@ -255,8 +255,13 @@ def written(run_dir: Path) -> list[str]:
 
 if __name__ == "__main__":
     from miniverl.errors import ConfigError
+    from miniverl.setup.argv import checked_command_line
 
     try:
+        # Hydra reads sys.argv itself: what it would answer with a traceback is refused here in one line, and the
+        # dict forms of dict-valued keys that it refuses are rewritten there into the forms it accepts.
+        default_run_dir = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))["hydra"]["run"]["dir"]
+        sys.argv[1:] = checked_command_line(sys.argv[1:], default_run_dir)
         check_objective_overrides(sys.argv[1:])
     except ConfigError as e:
         print(f"miniverl: error: {e}", file=sys.stderr, flush=True)
