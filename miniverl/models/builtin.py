@@ -6,7 +6,10 @@ short warm-up so that it starts partly competent (on-policy distillation needs s
 task). Both are cached under `<cache_dir>/builtin/<task>-<key>/`, where the key hashes everything
 that determines the weights, so changing the task or the recipe builds new models instead of reusing
 stale ones. `python scripts/build_models.py` builds them ahead of time; the main job builds them on
-first use.
+first use, unless the package ships them: `miniverl/models/shipped/<key>/<role>/` holds the models of the
+default experiments' recipes at the precision they are stored in (fp16 values; loaded as fp32), with their build
+record, so a first run on a small machine starts in seconds. `python scripts/build_models.py --ship` rebuilds those
+and `--check` compares a fresh build with them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import hashlib
 import json
 import math
 import random
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,8 +29,16 @@ import torch
 
 from miniverl.data.tasks import Example, draw_examples, task_names
 
-BUILD_RECIPE_VERSION = 1  # bump when the training code changes what it produces
+BUILD_RECIPE_VERSION = 2  # bump when the training code changes what it produces (2: early stop, fp16 storage)
 MAX_POSITIONS = 64  # longest prompt + answer of the built-in tasks is far below this
+# One thread: a step of these tiny models is 0.18 s with 1 thread and 0.16 s with 2 on idle cores, but 0.31 s
+# against 0.79 s beside two busy processes (OpenMP threads wait on each other; docs/benchmarks/default-run-cpu.md).
+BUILD_THREADS = 1
+STORAGE_DTYPE = torch.float16  # weights are rounded to it before the accuracy is measured and the model is saved
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")  # what save_pretrained writes
+CHECK_EXAMPLES = 128  # a check of the early stop: ~0.2 s on one core
+RECORDED_LOSSES = 10  # the build record keeps the first steps' losses: a test retrains them to show the recipe holds
 
 
 @dataclass(frozen=True)
@@ -42,12 +56,16 @@ class SftSpec:
     batch_size: int
     lr: float
     seed: int
+    # Every `check_every` steps the greedy accuracy on CHECK_EXAMPLES fresh problems; training stops once it reaches
+    # `stop_accuracy` (None: never, the whole schedule runs).
+    stop_accuracy: float | None = None
+    check_every: int = 100
 
 
 # Sized so both build in well under 3 minutes on 2 CPU cores (measured: see README).
 TEACHER_ARCH = ArchSpec(128, 4, 4, 2, 384)
 STUDENT_ARCH = ArchSpec(64, 2, 4, 2, 192)
-TEACHER_SFT = SftSpec(steps=1200, batch_size=64, lr=3e-3, seed=1)
+TEACHER_SFT = SftSpec(steps=1200, batch_size=64, lr=3e-3, seed=1, stop_accuracy=1.0)
 STUDENT_SFT = SftSpec(steps=250, batch_size=64, lr=3e-3, seed=2)
 
 
@@ -97,55 +115,126 @@ def builtin_dir(cache_dir: str | Path, recipe: BuiltinRecipe) -> Path:
 
 
 def ensure_builtin_models(
-    cache_dir: str | Path, recipe: BuiltinRecipe, log=print, roles: tuple[str, ...] = BUILTIN_ROLES
+    cache_dir: str | Path,
+    recipe: BuiltinRecipe,
+    log=print,
+    roles: tuple[str, ...] = BUILTIN_ROLES,
+    use_shipped: bool = True,
 ) -> dict[str, Path]:
-    """Return {"teacher": dir, "student": dir}, building (and caching) whatever of `roles` is missing."""
+    """Return {"teacher": dir, "student": dir}: whatever of `roles` is missing from the cache is copied from the
+    shipped models when the package has this recipe's (and `use_shipped`), and built otherwise."""
     root = builtin_dir(cache_dir, recipe)
     paths = {role: root / role for role in BUILTIN_ROLES}
-    for role, arch, sft in (
-        ("teacher", recipe.teacher_arch, recipe.teacher_sft),
-        ("student", recipe.student_arch, recipe.student_sft),
-    ):
-        if role not in roles or (paths[role] / "build.json").exists():
+    for role in roles:
+        if (paths[role] / "build.json").exists():
+            continue
+        shipped = shipped_dir(recipe, role)
+        if use_shipped and (shipped / "build.json").exists():
+            install_shipped(shipped, paths[role])
+            log(
+                f"[miniverl] the built-in {role} for task {recipe.task!r} ships with miniverl (cached in {paths[role]})"
+            )
             continue
         log(f"[miniverl] building the built-in {role} for task {recipe.task!r} (cached in {paths[role]})")
-        build_model(paths[role], recipe, arch, sft, log)
+        build_model(paths[role], recipe, *role_spec(recipe, role), log)
     return paths
+
+
+def role_spec(recipe: BuiltinRecipe, role: str) -> tuple[ArchSpec, SftSpec]:
+    return (recipe.teacher_arch, recipe.teacher_sft) if role == "teacher" else (recipe.student_arch, recipe.student_sft)
+
+
+def shipped_dir(recipe: BuiltinRecipe, role: str) -> Path:
+    return SHIPPED_DIR / recipe.key() / role
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_model(target: Path, recipe: BuiltinRecipe, arch: ArchSpec, sft: SftSpec, log=print) -> None:
     """Train one model of `arch` on the recipe's task with `sft` and save it (with the tokenizer) to `target`."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer
 
     from miniverl.atomic import atomic_dir
     from miniverl.models.tokenizer import save_char_tokenizer
 
     # another process building the same model may finish first: its copy is kept (keep_existing)
-    with atomic_dir(target, keep_existing=True) as tmp:
+    with atomic_dir(target, keep_existing=True) as tmp, torch_threads(BUILD_THREADS):
         save_char_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(str(tmp))
-        torch.manual_seed(sft.seed)
-        config = Qwen2Config(
-            vocab_size=len(tok),
-            max_position_embeddings=MAX_POSITIONS,
-            tie_word_embeddings=True,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            **asdict(arch),
-        )
-        model = Qwen2ForCausalLM(config)
+        model = initial_model(tok, arch, sft.seed)
         start = time.perf_counter()
-        sft_train(model, tok, recipe, sft, log)
+        record = sft_train(model, tok, recipe, sft, log)
+        with torch.no_grad():  # the stored precision is the model: accuracy is measured on what is saved
+            for param in model.parameters():
+                param.copy_(param.to(STORAGE_DTYPE))
         acc = greedy_accuracy(model, tok, recipe, n=256, seed=sft.seed + 1000)
         model.save_pretrained(str(tmp))
         info = {
             "recipe": asdict(recipe),
             "greedy_accuracy": acc,
             "train_seconds": time.perf_counter() - start,
+            "threads": BUILD_THREADS,
+            **record,
         }
         (tmp / "build.json").write_text(json.dumps(info, indent=2))
-        log(f"[miniverl] built {target.name}: greedy accuracy {acc:.3f} in {info['train_seconds']:.0f}s")
+        log(
+            f"[miniverl] built {target.name}: greedy accuracy {acc:.3f} after {record['steps_run']} steps"
+            f" in {info['train_seconds']:.0f}s"
+        )
+
+
+def initial_model(tok, arch: ArchSpec, seed: int):
+    """The untrained model a build starts from: a function of the architecture, the tokenizer and the seed."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **asdict(arch),
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def install_shipped(shipped: Path, target: Path) -> None:
+    """Copy a shipped model (fp16 values) into the cache as the fp32 model a local build saves."""
+    from transformers import Qwen2ForCausalLM
+
+    from miniverl.atomic import atomic_dir
+
+    with atomic_dir(target, keep_existing=True) as tmp:
+        for f in shipped.iterdir():
+            if f.name not in MODEL_FILES:
+                shutil.copy2(f, tmp / f.name)  # tokenizer files, the build record
+        Qwen2ForCausalLM.from_pretrained(str(shipped), dtype=torch.float32).save_pretrained(str(tmp))
+
+
+def ship_model(built: Path, shipped: Path) -> None:
+    """Store a built model at its storage precision under `shipped` (what install_shipped reads back)."""
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(str(built), dtype=torch.float32)
+    if any(not torch.equal(p, p.to(STORAGE_DTYPE).float()) for p in model.parameters()):
+        raise ValueError(f"{built} holds weights that {STORAGE_DTYPE} cannot store exactly: rebuild it")
+    if shipped.exists():
+        shutil.rmtree(shipped)
+    shipped.mkdir(parents=True)
+    model.to(STORAGE_DTYPE).save_pretrained(str(shipped))
+    for f in built.iterdir():
+        if f.name not in MODEL_FILES:
+            shutil.copy2(f, shipped / f.name)
 
 
 def _examples(recipe: BuiltinRecipe, rng: random.Random, n: int) -> list[Example]:
@@ -172,8 +261,10 @@ def _sft_batch(tok, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask, lab
 
 
-def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> None:
-    """Supervised training on fresh task examples with AdamW and a cosine schedule with warm-up."""
+def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print, stop_after: int | None = None) -> dict:
+    """Supervised training on fresh task examples with AdamW and a cosine schedule with warm-up, until the schedule
+    ends or the greedy accuracy reaches `sft.stop_accuracy` (or, to retrace a build's first steps, `stop_after`
+    steps). Returns the build record's training part."""
     rng = random.Random(sft.seed)
     steps = sft.steps * len(task_names(recipe.task))  # each task of a mixture gets the single-task budget
     opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.01)
@@ -185,9 +276,10 @@ def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> Non
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    model.train()
+    record = {"steps_run": 0, "first_losses": [], "checks": []}
     started = last = time.monotonic()
     for step in range(steps):
+        model.train()
         ids, mask, lab = _sft_batch(tok, _examples(recipe, rng, sft.batch_size))
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         loss.backward()
@@ -195,12 +287,25 @@ def sft_train(model, tok, recipe: BuiltinRecipe, sft: SftSpec, log=print) -> Non
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        done = record["steps_run"] = step + 1
+        if done <= RECORDED_LOSSES:
+            record["first_losses"].append(loss.item())
+        if done == stop_after:
+            break
         now = time.monotonic()
-        if now - last >= BUILD_REPORT_SECONDS or step + 1 == steps:
-            last, done = now, step + 1
-            took, left = now - started, (now - started) / done * (steps - done)
-            log(f"[miniverl]   sft step {done}/{steps} loss {loss.item():.3f} ({took:.0f}s, ~{left:.0f}s left)")
+        if now - last >= BUILD_REPORT_SECONDS or done == steps:
+            last, took = now, now - started
+            left = took / done * (steps - done)
+            log(f"[miniverl]   sft step {done}/{steps} loss {loss.item():.3f} ({took:.0f}s, at most ~{left:.0f}s left)")
+        if sft.stop_accuracy is not None and done % sft.check_every == 0 and done < steps:
+            model.eval()
+            accuracy = greedy_accuracy(model, tok, recipe, n=CHECK_EXAMPLES, seed=sft.seed + 2000 + done)
+            record["checks"].append({"step": done, "loss": loss.item(), "greedy_accuracy": accuracy})
+            if accuracy >= sft.stop_accuracy:
+                log(f"[miniverl]   sft stops at step {done}: greedy accuracy {accuracy:.3f} of {CHECK_EXAMPLES}")
+                break
     model.eval()
+    return record
 
 
 @torch.no_grad()
@@ -244,6 +349,8 @@ def require_competent_teacher(accuracy: float, threshold: float, recipe: Builtin
         raise ConfigError(
             f"the built-in teacher for data.task={recipe.task} (lengths {recipe.min_len}-{recipe.max_len}) reached"
             f" greedy accuracy {accuracy:.3f}, below model.builtin_min_teacher_accuracy={threshold}: the built-in"
-            f" recipe cannot learn this task at this size. Use data.task=reverse, shorten the problems"
-            f" (data.max_len), or pass a trained teacher (model.teacher.path=DIR); cached in {model_dir}"
+            f" recipe cannot learn this task at this size. It learns data.task=reverse and sort at the default"
+            f" lengths (data.min_len=3, data.max_len=8); addition is beyond it at every length tried (1-2 digits"
+            f" reached 0.76). Use one of those, or pass a trained teacher (model.teacher.path=DIR); cached in"
+            f" {model_dir}"
         )

@@ -57,27 +57,47 @@ def resolve_device(requested: str) -> str:
 USER_MODEL_FIX = "re-save the model (save_pretrained) or download it again"
 
 
+def model_specs(cfg: MiniVerlConfig) -> dict[str, str]:
+    """{role: model path} for the student and every teacher ("teacher" or "teachers.<name>")."""
+    return {"student": cfg.model.student.path, **{r: s.path for r, s in teacher_specs(cfg.model).items()}}
+
+
+def builtin_refs(cfg: MiniVerlConfig) -> dict[str, tuple[str, str]]:
+    """{role: (built-in role, task)} for every role whose path is a `builtin:` ref."""
+    refs = {
+        role: parse_builtin_ref(path, cfg.data.task, f"model.{role}.path") for role, path in model_specs(cfg).items()
+    }
+    return {role: ref for role, ref in refs.items() if ref is not None}
+
+
+def builtin_recipes(cfg: MiniVerlConfig) -> list[tuple[BuiltinRecipe, tuple[str, ...]]]:
+    """The built-in recipes a run needs, each once and in order, with the roles it needs of each."""
+    refs = builtin_refs(cfg).values()
+    return [
+        (BuiltinRecipe(task, cfg.data.min_len, cfg.data.max_len), tuple(which for which, t in refs if t == task))
+        for task in dict.fromkeys(task for _, task in refs)
+    ]
+
+
 def resolve_model_paths(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
-    """Model directories or hub ids for the student and every teacher; built-in models are built on first use.
+    """Model directories or hub ids for the student and every teacher; built-in models are cached on first use
+    (copied from the shipped ones, or built).
 
     Keys: "student", and "teacher" (model.teacher) or "teachers.<name>" (model.teachers.<name>). Each role
     resolves on its own, so a local model for one role and a built-in one for another works; a built-in ref
     `builtin:teacher/<task>` names another task's teacher. A built-in teacher below
     model.builtin_min_teacher_accuracy stops the run.
     """
-    specs = {"student": cfg.model.student.path, **{r: s.path for r, s in teacher_specs(cfg.model).items()}}
-    out, builtin = {}, {}
-    for role, path in specs.items():
-        ref = parse_builtin_ref(path, cfg.data.task, f"model.{role}.path")
-        if ref is not None:
-            builtin[role] = ref
-        else:
-            out[role] = resolve_model_ref(path, f"model.{role}.path", USER_MODEL_FIX)
-    for task in dict.fromkeys(task for _, task in builtin.values()):  # each recipe built once, in order
-        recipe = BuiltinRecipe(task, cfg.data.min_len, cfg.data.max_len)
-        roles = tuple(which for which, t in builtin.values() if t == task)
+    specs = model_specs(cfg)
+    builtin = builtin_refs(cfg)
+    out = {
+        role: resolve_model_ref(path, f"model.{role}.path", USER_MODEL_FIX)
+        for role, path in specs.items()
+        if role not in builtin
+    }
+    for recipe, roles in builtin_recipes(cfg):
         built = ensure_builtin_models(cfg.model.cache_dir, recipe, log, roles)
-        for role, (which, _) in ((r, ref) for r, ref in builtin.items() if ref[1] == task):
+        for role, (which, _) in ((r, ref) for r, ref in builtin.items() if ref[1] == recipe.task):
             fix = f"delete {built[which].parent} so the built-in models are rebuilt (scripts/build_models.py)"
             check_model_dir(built[which], f"model.{role}.path={specs[role]} (cached)", fix)
             out[role] = str(built[which])
