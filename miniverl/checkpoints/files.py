@@ -27,7 +27,19 @@ HASH_CHUNK_BYTES = 1 << 20
 
 
 class CheckpointError(MiniVerlError):
-    """A checkpoint could not be written, or one on disk cannot be used."""
+    """A checkpoint could not be written, or one on disk cannot be used.
+
+    `reason` is what is wrong without the fix the message ends with, for a caller that acts on it itself (resume
+    moves an unusable checkpoint aside and says why, store.set_aside)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+def unusable(reason: str, fix: str = "resume from an older checkpoint") -> CheckpointError:
+    """The error for a checkpoint on disk that cannot be used: `reason`, then the fix."""
+    return CheckpointError(f"{reason}; {fix}", reason)
 
 
 def file_digest(path: Path) -> str:
@@ -93,18 +105,17 @@ def read_state(directory: Path) -> dict[str, Any]:
     """state.json of a checkpoint after checking that every file it lists is present and unchanged."""
     path = directory / STATE_FILE
     if not path.is_file():
-        raise CheckpointError(f"{directory} is not a miniVERL checkpoint (no {STATE_FILE}); point at a step_<k> folder")
+        raise unusable(f"{directory} is not a miniVERL checkpoint (no {STATE_FILE})", "point at a step_<k> folder")
     try:
         state = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is corrupt ({e}); resume from an older checkpoint") from e
+        raise unusable(f"{path} is corrupt ({e})") from e
     for name, digest in state.get("files", {}).items():
         f = directory / name
         if not f.is_file():
-            raise CheckpointError(f"checkpoint {directory} is missing {name}; resume from an older checkpoint")
+            raise unusable(f"checkpoint {directory} is missing {name}")
         if file_digest(f) != digest:
-            raise CheckpointError(
-                f"checkpoint {directory} is corrupt: {name} does not match the SHA-256 recorded when it was"
-                " written; resume from an older checkpoint"
+            raise unusable(
+                f"checkpoint {directory} is corrupt: {name} does not match the SHA-256 recorded when it was written"
             )
     return state

@@ -9,7 +9,16 @@ from pathlib import Path
 
 from miniverl.checkpoints.compat import check_resumable
 from miniverl.checkpoints.files import CheckpointError
-from miniverl.checkpoints.store import CHECKPOINTS_DIR, holds_run, list_checkpoints, load_valid_state, newest_valid
+from miniverl.checkpoints.store import (
+    CHECKPOINTS_DIR,
+    check,
+    holds_run,
+    list_checkpoints,
+    load_valid_state,
+    newest_valid,
+    scan,
+    set_aside,
+)
 from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
 
@@ -167,6 +176,9 @@ def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) 
     """The checkpoint this run continues, or None for a fresh start; refuses to mix two runs in one directory.
 
     `config` is the current config as a plain dict (dataclasses.asdict), compared with the checkpoint's.
+    Unusable checkpoints newer than the one resumed would stand where the resumed run saves its steps again
+    (issue 38: refused after Ray started, at every resume): once every resume check passed, each is moved
+    aside (store.set_aside) and named in one line, so they are kept for the user and out of the run's way.
     """
     resume = cfg.trainer.resume
     markers = holds_run(run_dir)
@@ -178,7 +190,7 @@ def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) 
             )
         return None
     if resume == "auto":
-        path = newest_valid(run_dir, log)
+        path, in_the_way = scan(run_dir)
         if path is None:
             if markers:
                 found = len(list_checkpoints(run_dir))
@@ -199,7 +211,9 @@ def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) 
                 f"trainer.resume={resume!r} continues another run's checkpoint, but {run_dir} already holds a run"
                 f" ({', '.join(markers)}); resume into a fresh directory"
             )
-        newer = [p.name for p in list_checkpoints(run_dir) if inside and p.name > path.name]
+        later = [p for p in list_checkpoints(run_dir) if inside and p.name > path.name]
+        in_the_way = [bad for bad in map(check, later) if bad is not None]
+        newer = [p.name for p in later if p not in {bad.path for bad in in_the_way}]
         if newer:
             raise ConfigError(
                 f"trainer.resume={resume!r} is older than {', '.join(newer)} in the same run, which the resumed run"
@@ -212,5 +226,11 @@ def resolve_resume(cfg: MiniVerlConfig, run_dir: Path, config: dict, log=print) 
         raise ConfigError(
             f"checkpoint {path} already finished step {state['step']} of trainer.total_steps={cfg.trainer.total_steps};"
             " raise trainer.total_steps to train further"
+        )
+    for bad in in_the_way:  # last: a refused resume leaves the run directory as it was
+        moved = set_aside(bad.path)
+        log(
+            f"[miniverl] moved the unusable checkpoint {bad.path.name} aside to {moved} ({bad.error.reason}), out of"
+            f" the way of the run continuing from {path.name}; the folder is kept for you to inspect or delete"
         )
     return ResumePoint(path, int(state["step"]), state["first_eval"])
