@@ -14,7 +14,7 @@ import numpy as np
 
 from miniverl.batches import PromptBatch
 from miniverl.data.charset import check_encodable
-from miniverl.data.files import Columns, check_columns, is_verl_table, load_table, verl_row
+from miniverl.data.files import Columns, is_verl_table, load_prompts, verl_row
 from miniverl.data.templates import encode_prompt
 from miniverl.errors import ConfigError
 
@@ -46,11 +46,9 @@ class FilePromptSource:
     ) -> None:
         self.columns, self.tokenizer, self.use_template = columns, tokenizer, use_template
         self.max_prompt_length, self.overlong, self.shuffle, self.seed = max_prompt_length, overlong, shuffle, seed
-        self.train = load_table(train_files, "data.train_files")
-        check_columns(self.train, columns, "data.train_files")
+        self.train = load_prompts(train_files, columns, "data.train_files")
         if val_files:
-            self.val = load_table(val_files, "data.val_files")
-            check_columns(self.val, columns, "data.val_files")
+            self.val = load_prompts(val_files, columns, "data.val_files")
             self.train_idx = np.arange(len(self.train))
             self.eval_idx = np.arange(len(self.val))
         else:
@@ -84,15 +82,20 @@ class FilePromptSource:
         self._epoch_order: tuple[int, np.ndarray] | None = None
 
     def describe(self) -> str:
-        kind = (
-            "verl schema"
-            if is_verl_table(self.train)
-            else f"columns {self.columns.prompt_key}/{self.columns.answer_key}"
-        )
+        answers = ""
+        if is_verl_table(self.train):
+            kind = "verl schema"
+        elif self.columns.has_answers:
+            kind = f"columns {self.columns.prompt_key}/{self.columns.answer_key}"
+        else:  # never claim an answer column that is not there, nor an accuracy that cannot be measured
+            kind = f"column {self.columns.prompt_key}"
+            answers = "; no answers (data.answer_key=''): every ground truth is empty, so task accuracy reads 0"
+            answers += " and means nothing"
         template = "chat template" if self.use_template else "raw text"
         skipped = f", {self.unencodable_count} unencodable rows skipped" if self.unencodable_count else ""
         return (
             f"{len(self.train_idx)} training and {len(self.eval_idx)} evaluation prompts ({kind}, {template}{skipped})"
+            f"{answers}"
         )
 
     def order(self, epoch: int) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -59,7 +61,7 @@ def test_missing_prompt_column_names_the_columns_and_the_key(tmp_path):
     ("name", "content", "message"),
     [
         ("p.csv", "a,b\n", "ending in .jsonl"),
-        ("p.jsonl", "{not json\n", "cannot read it"),
+        ("p.jsonl", "{not json\n", r"p.jsonl line 1 is not valid JSON \(Expecting property name .* at column 2\)"),
         ("p.jsonl", "", r"data.train_files: .*p.jsonl is empty \(0 bytes\)"),  # was a bare "StopIteration: "
         ("p.jsonl", "\n\n", r"p.jsonl holds only blank lines"),
         ("p.parquet", "", r"p.parquet is empty"),
@@ -79,6 +81,167 @@ def test_bad_files_name_the_key(tmp_path, name, content, message):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match=r"data.train_files: .*nowhere.jsonl does not exist"):
         list(verl_rows([str(tmp_path / "nowhere.jsonl")]))
+
+
+def test_a_directory_is_named_as_one_with_the_files_to_pass(tmp_path):
+    """Issue 38: a directory was reported as "does not exist"."""
+    write_parquet(tmp_path / "train.parquet", gsm8k_rows(2))
+    with pytest.raises(ConfigError) as info:
+        list(verl_rows([str(tmp_path)]))
+    assert str(info.value) == (
+        f"data.train_files: {tmp_path} is a directory, not a prompt file (it holds train.parquet); pass the files"
+        f" themselves, e.g. data.train_files=[{tmp_path}/train.parquet]"
+    )
+
+
+GOOD = {"prompt": "2+2?", "answer": "4"}
+
+
+def jsonl_lines(path, *lines: str):
+    """A prompt file of `lines`, one JSON text each, after a good row and a blank line (so row 1 is line 3)."""
+    path.write_text("\n".join([json.dumps(GOOD), "", *lines]) + "\n")
+    return [str(path)]
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ('{"prompt": null, "answer": "4"}', "prompt is null"),  # trained as the text "None"
+        ('{"prompt": "", "answer": "4"}', "prompt is an empty string"),
+        ('{"prompt": "  ", "answer": "4"}', "prompt is only whitespace"),
+        ('{"prompt": 12, "answer": "4"}', r"prompt is a number \(12\), not text"),  # trained as "12"
+        ('{"prompt": ["a", "b"], "answer": "4"}', r"prompt message 0 is \"a\", not a \{role, content\} message"),
+        ('{"prompt": [], "answer": "4"}', "prompt is an empty list of messages"),
+        (
+            '{"prompt": [{"role": "user", "content": null}], "answer": "4"}',
+            r'prompt message 0 is \{"role": "user", "content": null\}, not',
+        ),
+        ('{"prompt": [{"role": "user", "content": ""}], "answer": "4"}', "prompt holds only empty messages"),
+        ('{"prompt": {"text": "hi"}, "answer": "4"}', r"prompt is an object \(\{\"text\": \"hi\"\}\), not text"),
+    ],
+)
+def test_a_prompt_that_is_not_text_or_messages_is_refused_by_line(tmp_path, line, problem):
+    """Issue 38: such rows trained as a literal string (str(None), str(12), str(["a", "b"])) or as an empty prompt."""
+    with pytest.raises(
+        ConfigError, match=rf"^data.train_files: \S+/p.jsonl line 3: {problem}.*; give the row a prompt"
+    ):
+        list(verl_rows(jsonl_lines(tmp_path / "p.jsonl", line)))
+
+
+def test_a_bad_row_is_named_in_its_own_file_with_a_count(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [GOOD] * 3)
+    bad = jsonl_lines(tmp_path / "bad.jsonl", '{"prompt": null, "answer": "1"}', '{"prompt": "", "answer": "2"}')
+    with pytest.raises(ConfigError, match=r"bad.jsonl line 3: prompt is null; .* or remove it \(1 more row like it\)$"):
+        list(verl_rows([str(good), *bad]))
+    parquet = write_parquet(tmp_path / "p.parquet", [GOOD, {"prompt": None, "answer": "4"}])
+    with pytest.raises(ConfigError, match=r"p.parquet row 1 \(from 0\): prompt is null"):
+        list(verl_rows([str(parquet)]))
+
+
+def test_no_answer_column_is_refused_unless_the_run_says_there_are_no_answers(tmp_path, chat_tok):
+    """Issue 38: the start line said "columns prompt/answer" and the run reported accuracy 0.000."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{i}+{i}?", "label": str(2 * i)} for i in range(6)])
+    with pytest.raises(ConfigError) as info:
+        list(verl_rows([str(path)]))
+    assert str(info.value) == (
+        f"data.train_files: {path} has no answer column 'answer' (columns: prompt, label); set"
+        " data.answer_key=<column>, or data.answer_key='' if the prompts have no answers (distillation needs none;"
+        " task accuracy then means nothing)"
+    )
+    assert [r["reward_model"]["ground_truth"] for r in verl_rows([str(path)], Columns(answer_key="label"))][1] == "2"
+    assert {r["reward_model"]["ground_truth"] for r in verl_rows([str(path)], Columns(answer_key=""))} == {""}
+    with_answers = source(chat_tok, [write_jsonl(tmp_path / "a.jsonl", [GOOD] * 6)], eval_prompts=2).describe()
+    assert with_answers == "4 training and 2 evaluation prompts (columns prompt/answer, chat template)"
+    assert source(chat_tok, [path], eval_prompts=2, answer_key="").describe() == (
+        "4 training and 2 evaluation prompts (column prompt, chat template); no answers (data.answer_key=''): every"
+        " ground truth is empty, so task accuracy reads 0 and means nothing"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": "1+1?", "answer": null}', r"p.jsonl line 3: answer is null; give the row an answer"),
+        ('{"prompt": "1+1?"}', r"p.jsonl line 3: answer is null"),  # the key left out of one row
+        ('{"prompt": "1+1?", "answer": ""}', r"p.jsonl line 3: answer is empty"),
+        ('{"prompt": "1+1?", "answer": [2]}', r"p.jsonl line 3: answer is a list \(\[2\]\), not text or a number"),
+    ],
+)
+def test_a_row_without_an_answer_is_refused_by_line(tmp_path, line, message):
+    """Issue 38: such rows were scored against an empty answer (str(None) -> "")."""
+    with pytest.raises(ConfigError, match=message):
+        list(verl_rows(jsonl_lines(tmp_path / "p.jsonl", line)))
+
+
+@pytest.mark.parametrize(
+    ("answers", "message"),
+    [
+        ([4, 2.5], r"line 1: answer 4 would be read as 4.0 \(datasets reads .* write every answer as text"),
+        (["1.50", 4], r'line 1: answer "1.50" would be read as 1.5'),  # a column of mixed JSON types
+        (["true", "x", 4], r'line 1: answer "true" would be read as true'),
+    ],
+)
+def test_an_answer_datasets_would_change_is_refused(tmp_path, answers, message):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q", "answer": a} for a in answers])
+    with pytest.raises(ConfigError, match=rf"data.train_files: \S+/p.jsonl {message}"):
+        list(verl_rows([str(path)]))
+    same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "q", "answer": a} for a in ["3/4", 4, "12"]])
+    assert [r["reward_model"]["ground_truth"] for r in verl_rows([str(same)])] == ["3/4", "4", "12"]
+
+
+def test_a_blank_line_in_a_file_of_mixed_columns_is_named(tmp_path):
+    """datasets 5 raises a bare "ValueError: Expected object or value" on such a file."""
+    with pytest.raises(ConfigError, match=r"p.jsonl line 2 is blank and column 'answer' mixes JSON types \(line 1:"):
+        list(verl_rows(jsonl_lines(tmp_path / "p.jsonl", '{"prompt": "1+1?", "answer": 2}')))
+
+
+def test_answers_null_in_every_row_point_at_the_key(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1?", "answer": None}] * 3)
+    with pytest.raises(ConfigError, match=r"answer is null in every row of \S+/p.jsonl; set data.answer_key to the"):
+        list(verl_rows([str(path)]))
+    rows = gsm8k_rows(3)
+    rows[1]["reward_model"]["ground_truth"] = None
+    with pytest.raises(ConfigError, match=r"t.parquet row 1 \(from 0\): reward_model.ground_truth is null"):
+        list(verl_rows([str(write_parquet(tmp_path / "t.parquet", rows))]))
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ('{"prompt": "a" "answer": "1"}', r"line 3 is not valid JSON \(Expecting ',' delimiter at column 16\)"),
+        ('{"prompt": "a", "prompt": "b", "answer": "1"}', r"line 3 is not valid JSON \(key 'prompt' appears twice"),
+        (
+            '{"prompt": [{"role": "user", "role": "system", "content": "x"}], "answer": "1"}',
+            r"line 3 is not valid JSON \(key 'role' appears twice",
+        ),
+        ('{"prompt": "a", "answer": "1"} {"prompt": "b", "answer": "2"}', r"line 3 is not valid JSON \(Extra data"),
+        ('["a", "1"]', r"line 3 holds a list, not a JSON object"),
+    ],
+)
+def test_a_bad_json_line_is_named_with_its_reason(tmp_path, line, reason):
+    """Issue 38: pyarrow's "JSON parse error ... in row 1" named neither the file nor the line; a repeated key
+    was refused without saying which."""
+    with pytest.raises(ConfigError, match=rf"data.train_files: \S+/p.jsonl {reason}"):
+        list(verl_rows(jsonl_lines(tmp_path / "p.jsonl", line)))
+
+
+def test_json_documents_still_read(tmp_path):
+    array = tmp_path / "a.json"
+    array.write_text(json.dumps([GOOD, {"prompt": "1+1?", "answer": 2}], indent=2))
+    assert [r["reward_model"]["ground_truth"] for r in verl_rows([str(array)])] == ["4", "2"]
+    pretty = tmp_path / "p.json"
+    pretty.write_text("\ufeff" + json.dumps(GOOD, indent=2))
+    assert [r["prompt"][0]["content"] for r in verl_rows([str(pretty)])] == ["2+2?"]
+    array.write_text('[\n{"prompt": "a",\n "prompt": "b", "answer": "1"}]')
+    with pytest.raises(ConfigError, match=r"a.json is not valid JSON \(key 'prompt' appears twice"):
+        list(verl_rows([str(array)]))
+    array.write_text('[\n{"prompt": "a",\n "answer": "1"},\n]')
+    with pytest.raises(ConfigError, match=r"a.json is not valid JSON \(line 4, Expecting value at column 1\)"):
+        list(verl_rows([str(array)]))
+    broken = tmp_path / "b.jsonl"
+    broken.write_text('{"prompt": "a"\n{"prompt": "b", "answer": "1"}\n')  # a broken first row, not a document
+    with pytest.raises(ConfigError, match=r"b.jsonl line 1 is not valid JSON \(Expecting ',' delimiter"):
+        list(verl_rows([str(broken)]))
 
 
 def test_chat_template_wraps_the_prompt_and_opens_the_answer(chat_tok):
