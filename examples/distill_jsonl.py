@@ -1,9 +1,9 @@
-"""Distil a student on your own prompts: a jsonl file with one prompt (and, optionally, an answer) per line.
+"""Distil a student on your own prompts: a jsonl file with one prompt and its answer per line.
 
     python examples/distill_jsonl.py prompts.jsonl --student DIR_OR_HUB_ID --teacher DIR_OR_HUB_ID [--steps 50]
 
-Each line is `{"prompt": "...", "answer": "..."}` (other column names: --prompt-key/--answer-key; a
-prompt may also be a list of chat messages). Prompts go through the student's chat template, 16 of
+Each line is `{"prompt": "...", "answer": "..."}` (other column names: --prompt-key/--answer-key;
+--answer-key '' for prompts without answers; a prompt may also be a list of chat messages). Prompts go through the student's chat template, 16 of
 them are held out for evaluation, and answers are scored by exact match unless a line carries a
 data_source with its own reward (README: rewards). It is the same run as
 

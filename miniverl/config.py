@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miniverl.data.files import check_paths
 from miniverl.errors import ConfigError
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -33,7 +34,7 @@ class DataConfig:
     train_files: Any = field(default_factory=list)
     val_files: Any = field(default_factory=list)  # empty: hold out data.eval_prompts training rows
     prompt_key: str = "prompt"  # plain jsonl: the column with the prompt (text, or a list of chat messages)
-    answer_key: str = "answer"  # plain jsonl: the column with the ground truth
+    answer_key: str = "answer"  # plain jsonl: the column with the ground truth; '' = the prompts have no answers
     default_data_source: str = "jsonl"  # plain jsonl rows without a data_source column (picks the reward)
     chat_template: bool = True  # wrap prompts with the tokenizer's chat template; false = raw text prompts
     overlong: str = "filter"  # a prompt over max_prompt_length: filter (skip and count) | error (stop)
@@ -538,10 +539,8 @@ def validate(cfg: MiniVerlConfig) -> None:
             isinstance(files, list) and all(isinstance(f, str) and f for f in files),
             f"{key}={files!r}: give a file path or a list of them ({key}=train.jsonl or {key}=[a.jsonl,b.jsonl])",
         )
-        missing = [f for f in files if not Path(f).expanduser().is_file()]
-        _require(
-            not missing, f"{key}: {missing[:1]} does not exist; pass existing .jsonl or .parquet files ({key}=[...])"
-        )
+        if files:
+            check_paths(files, key)  # a missing path, a directory (naming the files in it), mixed formats
     _require(
         d.max_unencodable_rows >= 0,
         f"data.max_unencodable_rows={d.max_unencodable_rows}: use 0 (refuse any) or a row count to skip",
