@@ -4,8 +4,8 @@
 
 Each line is `{"prompt": "...", "answer": "..."}` (other column names: --prompt-key/--answer-key;
 --answer-key '' for prompts without answers; a prompt may also be a list of chat messages). Prompts go
-through the student's chat template, 16 of them are held out for evaluation, and answers are scored by exact match unless a line carries a
-data_source with its own reward (README: rewards). It is the same run as
+through the student's chat template, 16 of them are held out for evaluation, and answers are scored by
+exact match unless a line carries a data_source with its own reward (README: rewards). It is the same run as
 
     python -m miniverl.main +experiment=gkd data.train_files=[prompts.jsonl] model.student.path=...
 """
