@@ -166,3 +166,20 @@ def test_a_sweep_is_an_override_under_multirun():
 def test_main_refuses_a_malformed_override_in_one_line():
     line = one_error_line(run_main("+experiment=gkd", "trainer.total_steps=[1,2"))
     assert line.startswith("miniverl: error: cannot read the override 'trainer.total_steps=[1,2': its '[' is never")
+
+
+@pytest.mark.parametrize(
+    ("arg", "expanded"),
+    [
+        ("data.train_files=~/d/train.parquet", "data.train_files={home}/d/train.parquet"),
+        ("data.train_files=[~/a.jsonl,~/b.jsonl]", "data.train_files=[{home}/a.jsonl,{home}/b.jsonl]"),
+        ("hydra.run.dir=~/runs/a", "hydra.run.dir={home}/runs/a"),
+        ("data.train_files='~/quoted.jsonl'", "data.train_files='~/quoted.jsonl'"),  # quoted: left to Hydra
+        ("data.val_files=[v.jsonl,~]", "data.val_files=[v.jsonl,{home}]"),
+        ("~trainer.lr", "~trainer.lr"),  # Hydra's delete
+    ],
+)
+def test_a_home_path_in_a_value_is_expanded_as_a_shell_would(tmp_path, monkeypatch, arg, expanded):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert checked_command_line([arg], "outputs/run") == [expanded.format(home=tmp_path)]

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf, open_dict
 from miniverl.config import MiniVerlConfig, to_config, validate
 from miniverl.errors import ConfigError
 from miniverl.main import CONF, check_objective_overrides, continue_saved_run
-from miniverl.setup.argv import checked_command_line
+from miniverl.setup.argv import checked_command_line, home_expanded
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
@@ -63,15 +63,7 @@ USER_FILES = ("prompts.jsonl", "mix.parquet", "~/data/gsm8k/train.parquet", "~/d
 # Documented commands that fail as written, until the lead decides whether the docs or the command line change
 # (text -> the failure). An entry fixed in the docs leaves them (test_every_table_entry_is_still_in_the_docs); one
 # fixed in the code passes (strict xfail): either way the entry goes.
-FAILS_AS_WRITTEN = {
-    "+experiment=gkd_qwen_gsm8k data.train_files=~/data/gsm8k/train.parquet"
-    " data.val_files=~/data/gsm8k/test.parquet": "Hydra's grammar refuses an unquoted '~' in a value (the shell"
-    " leaves it: `data.train_files` is no shell variable name): 'miniverl: error: cannot read the override"
-    " data.train_files=~/data/gsm8k/train.parquet: its value cannot hold '~' unquoted'",
-    "+experiment=pg_k1_qwen_gsm8k data.train_files=[~/data/gsm8k/train.parquet]": "Hydra's grammar refuses an"
-    " unquoted '~' in a value: 'miniverl: error: cannot read the override"
-    " data.train_files=[~/data/gsm8k/train.parquet]: its value cannot hold '~' unquoted'",
-}
+FAILS_AS_WRITTEN: dict[str, str] = {}  # none today: the README's `~` paths are expanded as a shell would
 # Documented text that names no one command or config (text -> why it is not composed).
 NOT_COMPOSED = {
     "+experiment=...": "a placeholder for any experiment (the README's experiment table lists them)",
@@ -233,7 +225,8 @@ def assert_set(config: MiniVerlConfig, argv: tuple[str, ...]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     node = OmegaConf.structured(config)
-    for override in OverridesParser.create().parse_overrides(hydra_overrides(argv)):
+    expanded = tuple(home_expanded(arg) for arg in argv)  # as main reads them: `~` paths written out
+    for override in OverridesParser.create().parse_overrides(hydra_overrides(expanded)):
         key = override.key_or_group
         if override.is_delete() or "." not in key or key.split(".")[0] not in CONFIG_ROOTS:
             continue  # a group choice (rollout=vllm), +experiment=..., hydra.run.dir

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,13 @@ QUOTING = "quote a value that holds spaces or any of []{}(),:=' (key='a b')"
 
 
 def checked_command_line(argv: list[str], default_run_dir: str) -> list[str]:
-    """`argv` (sys.argv[1:]) with dict-valued keys in the form Hydra accepts (accepted_form). Raises ConfigError
+    """`argv` (sys.argv[1:]) with `~` paths expanded (home_expanded) and dict-valued keys in the form Hydra accepts
+    (accepted_form). Raises ConfigError
     for a malformed override, several values without --multirun, or a run directory (hydra.run.dir, else
     `default_run_dir`) that cannot be made."""
     from hydra._internal.utils import get_args_parser  # the parser @hydra.main uses: flags vs overrides
 
+    argv = [home_expanded(arg) for arg in argv]
     args = get_args_parser().parse_known_args(argv)[0]
     parsed = dict(zip(args.overrides, parse_overrides(args.overrides), strict=True))
     sweeps = [text for text, o in parsed.items() if o.is_sweep_override()]
@@ -40,6 +43,18 @@ def checked_command_line(argv: list[str], default_run_dir: str) -> list[str]:
     check_run_dir(run_dirs[-1] if run_dirs else default_run_dir)
     rewritten = {text: accepted_form(text, o) for text, o in parsed.items()}
     return [rewritten.get(arg, arg) for arg in argv]
+
+
+HOME_PATH = re.compile(r"(^|[\[,])~(?=[/,\]]|$)")  # a `~` that starts a path of the value (or of a list item)
+
+
+def home_expanded(arg: str) -> str:
+    """`key=~/x` and `key=[~/a,~/b]` with the home directory written out, as a shell does for `~/x` alone: the
+    shell leaves a `~` after `key=` as it is, and Hydra's grammar refuses it unquoted. Quoted values are left."""
+    key, eq, value = arg.partition("=")
+    if not eq or arg.startswith("-") or value[:1] in QUOTES:
+        return arg
+    return key + eq + HOME_PATH.sub(lambda m: m.group(1) + os.path.expanduser("~"), value)
 
 
 def parse_overrides(overrides: list[str]) -> list[Any]:
