@@ -21,6 +21,12 @@ from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
 from miniverl.workers.teachers import TeacherLoad, TeachersScorerWorker
 
+# Ray starts its workers at niceness 15, so every actor of a run yields the cores to any ordinary process: beside two
+# busy processes on 2 cores the default run had written no step after 7 minutes (docs/benchmarks/default-run-cpu.md).
+# The actors are the run's work, not background chores: they start at the driver's priority. (A cluster this run
+# joins, resources.ray_address, keeps its own setting.)
+WORKER_NICENESS = 0
+
 
 def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
     """Connect to (or start) Ray; print the dashboard URL. Returns True when this call started Ray."""
@@ -32,6 +38,7 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
     if cfg.resources.ray_address is None:
         # None lets Ray start the dashboard only when its packages (ray[default]) are installed.
         kwargs["include_dashboard"] = None if cfg.resources.dashboard else False
+        kwargs["_system_config"] = {"worker_niceness": WORKER_NICENESS}
     with shielded_children():  # a signal to the whole process group must not kill Ray under the driver
         ctx = ray.init(**kwargs)
     url = getattr(ctx, "dashboard_url", None)

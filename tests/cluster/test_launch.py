@@ -1,0 +1,32 @@
+"""Starting the run's Ray cluster (cluster/launch.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.test_config import load
+
+
+@pytest.mark.slow
+def test_the_actors_of_a_started_cluster_run_at_the_drivers_priority():
+    """Ray starts workers at niceness 15: beside two busy processes on 2 cores, a run's actors got ~3% of a core
+    each and the default run wrote no step in 7 minutes. start_ray starts them at the driver's niceness."""
+    ray = pytest.importorskip("ray")
+    from miniverl.cluster.launch import start_ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster is already running in this process: start_ray would join it")
+    cfg = load("resources.dashboard=false")
+    assert start_ray(cfg, log=lambda *_: None)
+    try:
+
+        @ray.remote(num_cpus=0)
+        class Probe:
+            def niceness(self) -> int:
+                return os.nice(0)
+
+        assert ray.get(Probe.remote().niceness.remote()) == os.nice(0)
+    finally:
+        ray.shutdown()
