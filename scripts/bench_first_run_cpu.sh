@@ -25,7 +25,7 @@ start=$(date +%s.%N)
 python3 -m miniverl.main +experiment="$name" model.cache_dir="$work/cache" tracking.progress_bar=false \
   hydra.run.dir="$work/run" "$@" 2>&1 | grep -v "Loading weights" | tee "$work/run.log"
 ran=$(date +%s.%N)
-[ "${BUILD:-1}" = 0 ] || python3 scripts/build_models.py --fresh --cache-dir "$work/scratch" > "$work/build.log" 2>&1
+[ "${BUILD:-1}" = 0 ] || PYTHONPATH=. python3 scripts/build_models.py --fresh --cache-dir "$work/scratch" > "$work/build.log" 2>&1
 built=$(date +%s.%N)
 cd - > /dev/null
 mkdir -p docs/benchmarks/first-run-cpu
