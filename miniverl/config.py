@@ -273,8 +273,8 @@ class ResourcesConfig:
     scorer_gpus: int = 0
     ray_address: str | None = None  # None starts a local Ray cluster
     dashboard: bool = True  # start the Ray dashboard when the installed Ray has it
-    # Torch threads per actor; 0 = all cores (the actors compute one at a time), half of them each with
-    # trainer.staleness=1 (the rollout and the update compute at once: cluster/launch.py::actor_threads).
+    # Torch threads per actor; 0 = half the cores, at least one (all-core pools fight each other and any other work
+    # on the machine: cluster/launch.py::actor_threads).
     torch_threads: int = 0
     emulate_gpu_gib: float | None = None  # cap each actor at num_gpus * this many GiB (16 = RTX 4080)
     # How the learner's adapter reaches the rollout replicas at a refresh: auto = left in the learner's GPU
@@ -569,7 +569,7 @@ def validate(cfg: MiniVerlConfig) -> None:
         f"tracking.wandb_mode={cfg.tracking.wandb_mode!r}: use offline, online or disabled",
     )
     threads = cfg.resources.torch_threads
-    _require(threads >= 0, f"resources.torch_threads={threads}: use 0 (all cores) or a thread count >= 1")
+    _require(threads >= 0, f"resources.torch_threads={threads}: use 0 (half the cores) or a thread count >= 1")
     _require(
         cfg.resources.weight_sync in WEIGHT_SYNC,
         f"resources.weight_sync={cfg.resources.weight_sync!r}: use auto (on the GPU when the rollout shares the"

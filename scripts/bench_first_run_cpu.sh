@@ -53,6 +53,10 @@ out = {
                                             "start_accuracy", "end_accuracy")},
 }
 path = f"docs/benchmarks/first-run-cpu/{name}-load{load}{'-' + tag if tag else ''}.json"
+rows = [json.loads(line) for line in open(os.path.join(work, "run", "metrics.jsonl"))]
+keys = ("time/step", "time/generate", "time/score", "time/update", "time/refresh")
+out["median_seconds_per_step"] = {k: sorted(r[k] for r in rows if k in r)[len([r for r in rows if k in r]) // 2]
+                                  for k in keys if any(k in r for r in rows)}
 json.dump(out, open(path, "w"), indent=2)
 print(json.dumps(out, indent=2))
 PY

@@ -53,14 +53,13 @@ def resolve_gpus(cfg: MiniVerlConfig, device: str) -> int:
     return cfg.resources.gpus
 
 
-def actor_threads(torch_threads: int, staleness: int, cores: int) -> int:
-    """Torch threads per actor. 0 (resources.torch_threads' default) gives each actor every core, right while the
-    actors compute one at a time (strict sync); with trainer.staleness=1 the rollout runs beside the update, and
-    two all-core pools on 2 CPU cores made a stale step 4.5x slower than strict sync, one thread each 1.39x
-    faster (docs/benchmarks/staleness-cpu.md), so the cores are split between the two. An explicit count wins."""
-    if torch_threads or not staleness:
-        return torch_threads
-    return max(1, cores // 2)
+def actor_threads(torch_threads: int, cores: int) -> int:
+    """Torch threads per actor: an explicit resources.torch_threads, else (0, the default) half the cores, at least
+    one. All-core pools fight whatever else computes: with trainer.staleness=1 two all-core pools on 2 CPU cores made
+    a stale step 4.5x slower than strict sync, one thread each 1.39x faster (docs/benchmarks/staleness-cpu.md); in
+    strict sync beside two busy processes on 2 cores the default run took 1.84 s a step with two threads per actor
+    and 0.82 s with one, at 8% of cost on idle cores (docs/benchmarks/default-run-cpu.md)."""
+    return torch_threads or max(1, cores // 2)
 
 
 def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str, list[Any]], Any]:
@@ -84,7 +83,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str
         """The actor's torch cap on the emulated GPU (resources.emulate_gpu_gib), or None without emulation."""
         return emulated_cap_gib(res.emulate_gpu_gib, plan.num_gpus[actor], f"{actor} share") if emulated else None
 
-    threads = actor_threads(res.torch_threads, cfg.trainer.staleness, os.cpu_count() or 1)
+    threads = actor_threads(res.torch_threads, os.cpu_count() or 1)
     colocated: dict[str, tuple[type, tuple, dict]] = {}  # resources.colocate: each role's constructor, built below
 
     def start(cls, actor: str, i: int, *args, **kwargs):

@@ -177,11 +177,10 @@ def test_placement_refuses_an_overfull_gpu():
         plan_placement(_resources("resources.learner.num_gpus=0.5"), 1)
 
 
-def test_a_stale_run_splits_the_cores_between_actors_that_compute_at_once():
-    """Strict sync: 0 (all cores: the actors take turns). staleness=1: rollout and learner compute together, so
-    half the cores each (all-core pools on 2 cores made the stale step 4.5x slower); explicit counts are kept."""
+def test_actors_take_half_the_cores_unless_told():
+    """0 (the default): half the cores, at least one, strict or stale (all-core pools made a stale step 4.5x slower
+    on 2 cores, and a strict one 2.2x slower beside other work); explicit counts are kept."""
     from miniverl.cluster.launch import actor_threads
 
-    assert actor_threads(0, 0, 2) == 0
-    assert actor_threads(0, 1, 2) == 1 and actor_threads(0, 1, 16) == 8 and actor_threads(0, 1, 1) == 1
-    assert actor_threads(3, 1, 2) == 3 and actor_threads(3, 0, 2) == 3
+    assert actor_threads(0, 2) == 1 and actor_threads(0, 16) == 8 and actor_threads(0, 1) == 1
+    assert actor_threads(3, 2) == 3 and actor_threads(1, 16) == 1
