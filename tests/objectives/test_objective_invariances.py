@@ -55,9 +55,12 @@ def on_policy_batch(student_dir, random_model_dir):
     return batch, ScorerWorker(str(random_model_dir), "float32", 4, CPU)
 
 
+LEARNER_LR = 1e-2
+
+
 def make_learner(student_dir, objective, micro_batch_size: int) -> LearnerWorker:
     torch.manual_seed(0)
-    return LearnerWorker(str(student_dir), LORA, "float32", objective, 1e-2, 0.0, 1e9, micro_batch_size, CPU)
+    return LearnerWorker(str(student_dir), LORA, "float32", objective, LEARNER_LR, 0.0, 1e9, micro_batch_size, CPU)
 
 
 def capture_gradients(learner: LearnerWorker) -> list[list[torch.Tensor]]:
@@ -94,8 +97,11 @@ def assert_same(a, b, rtol: float, atol: float) -> None:
         assert max(g.abs().max().item() for g in ga) > 0
         for x, y in zip(ga, gb):
             torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
-    for x, y in zip(p_a, p_b):  # Adam divides by sqrt(v): tiny gradient differences grow a little
-        torch.testing.assert_close(x, y, rtol=10 * rtol, atol=10 * atol)
+    # Adam divides by sqrt(v): where a gradient is near Adam's eps, a 1e-5 difference in it moves the step by a
+    # share of the whole step (lr). Measured after the built-in models became fp16 values: 3.6e-5 on one entry of
+    # gkd_full's split run (0.4% of a step). Bound: 1% of one step, besides the gradients' own 1e-5 check above.
+    for x, y in zip(p_a, p_b):
+        torch.testing.assert_close(x, y, rtol=10 * rtol, atol=max(10 * atol, LEARNER_LR * 1e-2))
 
 
 def score(scorer: ScorerWorker, objective, batch: RolloutBatch) -> TeacherScores:

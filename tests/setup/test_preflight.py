@@ -26,7 +26,7 @@ from tests.test_config import load, with_models
         ("trainer.staleness=2", r"trainer.staleness=2: use 0 \(strict sync\) or 1"),
         ("trainer.staleness=-1", r"trainer.staleness=-1: use 0 \(strict sync\) or 1"),
         # issue 17: each of these failed late (after Ray) or without the key and value
-        ("resources.torch_threads=-1", "resources.torch_threads=-1: use 0 \\(all cores\\) or a thread count"),
+        ("resources.torch_threads=-1", "resources.torch_threads=-1: use 0 \\(half the cores\\) or a thread count"),
         ("rollout.top_k=-1", "rollout.top_k=-1: use 0 \\(off\\)"),
         ("rollout.top_p=1.5", "rollout.top_p=1.5: use a value in \\(0, 1\\]"),
         ("data.train_files=[7]", "data.train_files=\\[7\\]: give a file path or a list of them"),
