@@ -30,7 +30,7 @@ built=$(date +%s.%N)
 cd - > /dev/null
 mkdir -p docs/benchmarks/first-run-cpu
 python3 - "$start" "$ran" "$built" "$work" "$name" "$load" "${TAG:-}" "$*" <<'PY'
-import datetime, json, os, platform, subprocess, sys
+import datetime, json, os, platform, statistics, subprocess, sys
 import torch, transformers, ray
 start, ran, built, work, name, load, tag, extra = sys.argv[1:]
 summary = json.load(open(os.path.join(work, "run", "summary.json")))
@@ -55,7 +55,7 @@ out = {
 path = f"docs/benchmarks/first-run-cpu/{name}-load{load}{'-' + tag if tag else ''}.json"
 rows = [json.loads(line) for line in open(os.path.join(work, "run", "metrics.jsonl"))]
 keys = ("time/step", "time/generate", "time/score", "time/update", "time/refresh")
-out["median_seconds_per_step"] = {k: sorted(r[k] for r in rows if k in r)[len([r for r in rows if k in r]) // 2]
+out["median_seconds_per_step"] = {k: statistics.median_high(r[k] for r in rows if k in r)
                                   for k in keys if any(k in r for r in rows)}
 json.dump(out, open(path, "w"), indent=2)
 print(json.dumps(out, indent=2))

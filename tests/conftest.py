@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miniverl.models.builtin import ArchSpec, BuiltinRecipe, SftSpec, build_model
+from miniverl.models.builtin import ArchSpec, BuiltinRecipe, SftSpec, build_model, torch_threads
 from tests.step.test_controller import parts  # noqa: F401 (strict-sync parts, shared as a fixture)
 
 TINY_ARCH = ArchSpec(
@@ -49,10 +49,8 @@ def random_model_dir(tmp_path_factory):
 def _one_torch_thread():
     """Tiny models gain nothing from a second thread, and on a shared 2-core machine an oversubscribed
     thread pool made fixture builds 40x slower (measured: 96 s instead of 2.5 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -215,9 +215,7 @@ def install_shipped(shipped: Path, target: Path) -> None:
     from miniverl.atomic import atomic_dir
 
     with atomic_dir(target, keep_existing=True) as tmp:
-        for f in shipped.iterdir():
-            if f.name not in MODEL_FILES:
-                shutil.copy2(f, tmp / f.name)  # tokenizer files, the build record
+        copy_beside_weights(shipped, tmp)
         Qwen2ForCausalLM.from_pretrained(str(shipped), dtype=torch.float32).save_pretrained(str(tmp))
 
 
@@ -232,9 +230,14 @@ def ship_model(built: Path, shipped: Path) -> None:
         shutil.rmtree(shipped)
     shipped.mkdir(parents=True)
     model.to(STORAGE_DTYPE).save_pretrained(str(shipped))
-    for f in built.iterdir():
+    copy_beside_weights(built, shipped)
+
+
+def copy_beside_weights(source: Path, target: Path) -> None:
+    """Copy what a model directory holds besides what save_pretrained writes: the tokenizer files, the build record."""
+    for f in source.iterdir():
         if f.name not in MODEL_FILES:
-            shutil.copy2(f, shipped / f.name)
+            shutil.copy2(f, target / f.name)
 
 
 def _examples(recipe: BuiltinRecipe, rng: random.Random, n: int) -> list[Example]:
