@@ -8,7 +8,11 @@ outside [1/cap, cap]) are held against the tolerance the objective declares
 (`objective.sampler_tolerance`, miniverl/objectives/). Within it: "pass". Outside it: "pass_with_tis"
 when the objective truncates its importance ratios (PG-k1 with a finite objective.is_cap) and the gap is
 one truncation can correct (objectives/ratios.py: TIS_MAX_*), else the run stops with the numbers and
-the fix. The numbers go into summary.json; every step still logs the gap.
+the fix. The gate's honest gap then calibrates the bound every later step is held to before its optimizer step
+(objectives/ratios.py, step_bound: a multiple of the gate's mean and p99, never looser than the objective's), so
+a step sampled by anything but the learner's policy (a generation path that kept an older one) stops the run.
+The learner's log-probs are those every update computes (its micro-batches, dropout off). The numbers go into
+summary.json; every step logs its gap.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from miniverl.batches import PromptBatch, RolloutBatch
-from miniverl.cluster.actors import call
+from miniverl.batches import PromptBatch
+from miniverl.cluster.actors import call, call_all
 from miniverl.errors import ConfigError
 from miniverl.objectives.ratios import SamplerTolerance
 from miniverl.rollout.sampling import SamplingParams
@@ -38,6 +42,7 @@ class GapStats:
     outside_frac: float
     cap: float
     tokens: int
+    std_gap: float = 0.0  # per-token std of |gap|: how far a step of few tokens may sit from the mean
 
 
 def gap_stats(sampler: torch.Tensor, learner: torch.Tensor, mask: torch.Tensor, cap: float) -> GapStats:
@@ -53,6 +58,7 @@ def gap_stats(sampler: torch.Tensor, learner: torch.Tensor, mask: torch.Tensor, 
         outside_frac=float(outside),
         cap=cap,
         tokens=int(diff.numel()),
+        std_gap=float(diff.abs().std(correction=0)),
     )
 
 
@@ -94,21 +100,6 @@ def decide(stats: GapStats, tolerance: SamplerTolerance, objective: str, backend
     )
 
 
-def learner_logprobs(learner, batch: RolloutBatch) -> torch.Tensor:
-    """The learner's log-prob of every sampled token, through its probe_logprobs. Shapes: -> [B, Tr]."""
-    lengths = batch.response_mask.sum(1).tolist()
-    prompt_lens = batch.prompt_mask.sum(1).tolist()
-    sequences = [
-        batch.prompts[i, batch.prompts.shape[1] - lp :].tolist() + batch.responses[i, :n].tolist()
-        for i, (lp, n) in enumerate(zip(prompt_lens, lengths))
-    ]
-    per_row = call(learner, "probe_logprobs", sequences)
-    out = torch.zeros(batch.responses.shape, dtype=torch.float32)
-    for i, (lp, n) in enumerate(zip(prompt_lens, lengths)):
-        out[i, :n] = torch.tensor(per_row[i][lp - 1 : lp - 1 + n])  # entry t-1 scores token t
-    return out
-
-
 def conformance_gate(
     controller,
     prompts: PromptBatch,
@@ -126,7 +117,7 @@ def conformance_gate(
     identity = controller.ensure_served()
     batch = controller.sample(prompts, dataclasses.replace(params, seed=seed), identity)
     tolerance = objective.sampler_tolerance
-    learner = learner_logprobs(controller.learners[0], batch)
+    learner = call(controller.learners[0], "sampled_logprobs", batch)  # [B, Tr], as every update computes them
     stats = gap_stats(batch.rollout_log_probs, learner, batch.response_mask, tolerance.cap)
     decision = decide(stats, tolerance, objective_name, backend)
     log(
@@ -134,9 +125,20 @@ def conformance_gate(
         f" {stats.mean_gap:.2e} p99 {stats.p99_gap:.2e} nats, {stats.outside_frac:.2%} of ratios outside"
         f" [1/{stats.cap:g}, {stats.cap:g}]: {decision}"
     )
+    bound = call_all(
+        controller.learners,
+        "calibrate_sampler_gap",
+        [(stats.mean_gap, stats.p99_gap, stats.std_gap)] * len(controller.learners),
+    )
+    log(
+        f"[miniverl] every step's sampler gap is held to mean {bound[0]['mean']:.2e} nats (+ {bound[0]['spread']:.2e}"
+        f" / sqrt(tokens)) and at most {bound[0]['tail_share']:.0%} of tokens beyond {bound[0]['tail']:.2e}"
+        " (calibrated from the gate's)"
+    )
     return {
         **dataclasses.asdict(stats),
         "decision": decision,
         "tolerance": dataclasses.asdict(tolerance),
+        "step_bound": bound[0],
         "trial_adapter_probe_gap": trial_gap,
     }

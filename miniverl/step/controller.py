@@ -37,7 +37,7 @@ from miniverl.step.sync import PolicySync
 # How per-rank learner metrics combine: most are sums over the step's tokens (each rank divides by the
 # whole step's token count); these are equal on every rank, or a maximum.
 SAME_ON_EVERY_RANK = ("grad_norm", "response_tokens")
-MAX_OVER_RANKS = ("sampler_gap_max", "policy_drift_max", "ratio_max", "micro_batch_tokens")
+MAX_OVER_RANKS = ("sampler_gap_max", "sampler_gap_p99", "policy_drift_max", "ratio_max", "micro_batch_tokens")
 
 
 def _as_list(x: Any) -> list[Any]:

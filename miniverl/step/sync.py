@@ -216,7 +216,7 @@ class PolicySync:
         if not self.noise:  # the replica's own noise floor: the same weights probed twice
             self.noise = [max_gap(s.probes[0], s.probes[1]) for s in served]
         common = [j for j, s in enumerate(sequences) if s in self._previous]
-        gaps, learner_moved = [], 0.0
+        gaps, served_moved, learner_moved = [], [], 0.0
         if common:
             learner_moved = max_gap([learner[j] for j in common], [self._previous[sequences[j]][1] for j in common])
         for i, s in enumerate(served):
@@ -225,10 +225,18 @@ class PolicySync:
             if common:
                 now = [probe_i[j] for j in common]
                 before = [self._previous[sequences[j]][0][i] for j in common]
-                check_changed(i, identity.version, max_gap(now, before), learner_moved, self.noise[i])
+                served_moved.append(max_gap(now, before))
+                check_changed(i, identity.version, served_moved[-1], learner_moved, self.noise[i])
         self._previous = {q: ([s.probes[0][j] for s in served], learner[j]) for j, q in enumerate(sequences)}
         self._carried, self._recent = self._recent, []
-        return {"probe_gap_max": max(gaps), "probe_learner_moved": learner_moved}
+        # what the change test weighed (nats): the learner's move, the least any replica's served probe moved, and
+        # the largest replica noise floor (a logged run shows the test was armed: learner_moved above the noise)
+        return {
+            "probe_gap_max": max(gaps),
+            "probe_learner_moved": learner_moved,
+            "probe_served_moved": min(served_moved, default=0.0),
+            "probe_noise": max(self.noise),
+        }
 
 
 def _replica_times(served: list[ServedPolicy]) -> dict[str, float]:

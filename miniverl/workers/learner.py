@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -118,6 +119,9 @@ class LearnerWorker:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.objective = objective
+        # what every step's sampler gap is held to: the objective's bound until the conformance gate calibrates it
+        self.gap_bound = objective.sampler_tolerance.step_bound()
+        self.dropout = lora.dropout  # > 0: the training forward is not the policy; the gap takes an eval forward
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens_per_micro_batch
@@ -254,8 +258,10 @@ class LearnerWorker:
         behaviour = None
         if lag:
             with self._adapter(self.behaviour[batch.policy_version]):
-                behaviour = self.policy_logprobs(batch)
-        current = self.policy_logprobs(batch) if lag and self.objective.needs_current_logprobs else None
+                behaviour = self.sampled_logprobs(batch)
+        elif self.dropout:  # the update's own forward drops adapter inputs: the gap is taken on the policy itself
+            behaviour = self.sampled_logprobs(batch)
+        current = self.sampled_logprobs(batch) if lag and self.objective.needs_current_logprobs else None
         advantages = self.objective.prepare(batch, scores, rewards, ref, current)
         num_tokens = int(batch.response_mask.sum()) if num_step_tokens is None else num_step_tokens
         row_weights = self._row_weights(batch)  # [B] or None
@@ -279,6 +285,7 @@ class LearnerWorker:
         sums = {
             "gap_abs": gap.sum().item(),
             "gap_max": gap.max().item() if gap.numel() else 0.0,
+            "gap_tail": (gap > self.gap_bound.tail).sum().item(),  # tokens beyond the bound's tail
             "loss": loss_sum.item(),
         }
         # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
@@ -293,7 +300,7 @@ class LearnerWorker:
         reverse_kl = float((k1 * batch.response_mask).sum())
         if self.world_size > 1:
             self._sum_gradients()
-        self._check_sampler_gap(sums["gap_abs"], sums["gap_max"], num_tokens)
+        self._check_sampler_gap(sums["gap_abs"], sums["gap_max"], sums["gap_tail"], num_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         skipped = self._step_if_finite(sums["loss"], float(grad_norm))
         self.window = (start, time.time())
@@ -303,6 +310,8 @@ class LearnerWorker:
             "grad_norm": float(grad_norm),
             "sampler_gap_mean": sums["gap_abs"] / max(num_tokens, 1),
             "sampler_gap_max": sums["gap_max"],
+            "sampler_gap_p99": float(torch.quantile(gap.float(), 0.99)) if gap.numel() else 0.0,  # this rank's
+            "sampler_gap_tail_frac": sums["gap_tail"] / max(num_tokens, 1),
             "response_tokens": num_tokens,
             "micro_batch_tokens": float(self.max_tokens),  # 0: row-count micro-batches; drops after an OOM
             "reverse_kl": reverse_kl / max(num_tokens, 1),
@@ -424,19 +433,38 @@ class LearnerWorker:
             self.staleness,
         )
 
-    def _check_sampler_gap(self, gap_abs: float, gap_max: float, num_tokens: int) -> None:
-        """Refuse the step before optimizer.step() when the sampler's log-probs of the step's tokens sit
-        further from the learner's than the objective tolerates (its max_mean_gap: the conformance gate's
-        bound, or what truncated importance sampling can correct). Every rank sees the whole step's gap."""
+    def calibrate_sampler_gap(self, gate_mean: float, gate_p99: float, gate_std: float) -> dict[str, float | str]:
+        """Hold every later step to the bound calibrated from the conformance gate's honest gap (mean, p99 and
+        per-token std in nats, of this run's backend, dtype and model; objectives/ratios.py, step_bound). Returns
+        the bound."""
+        self.gap_bound = self.objective.sampler_tolerance.step_bound(gate_mean, gate_p99, gate_std)
+        return dataclasses.asdict(self.gap_bound)
+
+    def sampled_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The sampled tokens' log-probs under the current adapter as an update computes them (its micro-batches
+        and packing), dropout off: what the sampler's log-probs are held to. Shapes: -> [B, Tr] (CPU)."""
+        self.model.eval()
+        try:
+            return self.policy_logprobs(batch)
+        finally:
+            self.model.train()
+
+    def _check_sampler_gap(self, gap_abs: float, gap_max: float, gap_tail: int, num_tokens: int) -> None:
+        """Refuse the step before optimizer.step() when the sampler's log-probs of the step's tokens sit further
+        from the learner's than this run's bound (`gap_bound`: calibrated at the conformance gate from the honest
+        gap of this backend and dtype, else the objective's): the mean, or the share of tokens beyond its tail.
+        Every rank sees the whole step's gap."""
         if self.world_size > 1:
             import torch.distributed as dist
 
-            total, peak = torch.tensor([gap_abs], device=self.device), torch.tensor([gap_max], device=self.device)
+            total = torch.tensor([gap_abs, float(gap_tail)], device=self.device, dtype=torch.float64)
+            peak = torch.tensor([gap_max], device=self.device)
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            gap_abs, gap_max = float(total), float(peak)
-        tolerance = self.objective.sampler_tolerance
-        mean = gap_abs / max(num_tokens, 1)
+            gap_abs, gap_tail, gap_max = float(total[0]), int(total[1]), float(peak)
+        bound = self.gap_bound
+        mean, tail_share = gap_abs / max(num_tokens, 1), gap_tail / max(num_tokens, 1)
+        mean_bound, share_bound = bound.mean_at(num_tokens), bound.tail_share_at(num_tokens)
         if not math.isfinite(mean) or not math.isfinite(gap_max):  # `mean > bound` is False for NaN
             self.optimizer.zero_grad(set_to_none=True)
             raise SamplerGapError(
@@ -444,14 +472,23 @@ class LearnerWorker:
                 f" v{self.version} (mean gap {mean}, max {gap_max}); the update was not applied. The rollout side"
                 " returned NaN or infinite log-probs: check its model, dtype and sampling settings"
             )
-        if mean > tolerance.max_mean_gap:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise SamplerGapError(
-                f"the sampler's log-probs of this step's {num_tokens} tokens sit mean {mean:.3g} (max {gap_max:.3g})"
-                f" nats from the learner's v{self.version}, above the objective's per-step bound of"
-                f" {tolerance.max_mean_gap:g}; the update was not applied. The rollout side does not sample"
-                " what the learner computes: serve the same model, dtype and quantization on both sides"
-            )
+        if mean <= mean_bound and tail_share <= share_bound:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        which = (
+            "the per-step bound calibrated at the conformance gate from this backend's honest gap"
+            if bound.source == "gate"
+            else "the objective's per-step bound"
+        )
+        raise SamplerGapError(
+            f"the sampler's log-probs of this step's {num_tokens} tokens sit mean {mean:.3g} nats (max {gap_max:.3g};"
+            f" {tail_share:.1%} of tokens beyond {bound.tail:.3g}) from the learner's v{self.version}, above {which}"
+            f" (mean {mean_bound:.3g}, at most {share_bound:.1%} of tokens beyond {bound.tail:.3g}); the update"
+            " was not applied. The rollout side does not sample what the learner computes: a generation path that"
+            " kept an older policy (a stale cache, graph or engine copy) while its adapter buffers are current, or"
+            " another model, dtype or"
+            " quantization than the learner's"
+        )
 
     def _sum_gradients(self) -> None:
         """All-reduce (sum) the adapter gradients; each rank's loss is already divided by the step's tokens."""

@@ -8,6 +8,7 @@ import pytest
 from miniverl.errors import PolicyMismatchError
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.rewards import ExactMatchReward
+from miniverl.step.conformance import conformance_gate
 from miniverl.step.controller import StrictSyncController
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
@@ -23,6 +24,12 @@ def build(parts, student_dir, rollout_cls, backend: str, dtype: str, lr: float, 
     if proof == "probe":
         rollout.backend.served_digest = lambda: None
     return StrictSyncController(rollout, scorer, learner, ExactMatchReward(tok), 0, 1.0, **kwargs), learner
+
+
+def gate(ctl, prompts, backend: str, lines=None) -> dict:
+    """The conformance gate of a GKD run (step/conformance.py): it calibrates the bound every step is held to."""
+    log = (lambda *_: None) if lines is None else lines.append
+    return conformance_gate(ctl, prompts, PARAMS, GkdObjective(0.5, 1.0, 0), ("gkd", backend), log)
 
 
 # How each proof names a stale replica: the digest read from its serving buffers, or the probe's change test (or,
@@ -49,22 +56,31 @@ def test_a_stale_replica_is_caught_at_its_first_stale_refresh(parts, student_dir
     assert learner.version == 1  # not one update on stale samples
 
 
-HONEST_STEPS = 200
+HONEST_STEPS = 100
 
 
-@pytest.mark.parametrize(("backend", "dtype", "lr"), [("hf_cached", "bfloat16", 2e-5), ("hf_cached", "float32", 2e-3)])
+@pytest.mark.parametrize(
+    ("backend", "dtype", "lr"),
+    [("hf_cached", "bfloat16", 2e-5), ("hf_cached", "float32", 2e-3), ("hf_reference", "bfloat16", 2e-3)],
+)
 def test_an_honest_replica_is_never_flagged(parts, student_dir, backend, dtype, lr):
-    """200 CPU steps, each one refresh proven by the served digest and by a probe the learner moved: no false
-    alarm from the digest or either probe test."""
+    """100 CPU steps after the conformance gate, each one refresh proven by the served digest and by a probe the
+    learner moved, each step's sampler gap held to the bound the gate calibrated: no false alarm from the digest,
+    either probe test or the per-step bound (scripts/sampler_gap_faults.py counts 1,000 steps a cell)."""
     prompts = parts[1]
     ctl, learner = build(parts, student_dir, RolloutWorker, backend, dtype, lr, probe_every=1)
-    moved = []
+    gate(ctl, prompts, backend)
+    assert learner.gap_bound.source == "gate"
+    moved, served, noise = [], [], []
     for _ in range(HONEST_STEPS):
         metrics = ctl.step(prompts, PARAMS)
         moved.append(metrics["probe_learner_moved"])
+        served.append(metrics["probe_served_moved"])
+        noise.append(metrics["probe_noise"])
     assert learner.version == HONEST_STEPS and ctl.sync.refreshes == ctl.sync.probed == HONEST_STEPS
     assert ctl.sync.by_digest == [True]  # every refresh was digested too
     assert sum(m > 0 for m in moved) >= HONEST_STEPS - 1  # every refresh after the first had a move to follow
+    assert sum(m > 0 for m in served) >= HONEST_STEPS - 1 and set(noise) == {0.0}  # HF backends: bit-identical
 
 
 def test_refreshes_between_probes_are_proven_by_the_served_digest(parts, student_dir):

@@ -1,0 +1,113 @@
+"""The per-step proof on the path that samples: every step's sampler log-probs against the learner's, held to a
+bound the conformance gate calibrates from this run's honest gap (objectives/ratios.py, step_bound; the learner's
+_check_sampler_gap). A replica whose generation kept an older policy while its buffers, digest and probe are current
+is stopped; an honest one never is; LoRA dropout does not enter the gap."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from miniverl.objectives.gkd import GkdObjective
+from miniverl.objectives.pg_k1 import PgK1Objective
+from miniverl.objectives.ratios import (
+    STEP_MEAN_FLOOR,
+    STEP_MEAN_MULTIPLE,
+    STEP_SPREAD_Z,
+    STEP_TAIL_FLOOR,
+    STEP_TAIL_MULTIPLE,
+    STEP_TAIL_SHARE,
+)
+from miniverl.rollout.sampling import SamplingParams
+from miniverl.workers.learner import LearnerWorker, SamplerGapError
+from miniverl.workers.rollout import RolloutWorker
+from tests.step.faults import StaleSamplingWorker
+from tests.step.test_controller import CPU, LORA, PARAMS
+from tests.step.test_sync import build, gate
+
+GKD = GkdObjective(0.5, 1.0, 0)
+
+
+def test_the_bound_is_a_multiple_of_the_gates_gap_never_looser_than_the_objective():
+    tol = GKD.sampler_tolerance
+    generic = tol.step_bound()
+    assert (generic.mean_at(10), generic.tail, generic.source) == (tol.mean_gap, tol.p99_gap, "objective")
+    bf16 = tol.step_bound(0.01, 0.05, 0.02)
+    assert bf16.mean_at(10**8) == pytest.approx(STEP_MEAN_MULTIPLE * 0.01, rel=1e-3)  # a large step: the multiple
+    small = STEP_MEAN_MULTIPLE * 0.01 + STEP_SPREAD_Z * 0.05 / 4  # a step of 16 tokens: + the p99's spread
+    assert bf16.mean_at(16) == pytest.approx(small)
+    assert tol.step_bound(0.01, 0.01, 0.02).mean_at(16) == pytest.approx(0.03 + STEP_SPREAD_Z * 0.02 / 4)  # or std's
+    assert bf16.tail == pytest.approx(STEP_TAIL_MULTIPLE * 0.05) and bf16.source == "gate"
+    assert bf16.tail_share_at(10**10) == pytest.approx(STEP_TAIL_SHARE, rel=1e-3)
+    assert bf16.tail_share_at(16) > bf16.tail_share_at(10**10)
+    fp32 = tol.step_bound(4e-7, 3e-6, 1e-7)  # rounding alone: the floors
+    assert fp32.mean_at(10**6) == pytest.approx(STEP_MEAN_FLOOR, rel=1e-3) and fp32.tail == STEP_TAIL_FLOOR
+    loose = tol.step_bound(0.4, 1.0, 0.5)  # a gate that passed near the objective's bound: the objective's stays
+    assert (loose.mean_at(4), loose.tail) == (tol.mean_gap, tol.p99_gap)
+    tis = PgK1Objective(0.0, 2.0, 0.0, "k1", 0.0).sampler_tolerance  # vLLM bf16 passed with TIS (mean 0.08, p99 0.28)
+    vllm = tis.step_bound(0.08, 0.28)
+    assert vllm.mean_at(10**10) == pytest.approx(0.24, rel=1e-3)
+    assert vllm.tail == pytest.approx(math.log(2.0))  # beyond it: ratios TIS truncates
+
+
+def test_the_gate_calibrates_the_bound_every_step_is_held_to(parts, student_dir):
+    ctl, learner = build(parts, student_dir, RolloutWorker, "hf_cached", "float32", 2e-3)
+    lines = []
+    out = gate(ctl, parts[1], "hf_cached", lines)
+    assert out["step_bound"] == dataclasses.asdict(learner.gap_bound) and learner.gap_bound.source == "gate"
+    assert learner.gap_bound.mean == STEP_MEAN_FLOOR  # fp32: the honest gap is rounding
+    assert "every step's sampler gap is held to mean 1.00e-04 nats (+ " in lines[1]
+    metrics = ctl.step(parts[1], PARAMS)
+    assert metrics["sampler_gap_mean"] < 1e-5 and metrics["sampler_gap_tail_frac"] == 0.0
+    assert 0 <= metrics["sampler_gap_p99"] <= metrics["sampler_gap_max"]
+
+
+@pytest.mark.parametrize("backend", ["hf_reference", "hf_cached"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_replica_whose_generation_kept_an_older_policy_is_stopped(parts, student_dir, backend, dtype):
+    """Its digest and probe are current (they read the buffers it loaded); only its samples come from v0. Main
+    trained on them with the objective's 0.5-nat bound (issue 33: 20 of 20 steps at lr 2e-4). At lr 2e-2 one step
+    moves these tiny models (steps of ~20 tokens) beyond bf16's honest gap; at smaller steps the fault is stopped
+    once its accumulated drift is (scripts/sampler_gap_faults.py: the step each learning rate is caught at)."""
+    ctl, learner = build(parts, student_dir, StaleSamplingWorker, backend, dtype, 2e-2, probe_every=1)
+    gate(ctl, parts[1], backend)
+    ctl.step(parts[1], PARAMS)  # v0 samples v0: honest
+    with pytest.raises(SamplerGapError, match=r"calibrated at the conformance gate .* generation path that kept"):
+        ctl.step(parts[1], PARAMS)  # v1 loaded, digested and probed; v0 sampled
+    assert learner.version == 1  # not one update on stale samples
+
+
+def test_a_step_whose_tail_lies_beyond_the_bound_is_refused(parts, student_dir):
+    """Tokens from somewhere else, each a little beyond the tail, inside a wide mean bound: the tail share refuses."""
+    _, prompts, _, scorer = parts
+    learner = LearnerWorker(str(student_dir), LORA, "float32", GKD, 1e-3, 0.0, 1.0, 2, CPU)
+    learner.calibrate_sampler_gap(1e-3, 1e-2, 0.1)  # tail 0.04; a mean of 0.003 + 0.6 / sqrt(tokens)
+    rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    rollout.load_policy(learner.publish_policy())
+    batch = rollout.generate(prompts, PARAMS)
+    tokens = int(batch.response_mask.sum())
+    batch.rollout_log_probs -= 0.05 * batch.response_mask  # every token 0.05 off: beyond the tail
+    assert learner.gap_bound.mean_at(tokens) > 0.05
+    with pytest.raises(SamplerGapError, match=r"100\.0% of tokens beyond 0\.04\) .* of tokens beyond 0\.04\); the"):
+        learner.update(batch, scorer.score(batch, 0, 1.0), None)
+    assert learner.version == 0
+
+
+@pytest.mark.parametrize("backend", ["hf_reference", "hf_cached"])
+def test_lora_dropout_does_not_enter_the_gap(parts, student_dir, backend):
+    """The update's forward drops adapter inputs; the gap is taken on the policy itself (an eval forward), so an
+    honest fp32 replica sits at rounding, not at dropout's noise."""
+    dropped = dataclasses.replace(LORA, dropout=0.5)
+    _, prompts, _, scorer = parts
+    learner = LearnerWorker(str(student_dir), dropped, "float32", GKD, 5e-2, 0.0, 1.0, 2, CPU)
+    rollout = RolloutWorker(backend, str(student_dir), dropped, "float32", CPU)
+    for _ in range(3):  # v0's lora_B is 0, where dropout changes nothing; v1 and v2 are not
+        rollout.load_policy(learner.publish_policy())
+        batch = rollout.generate(prompts, SamplingParams(n=2, max_new_tokens=6, stop_token_ids=(2,)))
+        metrics = learner.update(batch, scorer.score(batch, 0, 1.0), None)
+        assert metrics["sampler_gap_mean"] < 1e-5, metrics["sampler_gap_mean"]
+    assert learner.model.training or not any(m.training for m in learner.model.modules())
+    assert torch.is_grad_enabled()
