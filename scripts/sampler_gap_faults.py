@@ -4,18 +4,19 @@ For each rollout backend and dtype: the conformance gate calibrates the per-step
 step_bound), then
 - honest: --honest-steps steps of an honest replica, each one refresh; every step whose gap crosses the bound is a
   false alarm (counted, and the run goes on);
-- fault: a replica that samples with the adapter it served first while its buffers, digest and probe are current
-  (tests/step/faults.py, StaleSamplingWorker), at each --lrs learning rate: the step at which it is stopped (none
-  within --fault-steps: missed) and its gap at every step.
+- fault: a replica that samples with the adapter of its first generate call (the gate's, v0) while its buffers,
+  digest and probe are current (tests/step/faults.py, StaleSamplingWorker), at each --lrs learning rate: the step
+  at which it is stopped (none within --fault-steps: missed) and its gap at every step.
 Writes one JSON (--out) and prints a line per cell. In-process (no Ray): the learner, rollout and scorer are the
 actors' classes called directly, as tests/step/test_sync.py does.
 
-    PYTHONPATH=. python scripts/sampler_gap_faults.py --out docs/benchmarks/sampler-gap/cpu.json
+    PYTHONPATH=. python scripts/sampler_gap_faults.py --out docs/benchmarks/sampler-gap/cpu-bf16.json --dtypes bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -83,15 +84,20 @@ def gate(ctl, tok, params: SamplingParams, backend: str) -> dict:
     return conformance_gate(ctl, prompts, params, GkdObjective(0.5, 1.0, 0), ("gkd", backend), lambda *_: None)
 
 
+def train_step(ctl, tok, rng: random.Random, step: int, params: SamplingParams) -> dict:
+    """One step on fresh prompts, sampled with the run's seed of training step `step`."""
+    batch = prompt_batch(tok, rng, PROMPTS_PER_STEP, step)
+    return ctl.step(batch, dataclasses.replace(params, seed=sampling_seed(0, "train", step)))
+
+
 def honest(backend: str, dtype: str, lr: float, steps: int, params: SamplingParams) -> dict:
     ctl, tok = build(RolloutWorker, backend, dtype, lr)
     record = {"backend": backend, "dtype": dtype, "lr": lr, "gate": gate(ctl, tok, params, backend)}
     rng, rows, alarms = random.Random(7), [], []
     started = time.perf_counter()
     for step in range(steps):
-        batch = prompt_batch(tok, rng, PROMPTS_PER_STEP, step)
         try:
-            m = ctl.step(batch, SamplingParams(**{**params.__dict__, "seed": sampling_seed(0, "train", step)}))
+            m = train_step(ctl, tok, rng, step, params)
         except SamplerGapError as e:
             alarms.append({"step": step, "error": str(e)})
             continue
@@ -115,9 +121,8 @@ def fault(backend: str, dtype: str, lr: float, steps: int, params: SamplingParam
     record = {"backend": backend, "dtype": dtype, "lr": lr, "gate": gate(ctl, tok, params, backend)}
     rng, gaps, caught = random.Random(7), [], None
     for step in range(steps):
-        batch = prompt_batch(tok, rng, PROMPTS_PER_STEP, step)
         try:
-            m = ctl.step(batch, SamplingParams(**{**params.__dict__, "seed": sampling_seed(0, "train", step)}))
+            m = train_step(ctl, tok, rng, step, params)
         except SamplerGapError as e:
             caught = {"step": step, "stale_versions": ctl.learners[0].version, "error": str(e)}
             break

@@ -486,8 +486,7 @@ class LearnerWorker:
             f" (mean {mean_bound:.3g}, at most {share_bound:.1%} of tokens beyond {bound.tail:.3g}); the update"
             " was not applied. The rollout side does not sample what the learner computes: a generation path that"
             " kept an older policy (a stale cache, graph or engine copy) while its adapter buffers are current, or"
-            " another model, dtype or"
-            " quantization than the learner's"
+            " another model, dtype or quantization than the learner's"
         )
 
     def _sum_gradients(self) -> None:
