@@ -6,7 +6,9 @@ step_bound), then
   false alarm (counted, and the run goes on);
 - fault: a replica that samples with the adapter of its first generate call (the gate's, v0) while its buffers,
   digest and probe are current (tests/step/faults.py, StaleSamplingWorker), at each --lrs learning rate: the step
-  at which it is stopped (none within --fault-steps: missed) and its gap at every step.
+  at which it is stopped (none within --fault-steps: missed), its gap and the version test's z at every step.
+The honest cells record the version test's largest z per step (objectives/ratios.py VERSION_TESTS; refused above 6)
+over the steps it voted on.
 Writes one JSON (--out) and prints a line per cell. In-process (no Ray): the learner, rollout and scorer are the
 actors' classes called directly, as tests/step/test_sync.py does.
 
@@ -93,7 +95,7 @@ def train_step(ctl, tok, rng: random.Random, step: int, params: SamplingParams) 
 def honest(backend: str, dtype: str, lr: float, steps: int, params: SamplingParams) -> dict:
     ctl, tok = build(RolloutWorker, backend, dtype, lr)
     record = {"backend": backend, "dtype": dtype, "lr": lr, "gate": gate(ctl, tok, params, backend)}
-    rng, rows, alarms = random.Random(7), [], []
+    rng, rows, alarms, zs = random.Random(7), [], [], []
     started = time.perf_counter()
     for step in range(steps):
         try:
@@ -102,7 +104,10 @@ def honest(backend: str, dtype: str, lr: float, steps: int, params: SamplingPara
             alarms.append({"step": step, "error": str(e)})
             continue
         rows.append((m["sampler_gap_mean"], m["sampler_gap_p99"], m["sampler_gap_tail_frac"]))
+        if m["sampler_version_tokens"]:  # a step the version test voted on (not v0's): its larger z
+            zs.append(max(m["sampler_vs_previous_z"], m["sampler_vs_base_z"]))
     means, p99s, tails = (sorted(x) for x in zip(*rows))
+    zs.sort()
     record.update(
         steps=steps,
         refreshes=ctl.sync.refreshes,
@@ -111,6 +116,7 @@ def honest(backend: str, dtype: str, lr: float, steps: int, params: SamplingPara
         step_mean={"median": statistics.median(means), "max": means[-1]},
         step_p99={"median": statistics.median(p99s), "max": p99s[-1]},
         step_tail_frac={"median": statistics.median(tails), "max": tails[-1]},
+        version_z={"median": statistics.median(zs), "max": zs[-1], "voted_steps": len(zs)} if zs else None,
         seconds=round(time.perf_counter() - started, 1),
     )
     return record
@@ -119,7 +125,7 @@ def honest(backend: str, dtype: str, lr: float, steps: int, params: SamplingPara
 def fault(backend: str, dtype: str, lr: float, steps: int, params: SamplingParams) -> dict:
     ctl, tok = build(StaleSamplingWorker, backend, dtype, lr)
     record = {"backend": backend, "dtype": dtype, "lr": lr, "gate": gate(ctl, tok, params, backend)}
-    rng, gaps, caught = random.Random(7), [], None
+    rng, gaps, zs, caught = random.Random(7), [], [], None
     for step in range(steps):
         try:
             m = train_step(ctl, tok, rng, step, params)
@@ -127,7 +133,8 @@ def fault(backend: str, dtype: str, lr: float, steps: int, params: SamplingParam
             caught = {"step": step, "stale_versions": ctl.learners[0].version, "error": str(e)}
             break
         gaps.append(round(m["sampler_gap_mean"], 6))
-    record.update(caught=caught, gap_means=gaps)
+        zs.append((round(m["sampler_vs_previous_z"], 2), round(m["sampler_vs_base_z"], 2)))
+    record.update(caught=caught, gap_means=gaps, version_z=zs)
     return record
 
 
@@ -153,7 +160,9 @@ def main() -> None:
                     out["fault"].append(r)
                     at = r["caught"]["step"] if r["caught"] else f"missed in {args.fault_steps}"
                     print(
-                        f"fault {backend} {dtype} lr {lr:g}: caught at step {at}; gaps {r['gap_means'][:6]}", flush=True
+                        f"fault {backend} {dtype} lr {lr:g}: caught at step {at}; gaps {r['gap_means'][:6]};"
+                        f" version z {r['version_z'][:6]}; {r['caught']['error'][:90] if r['caught'] else ''}",
+                        flush=True,
                     )
                     args.out.write_text(json.dumps(out, indent=1))
                 if args.honest_steps:
@@ -162,7 +171,8 @@ def main() -> None:
                     print(
                         f"honest {backend} {dtype}: {r['false_alarms']} false alarms in {r['steps']} steps; gate mean"
                         f" {r['gate']['mean_gap']:.2e} p99 {r['gate']['p99_gap']:.2e}; bound {r['gate']['step_bound']};"
-                        f" step mean {r['step_mean']} tail {r['step_tail_frac']} ({r['seconds']} s)",
+                        f" step mean {r['step_mean']} tail {r['step_tail_frac']} version z {r['version_z']}"
+                        f" ({r['seconds']} s)",
                         flush=True,
                     )
                     args.out.write_text(json.dumps(out, indent=1))

@@ -36,7 +36,13 @@ from miniverl.step.sync import PolicySync
 
 # How per-rank learner metrics combine: most are sums over the step's tokens (each rank divides by the
 # whole step's token count); these are equal on every rank, or a maximum.
-SAME_ON_EVERY_RANK = ("grad_norm", "response_tokens")
+SAME_ON_EVERY_RANK = (
+    "grad_norm",
+    "response_tokens",
+    "sampler_vs_previous_z",
+    "sampler_vs_base_z",
+    "sampler_version_tokens",
+)
 MAX_OVER_RANKS = ("sampler_gap_max", "sampler_gap_p99", "policy_drift_max", "ratio_max", "micro_batch_tokens")
 
 

@@ -25,7 +25,17 @@ from miniverl.models.lora import (
     load_adapter_state,
 )
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
-from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
+from miniverl.objectives.ratios import (
+    DEFAULT_IS_CAP,
+    STEP_SPREAD_Z,
+    VERSION_TEST_MIN_ROWS,
+    VERSION_TESTS,
+    importance_ratio,
+    version_test_rows,
+    version_votes,
+    vote_sums,
+    vote_z,
+)
 from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
 from miniverl.step.served_policy import PROBE_TOKENS, draw_probe
 from miniverl.workers import (
@@ -132,8 +142,9 @@ class LearnerWorker:
         self.on_nonfinite = on_nonfinite  # skip | stop (trainer.on_nonfinite)
         self.staleness = staleness
         self.loss_weight_by_source = dict(loss_weight_by_source or {})
-        # version -> adapter weights of every version published within the lag window (staleness > 0 only):
-        # a batch of version v is scored under v's adapter for the sampler-gap check (docs/objectives.md)
+        # version -> adapter weights of every version published within the lag window and the one before it: a
+        # batch of version v is scored under v's adapter for the sampler-gap check (docs/objectives.md), and some
+        # of its rows under v - 1's for the version test (`_version_votes`)
         self.behaviour: dict[int, dict[str, torch.Tensor]] = {}
         self.window = (0.0, 0.0)  # wall-clock start and end (epoch s) of the last update call
         self._outbox: FlatCopy | None = None  # the adapter's own tensors and the flat buffer it is published in
@@ -170,9 +181,9 @@ class LearnerWorker:
         digest = outbox.digest()  # waits for the copy: a replica mapping the buffer reads finished bytes
         weights = outbox.cpu_copies() if include_weights and not on_device else {}
         self.published = PolicyIdentity(self.version, digest)
-        if self.staleness:  # the versions a batch may still come from; older ones are dropped
-            self.behaviour = {v: w for v, w in self.behaviour.items() if v >= self.version - self.staleness}
-            self.behaviour[self.version] = weights or outbox.cpu_copies()
+        # the versions a batch may still come from and the one before the oldest; older ones are dropped
+        self.behaviour = {v: w for v, w in self.behaviour.items() if v >= self.version - self.staleness - 1}
+        self.behaviour[self.version] = weights or outbox.cpu_copies()
         return PolicySnapshot(self.published, weights, outbox.shared() if include_weights and on_device else None)
 
     def _adapter_outbox(self) -> FlatCopy:
@@ -218,15 +229,28 @@ class LearnerWorker:
             return self.probe_logprobs(sequences)
 
     @contextmanager
-    def _adapter(self, weights: dict[str, torch.Tensor]) -> Iterator[None]:
-        """The model under another adapter (a trial snapshot's, a published version's) inside the block; the
-        learner's own adapter is put back afterwards, also when the block raises."""
-        own = adapter_state(self.model)
-        load_adapter_state(self.model, weights)
+    def _adapter(self, weights: dict[str, torch.Tensor], partial: bool = False) -> Iterator[None]:
+        """The model under another adapter (a trial snapshot's, a published version's; with `partial`, only the
+        named tensors replaced) inside the block; the learner's own adapter is put back afterwards, also when the
+        block raises. One multi-tensor copy each way into the adapter's own tensors: no module walk, and the
+        learner's own values stay on its device."""
+        live = self._adapter_outbox().tensors
+        unknown, missing = sorted(set(weights) - set(live))[:3], sorted(set(live) - set(weights))[:3]
+        if unknown or (missing and not partial):
+            raise ValueError(
+                f"adapter names do not match the learner's (missing {missing}, unexpected {unknown}); the adapter"
+                " must come from this learner's model.lora settings"
+            )
+        names = sorted(weights)
+        targets = [live[k] for k in names]
+        with torch.no_grad():
+            own = [t.clone() for t in targets]
+            torch._foreach_copy_(targets, [weights[k].to(t.device, t.dtype) for k, t in zip(names, targets)])
         try:
             yield
         finally:
-            load_adapter_state(self.model, own)
+            with torch.no_grad():
+                torch._foreach_copy_(targets, own)
 
     def update(
         self,
@@ -275,7 +299,8 @@ class LearnerWorker:
             self._shrink_after_oom(batch, error)  # outside the handler: its traceback holds the failed tensors
         logprobs, terms = logprobs.cpu(), (None if terms is None else terms.cpu())
         mask = batch.response_mask.bool()
-        gap = ((logprobs if behaviour is None else behaviour) - batch.rollout_log_probs).abs()[mask]
+        recomputed = logprobs if behaviour is None else behaviour  # the learner's, under the sampling version
+        gap = (recomputed - batch.rollout_log_probs).abs()[mask]
         delta = (logprobs - batch.rollout_log_probs)[mask]  # log of q_theta / q_sampler: the policy updated now
         # The objective's metrics over this rank's rows, as a share of the step's tokens (ranks' shares add up).
         with torch.no_grad():
@@ -286,6 +311,7 @@ class LearnerWorker:
             "gap_abs": gap.sum().item(),
             "gap_max": gap.max().item() if gap.numel() else 0.0,
             "gap_tail": (gap > self.gap_bound.tail).sum().item(),  # tokens beyond the bound's tail
+            "votes": self._version_votes(batch, recomputed),
             "loss": loss_sum.item(),
         }
         # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
@@ -300,7 +326,9 @@ class LearnerWorker:
         reverse_kl = float((k1 * batch.response_mask).sum())
         if self.world_size > 1:
             self._sum_gradients()
-        self._check_sampler_gap(sums["gap_abs"], sums["gap_max"], sums["gap_tail"], num_tokens)
+        version_z = self._check_sampler_gap(
+            sums["gap_abs"], sums["gap_max"], sums["gap_tail"], sums["votes"], num_tokens, batch.policy_version
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         skipped = self._step_if_finite(sums["loss"], float(grad_norm))
         self.window = (start, time.time())
@@ -312,6 +340,9 @@ class LearnerWorker:
             "sampler_gap_max": sums["gap_max"],
             "sampler_gap_p99": float(torch.quantile(gap.float(), 0.99)) if gap.numel() else 0.0,  # this rank's
             "sampler_gap_tail_frac": sums["gap_tail"] / max(num_tokens, 1),
+            # the version test: z of 'the sampler sits nearer the previous version / the base model than the batch's
+            # version' (< 0: it does not; 0: not voted); the tokens it recomputed
+            **version_z,
             "response_tokens": num_tokens,
             "micro_batch_tokens": float(self.max_tokens),  # 0: row-count micro-batches; drops after an OOM
             "reverse_kl": reverse_kl / max(num_tokens, 1),
@@ -449,19 +480,69 @@ class LearnerWorker:
         finally:
             self.model.train()
 
-    def _check_sampler_gap(self, gap_abs: float, gap_max: float, gap_tail: int, num_tokens: int) -> None:
+    def _version_votes(self, batch: RolloutBatch, recomputed: torch.Tensor) -> list[float]:
+        """The version test's sums (objectives/ratios.py, version_votes and vote_sums; VERSION_TESTS' order)
+        over up to VERSION_TEST_ROWS rows spread over the batch, recomputed under the version before the batch's and
+        under the base model (lora_B set to 0: v0). Zeros for a comparison that cannot differ or is not held: v0's
+        batches, the previous version after a restore. Shapes: recomputed [B, Tr]."""
+        previous = self.behaviour.get(batch.policy_version - 1)
+        if batch.policy_version == 0:
+            return [0.0] * 4 * len(VERSION_TESTS)
+        rows = version_test_rows(batch.response_mask.sum(-1).tolist())
+        part = batch.select(rows)
+        live = self._adapter_outbox().tensors
+        with self._adapter({k: torch.zeros_like(v) for k, v in live.items() if "lora_B" in k}, partial=True):
+            base = self.sampled_logprobs(part)  # the adapter's delta is 0: the base model, as disable_adapter()
+        if previous is None:
+            before = None
+        elif batch.policy_version == 1:  # v0 is the base model
+            before = base
+        else:
+            with self._adapter(previous):
+                before = self.sampled_logprobs(part)
+        sums, tokens = [], int(part.response_mask.sum())
+        for older in (before, base):  # VERSION_TESTS' order
+            if older is None:
+                sums += [0.0] * 4
+            else:
+                votes = version_votes(part.rollout_log_probs, recomputed[rows], older, part.response_mask)
+                sums += vote_sums(votes, tokens)
+        return sums
+
+    def _check_sampler_gap(
+        self, gap_abs: float, gap_max: float, gap_tail: int, votes: list[float], num_tokens: int, version: int
+    ) -> dict[str, float]:
         """Refuse the step before optimizer.step() when the sampler's log-probs of the step's tokens sit further
         from the learner's than this run's bound (`gap_bound`: calibrated at the conformance gate from the honest
-        gap of this backend and dtype, else the objective's): the mean, or the share of tokens beyond its tail.
-        Every rank sees the whole step's gap."""
+        gap of this backend and dtype, else the objective's): the mean, or the share of tokens beyond its tail; or
+        when they sit nearer the learner's previous version or its base model than the batch's `version` (the
+        version test, `votes`). Every rank sees the whole step. Returns the version test's metrics: each comparison's
+        z (mean vote / its error) and the tokens it recomputed."""
         if self.world_size > 1:
             import torch.distributed as dist
 
-            total = torch.tensor([gap_abs, float(gap_tail)], device=self.device, dtype=torch.float64)
+            total = torch.tensor([gap_abs, float(gap_tail), *votes], device=self.device, dtype=torch.float64)
             peak = torch.tensor([gap_max], device=self.device)
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            gap_abs, gap_tail, gap_max = float(total[0]), int(total[1]), float(peak)
+            (gap_abs, gap_tail, *votes), gap_max = total.tolist(), float(peak)
+            gap_tail = int(gap_tail)
+        version_metrics = {"sampler_version_tokens": max(votes[3::4])}
+        for i, (name, older) in enumerate(VERSION_TESTS.items()):
+            sums = votes[4 * i : 4 * i + 4]
+            vote, z = vote_z(sums)
+            version_metrics[f"sampler_vs_{name}_z"] = max(min(z, 1e6), -1e6)  # finite in the metrics
+            if sums[2] >= VERSION_TEST_MIN_ROWS and vote > 0 and z > STEP_SPREAD_Z:
+                self.optimizer.zero_grad(set_to_none=True)
+                raise SamplerGapError(
+                    f"the sampler's log-probs of {sums[3]:.0f} of this step's tokens ({sums[2]:.0f} rows) sit nearer"
+                    f" the learner's {older.format(version - 1)} than the v{version} the batch is stamped with (mean"
+                    f" row vote {vote:.2f} of [-1, 1], {z:.1f} standard errors above 0; refused beyond"
+                    f" {STEP_SPREAD_Z:g}); the"
+                    " update was not applied. The rollout side sampled an older policy than it was proven to serve: a"
+                    " generation path that kept it (a stale cache, graph or engine copy) while its adapter buffers are"
+                    " current"
+                )
         bound = self.gap_bound
         mean, tail_share = gap_abs / max(num_tokens, 1), gap_tail / max(num_tokens, 1)
         mean_bound, share_bound = bound.mean_at(num_tokens), bound.tail_share_at(num_tokens)
@@ -473,7 +554,7 @@ class LearnerWorker:
                 " returned NaN or infinite log-probs: check its model, dtype and sampling settings"
             )
         if mean <= mean_bound and tail_share <= share_bound:
-            return
+            return version_metrics
         self.optimizer.zero_grad(set_to_none=True)
         which = (
             "the per-step bound calibrated at the conformance gate from this backend's honest gap"

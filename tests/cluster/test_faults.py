@@ -18,8 +18,9 @@ from tests.test_config import with_models
 pytestmark = pytest.mark.slow
 TIMING = ("time/", "rollout_tokens_per_s")  # wall-clock metrics: allowed to differ
 # And the strict-sync probe's diagnostics: they compare the policy with the one proven before it, which in
-# a resumed run is the conformance gate's trial adapter (and the gate, not a step, proves the restored one).
-SYNC_HISTORY = ("probe_",)
+# a resumed run is the conformance gate's trial adapter (and the gate, not a step, proves the restored one); and the
+# version test's vote against the previous version, which a resumed learner does not hold for its first step.
+SYNC_HISTORY = ("probe_", "sampler_vs_previous_z")
 CPUS = 4
 
 

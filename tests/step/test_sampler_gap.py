@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from miniverl.batches import PromptBatch
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.objectives.pg_k1 import PgK1Objective
 from miniverl.objectives.ratios import (
@@ -20,6 +21,13 @@ from miniverl.objectives.ratios import (
     STEP_TAIL_FLOOR,
     STEP_TAIL_MULTIPLE,
     STEP_TAIL_SHARE,
+    VERSION_TEST_MIN_ROWS,
+    VERSION_TEST_ROWS,
+    VERSION_TEST_TOKENS,
+    version_test_rows,
+    version_votes,
+    vote_sums,
+    vote_z,
 )
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.workers.learner import LearnerWorker, SamplerGapError
@@ -53,6 +61,34 @@ def test_the_bound_is_a_multiple_of_the_gates_gap_never_looser_than_the_objectiv
     assert vllm.tail == pytest.approx(math.log(2.0))  # beyond it: ratios TIS truncates
 
 
+def test_a_row_votes_for_the_policy_its_sampler_log_probs_sit_nearer():
+    learner, older = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]]), torch.tensor([[-1.5, -1.0], [-1.5, -1.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    assert (version_votes(learner + 0.01, learner, older, mask) < -0.99).all()  # at the batch's version: against
+    assert (version_votes(older - 0.01, learner, older, mask) > 0.99).all()  # at the older policy: for
+    assert version_votes(learner, learner, learner, mask).abs().max() == 0  # policies that do not differ: no vote
+    a, b = 0.25**2, 0.75**2  # row 1: its one token 0.25 from the learner's, 0.75 from the older policy's
+    assert version_votes(learner + 0.25, learner, older, mask)[1] == pytest.approx((a - b) / (a + b))
+
+
+def test_the_version_test_takes_rows_spread_over_the_batch_enough_for_its_tokens():
+    assert version_test_rows([5] * 4) == [0, 1, 2, 3] and version_test_rows([]) == []  # a small batch: every row
+    short = version_test_rows([6] * 256)  # rows of a few tokens: the most rows
+    assert len(short) == VERSION_TEST_ROWS and short[:3] == [0, 8, 16]
+    long = version_test_rows([512] * 256)  # the 4080 recipe's rows: the fewest that hold the tokens
+    assert len(long) == VERSION_TEST_MIN_ROWS and 512 * len(long) >= VERSION_TEST_TOKENS
+
+
+def test_the_votes_z_is_their_mean_over_its_standard_error_over_rows_and_sums_add_across_ranks():
+    votes = torch.tensor([0.5, 1.0, -0.5, 1.0])
+    mean, sd = 0.5, float(votes.std())
+    assert vote_z(vote_sums(votes, 40)) == pytest.approx((mean, mean / (sd / 2)))
+    halves = [vote_sums(votes[:2], 10), vote_sums(votes[2:], 30)]  # two ranks' rows
+    assert [a + b for a, b in zip(*halves, strict=True)] == pytest.approx(vote_sums(votes, 40))
+    assert vote_z(vote_sums(torch.ones(20), 20)) == (1.0, math.inf)  # every row at the older policy
+    assert vote_z(vote_sums(torch.zeros(20), 20)) == (0.0, 0.0) and vote_z(vote_sums(votes[:1], 3)) == (0.0, 0.0)
+
+
 def test_the_gate_calibrates_the_bound_every_step_is_held_to(parts, student_dir):
     ctl, learner = build(parts, student_dir, RolloutWorker, "hf_cached", "float32", 2e-3)
     lines = []
@@ -63,6 +99,7 @@ def test_the_gate_calibrates_the_bound_every_step_is_held_to(parts, student_dir)
     metrics = ctl.step(parts[1], PARAMS)
     assert metrics["sampler_gap_mean"] < 1e-5 and metrics["sampler_gap_tail_frac"] == 0.0
     assert 0 <= metrics["sampler_gap_p99"] <= metrics["sampler_gap_max"]
+    assert metrics["sampler_vs_previous_z"] == metrics["sampler_vs_base_z"] == 0.0  # v0's batch: nothing older
 
 
 @pytest.mark.parametrize("backend", ["hf_reference", "hf_cached"])
@@ -94,6 +131,38 @@ def test_a_step_whose_tail_lies_beyond_the_bound_is_refused(parts, student_dir):
     with pytest.raises(SamplerGapError, match=r"100\.0% of tokens beyond 0\.04\) .* of tokens beyond 0\.04\); the"):
         learner.update(batch, scorer.score(batch, 0, 1.0), None)
     assert learner.version == 0
+
+
+@pytest.mark.parametrize("sampled_by", [1, 0])
+def test_a_sampler_one_or_more_versions_behind_is_stopped_by_the_version_test(parts, student_dir, sampled_by):
+    """The per-step |gap| bound held wide (a gate of bf16-sized numbers), fp32: only the version test can refuse. A
+    batch stamped v2 but sampled by v1 (one refresh behind) or v0 (the base model) sits nearer the older policy;
+    the same batch sampled by v2 passes with both votes below 0."""
+    tok, _, _, scorer = parts
+    words = ["abc", "de", "fgh", "ij", "klm", "no", "pqr", "st", "uvw", "xy", "za", "bcd", "ef", "ghi", "jk", "lmn"]
+    prompts = PromptBatch([tok(f"{w}>")["input_ids"] for w in words], words, [w[::-1] for w in words])
+    learner = LearnerWorker(str(student_dir), LORA, "float32", GKD, 2e-2, 0.0, 1.0, 2, CPU)
+    rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    snapshots = []
+    for _ in range(2):  # v0 and v1 sampled and trained on honestly
+        snapshots.append(learner.publish_policy())
+        rollout.load_policy(snapshots[-1])
+        batch = rollout.generate(prompts, PARAMS)
+        learner.update(batch, scorer.score(batch, 0, 1.0), None)
+    assert len(batch) >= VERSION_TEST_MIN_ROWS
+    current = learner.publish_policy()
+    learner.calibrate_sampler_gap(0.15, 0.5, 0.0)  # |gap| may reach 0.45 nats a step: wide
+    rollout.load_policy(snapshots[sampled_by])
+    stale = dataclasses.replace(rollout.generate(prompts, PARAMS), policy_version=2)
+    older = "v1" if sampled_by == 1 else "(v1|base model .*)"
+    with pytest.raises(SamplerGapError, match=rf"sit nearer the learner's {older} than the v2 the batch is stamped"):
+        learner.update(stale, scorer.score(stale, 0, 1.0), None)
+    assert learner.version == 2
+    rollout.load_policy(current)
+    batch = rollout.generate(prompts, PARAMS)
+    metrics = learner.update(batch, scorer.score(batch, 0, 1.0), None)
+    assert metrics["sampler_vs_previous_z"] < 0 and metrics["sampler_vs_base_z"] < 0, metrics
+    assert metrics["sampler_version_tokens"] == int(batch.response_mask.sum())  # <= 32 rows: every row
 
 
 @pytest.mark.parametrize("backend", ["hf_reference", "hf_cached"])
