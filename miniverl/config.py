@@ -249,7 +249,6 @@ class TrainerConfig:
     # over the step's tokens divided by their count, so {sort: 4} counts a sorting token four times; empty (the
     # default) leaves the loss as it always was. docs/multi_teacher.md says why a mixture may need it.
     loss_weight_by_source: dict[str, float] = field(default_factory=dict)
-    seed: int = 0
 
 
 @dataclass

@@ -150,6 +150,8 @@ def test_main_accepts_the_dict_form_on_an_experiment_that_does_not_name_the_key(
         ("trainer lr=1", "its key cannot hold ' '"),
         ("data.task=a^b", "its value cannot hold '\\^' unquoted. Fix: quote"),
         ("trainer.lr=1e-3,2e-3", r"several values \(a sweep\). Fix: a list is key=\[a,b\]"),
+        ("trainer.seed=3", r"sets trainer.seed, which was removed: it was read by nothing. Fix: .*rollout.seed"),
+        ("+trainer.seed=3", r"which was removed: .* data.seed .* model.lora.init_seed"),
     ],
 )
 def test_a_malformed_override_is_named_with_what_is_wrong(override, message):

@@ -21,13 +21,17 @@ QUOTES = "'\""
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 LEXER_ERROR = "LexerNoViableAltException: "
 QUOTING = "quote a value that holds spaces or any of []{}(),:=' (key='a b')"
+# Keys that existed once and were removed: what to set instead (a bare "not in struct" would not say).
+REMOVED_KEYS = {
+    "trainer.seed": "it was read by nothing. Fix: drop it; a run's randomness comes from rollout.seed (sampling),"
+    " data.seed (prompt draws and shuffles) and model.lora.init_seed (the adapter's initial weights)",
+}
 
 
 def checked_command_line(argv: list[str], default_run_dir: str) -> list[str]:
     """`argv` (sys.argv[1:]) with `~` paths expanded (home_expanded) and dict-valued keys in the form Hydra accepts
-    (accepted_form). Raises ConfigError
-    for a malformed override, several values without --multirun, or a run directory (hydra.run.dir, else
-    `default_run_dir`) that cannot be made."""
+    (accepted_form). Raises ConfigError for a malformed override, a removed key (REMOVED_KEYS), several values
+    without --multirun, or a run directory (hydra.run.dir, else `default_run_dir`) that cannot be made."""
     from hydra._internal.utils import get_args_parser  # the parser @hydra.main uses: flags vs overrides
 
     argv = [home_expanded(arg) for arg in argv]
@@ -39,6 +43,11 @@ def checked_command_line(argv: list[str], default_run_dir: str) -> list[str]:
             f"the override '{sweeps[0]}' gives one run several values (a sweep). Fix: a list is key=[a,b], a value"
             " holding commas is quoted (key='a,b'), and a sweep of runs needs --multirun"
         )
+    for text, o in parsed.items():
+        if o.key_or_group in REMOVED_KEYS:
+            raise ConfigError(
+                f"the override '{text}' sets {o.key_or_group}, which was removed: {REMOVED_KEYS[o.key_or_group]}"
+            )
     run_dirs = [str(o.value()) for o in parsed.values() if o.key_or_group == RUN_DIR_KEY and not o.is_delete()]
     check_run_dir(run_dirs[-1] if run_dirs else default_run_dir)
     rewritten = {text: accepted_form(text, o) for text, o in parsed.items()}
