@@ -25,7 +25,7 @@ class DataConfig:
     min_len: int = 3  # problem size bounds (characters to reverse, digits to add)
     max_len: int = 8
     prompts_per_step: int = 32  # G: prompt groups per step (each sampled rollout.n times)
-    eval_prompts: int = 64  # fixed held-out prompts for the start/periodic/final evaluation
+    eval_prompts: int = 64  # fixed held-out prompts for the start/periodic/final evaluation (built-ins: never trained)
     max_prompt_length: int = 32  # tokens, after the chat template; a longer prompt is never cut (data.overlong)
     seed: int = 0
     # Prompt files (jsonl or verl-schema parquet). Empty: prompts come from the built-in data.task.

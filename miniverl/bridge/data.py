@@ -17,9 +17,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from miniverl.data.prompts import prompt_rng
+from miniverl.data.prompts import held_out_examples, training_examples
 from miniverl.data.stream import VALID as VALID_PROMPT
-from miniverl.data.tasks import draw_examples
 from miniverl.errors import ConfigError
 
 REWARD_STYLE = "rule"  # verl's name for a programmatic reward that checks ground_truth
@@ -68,23 +67,24 @@ def check_row(row: dict, where: str) -> None:
         raise ConfigError(f"{where}: extra_info.index must be an integer row number; got {info!r}")
 
 
-def task_rows(task: str, min_len: int, max_len: int, seed: int, steps: int, groups: int) -> list[dict]:
-    """The training prompts a run draws from built-in `task`: `groups` per step for `steps` steps, in order.
+def task_rows(
+    task: str, min_len: int, max_len: int, seed: int, steps: int, groups: int, held_out: int = 0
+) -> list[dict]:
+    """The training prompts a run draws from built-in `task`: `groups` per step for `steps` steps, in order, none
+    of them among the first `held_out` evaluation prompts.
 
     Same seeds and uids as miniverl.data.prompts.PromptSource.batch, so verl sees the run's prompts.
     """
     rows = []
     for step in range(steps):
-        rng = prompt_rng(seed, "train", step)
-        for i, (source, ex) in enumerate(draw_examples(task, rng, min_len, max_len, groups)):
+        for i, (source, ex) in enumerate(training_examples(task, min_len, max_len, seed, step, groups, held_out)):
             rows.append(make_row(source, ex.prompt, ex.answer, source, len(rows), "train", f"s{step}-{i}"))
     return rows
 
 
 def task_eval_rows(task: str, min_len: int, max_len: int, seed: int, count: int) -> list[dict]:
     """The held-out evaluation prompts (PromptSource.eval_batch), as verl's validation split."""
-    rng = prompt_rng(seed, "eval")
-    examples = draw_examples(task, rng, min_len, max_len, count)
+    examples = held_out_examples(task, min_len, max_len, seed, count)
     return [make_row(s, ex.prompt, ex.answer, s, i, "test", f"eval-{i}") for i, (s, ex) in enumerate(examples)]
 
 
@@ -98,7 +98,9 @@ def prompt_rows(cfg, tokenizer=None) -> dict[str, list[dict]]:
     if d.train_files:
         return file_rows(d) if tokenizer is None else run_file_rows(d, tokenizer, cfg.trainer.total_steps)
     return {
-        "train": task_rows(d.task, d.min_len, d.max_len, d.seed, cfg.trainer.total_steps, d.prompts_per_step),
+        "train": task_rows(
+            d.task, d.min_len, d.max_len, d.seed, cfg.trainer.total_steps, d.prompts_per_step, d.eval_prompts
+        ),
         "test": task_eval_rows(d.task, d.min_len, d.max_len, d.seed, d.eval_prompts),
     }
 

@@ -20,10 +20,25 @@ def prompt_rng(seed: int, purpose: str, step: int = 0) -> random.Random:
     return random.Random(f"miniverl-prompts:{purpose}:{seed}:{step}")
 
 
+def held_out_examples(task: str, min_len: int, max_len: int, seed: int, count: int) -> list:
+    """The evaluation's `count` examples of built-in `task` as (task name, example): the held-out set."""
+    return draw_examples(task, prompt_rng(seed, "eval"), min_len, max_len, count)
+
+
+def training_examples(task: str, min_len: int, max_len: int, seed: int, step: int, count: int, held_out: int) -> list:
+    """Training step `step`'s `count` examples as (task name, example), never one whose prompt is among the first
+    `held_out` evaluation prompts (drawn again: the stream stays deterministic)."""
+    exclude = frozenset(ex.prompt for _, ex in held_out_examples(task, min_len, max_len, seed, held_out))
+    return draw_examples(task, prompt_rng(seed, "train", step), min_len, max_len, count, exclude)
+
+
 class PromptSource:
     """Deterministic prompt groups: `batch(step, g)` is the same for the same seed and step."""
 
-    def __init__(self, task: str, min_len: int, max_len: int, tokenizer, max_prompt_length: int, seed: int) -> None:
+    def __init__(
+        self, task: str, min_len: int, max_len: int, tokenizer, max_prompt_length: int, seed: int, held_out: int = 0
+    ) -> None:
+        """`held_out`: how many evaluation prompts (data.eval_prompts) training draws must never repeat."""
         self.name = task
         for name in task_names(task):  # a mixture (reverse+sort) draws its tasks in turn: data_source per row
             TASKS.require(name)
@@ -32,10 +47,11 @@ class PromptSource:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.seed = seed
+        self.held_out = held_out
 
-    def _make(self, rng: random.Random, count: int, prefix: str) -> PromptBatch:
+    def _make(self, examples: list, prefix: str) -> PromptBatch:
         ids, uids, answers, sources = [], [], [], []
-        for i, (source, ex) in enumerate(draw_examples(self.name, rng, self.min_len, self.max_len, count)):
+        for i, (source, ex) in enumerate(examples):
             tokens = self.tokenizer(ex.prompt)["input_ids"]
             if len(tokens) > self.max_prompt_length:
                 raise ConfigError(
@@ -53,7 +69,8 @@ class PromptSource:
         return f"built-in task {self.name!r} ({self.min_len}-{self.max_len} characters, raw text)"
 
     def batch(self, step: int, groups: int) -> PromptBatch:
-        return self._make(prompt_rng(self.seed, "train", step), groups, f"s{step}")
+        task = (self.name, self.min_len, self.max_len, self.seed)
+        return self._make(training_examples(*task, step, groups, self.held_out), f"s{step}")
 
     def eval_batch(self, count: int) -> PromptBatch:
-        return self._make(prompt_rng(self.seed, "eval"), count, "eval")
+        return self._make(held_out_examples(self.name, self.min_len, self.max_len, self.seed, count), "eval")

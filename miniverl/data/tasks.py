@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
+from miniverl.errors import ConfigError
 from miniverl.registry import Registry
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -55,12 +56,32 @@ def task_names(task: str) -> list[str]:
     return task.split(MIX_SEPARATOR)
 
 
-def draw_examples(task: str, rng: random.Random, min_len: int, max_len: int, count: int) -> list[tuple[str, Example]]:
+def draw_examples(
+    task: str, rng: random.Random, min_len: int, max_len: int, count: int, exclude: frozenset[str] = frozenset()
+) -> list[tuple[str, Example]]:
     """`count` examples of `task` as (task name, example); a mixture takes its tasks in turn (row i: task i mod k),
-    so every batch holds each task equally. One task draws exactly as `TASKS.get(task)` called `count` times."""
+    so every batch holds each task equally. One task draws exactly as `TASKS.get(task)` called `count` times, save
+    that an example whose prompt is in `exclude` (the held-out prompts) is drawn again."""
     names = task_names(task)
     samplers = [TASKS.get(name) for name in names]
-    return [(names[i % len(names)], samplers[i % len(names)](rng, min_len, max_len)) for i in range(count)]
+    out = []
+    for i in range(count):
+        name, sampler = names[i % len(names)], samplers[i % len(names)]
+        for _ in range(MAX_REDRAWS):
+            example = sampler(rng, min_len, max_len)
+            if example.prompt not in exclude:
+                break
+        else:
+            raise ConfigError(
+                f"built-in task {name!r} with data.min_len={min_len}, data.max_len={max_len} drew only held-out"
+                f" prompts in {MAX_REDRAWS} tries: the evaluation set covers (nearly) all of the task's prompts. Fix:"
+                " raise data.max_len or lower data.eval_prompts"
+            )
+        out.append((name, example))
+    return out
+
+
+MAX_REDRAWS = 1000  # draws of one training example before the held-out set is taken to cover the task
 
 
 # Every character any built-in task can produce; the built-in tokenizer covers exactly these.

@@ -74,3 +74,36 @@ def test_training_prompts_never_draw_the_evaluation_stream(student_dir):
     assert [
         r["reward_model"]["ground_truth"] for r in task_eval_rows("reverse", 2, 6, 126, 16)
     ] == held_out.ground_truth
+
+
+def test_training_never_draws_a_held_out_prompt_by_content(student_dir):
+    """Different streams can still draw the same text: reverse prompts of 2-3 characters repeat within a few hundred
+    draws. With the held-out count given (data.eval_prompts), a training draw whose prompt is an evaluation prompt is
+    drawn again; the bridge's export draws the same rows."""
+    from transformers import AutoTokenizer
+
+    from miniverl.bridge.data import task_rows
+    from miniverl.data.prompts import PromptSource
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    held_out = {p for p in PromptSource("reverse", 2, 3, tok, 32, seed=4).eval_batch(32).ground_truth}
+
+    def trained(source) -> set[str]:
+        return {answer for step in range(200) for answer in source.batch(step, 8).ground_truth}
+
+    assert trained(PromptSource("reverse", 2, 3, tok, 32, seed=4)) & held_out  # without it: they meet
+    source = PromptSource("reverse", 2, 3, tok, 32, seed=4, held_out=32)
+    assert not trained(source) & held_out
+    rows = task_rows("reverse", 2, 3, 4, 3, 8, held_out=32)
+    assert [r["reward_model"]["ground_truth"] for r in rows[16:]] == source.batch(2, 8).ground_truth
+
+
+def test_a_held_out_set_that_covers_the_task_is_refused_with_the_fix(student_dir):
+    from transformers import AutoTokenizer
+
+    from miniverl.data.prompts import PromptSource
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    source = PromptSource("reverse", 1, 1, tok, 32, seed=0, held_out=400)  # every one-character prompt held out
+    with pytest.raises(ConfigError, match=r"drew only held-out prompts .* raise data.max_len or lower data.eval_pro"):
+        source.batch(0, 4)
