@@ -165,6 +165,45 @@ def test_a_sampler_one_or_more_versions_behind_is_stopped_by_the_version_test(pa
     assert metrics["sampler_version_tokens"] == int(batch.response_mask.sum())  # <= 32 rows: every row
 
 
+class JitteryStaleWorker(RolloutWorker):
+    """Loads the gate's trial adapter and v0, then keeps v0 while acknowledging every later snapshot; reports no
+    served digest, and its probe log-probs move by 2e-3 nats from one refresh to the next (vLLM's probes move with
+    batch make-up) although the two probes its noise floor is measured on agree: the probe's change test sees a
+    served probe that moved, so only what the replica samples can show it is stale."""
+
+    calls = 0
+
+    def load_policy(self, snapshot):
+        if snapshot.identity.version <= 0:
+            return super().load_policy(snapshot)
+        self.served = snapshot.identity
+        return self.served
+
+    def probe_logprobs(self, sequences):
+        self.calls += 1  # the gate's two probes agree (its noise floor 0); every later one sits 1e-3 off the last
+        shift = 0.0 if self.calls <= 2 else 1e-3 * (-1) ** self.calls
+        return [[x + shift for x in row] for row in super().probe_logprobs(sequences)]
+
+
+@pytest.mark.parametrize(("lr", "by_step"), [(2e-3, 1), (2e-4, 1), (2e-5, 3)])
+def test_a_digest_less_replica_that_kept_its_weights_is_stopped_where_the_probe_cannot_tell(
+    parts, student_dir, lr, by_step
+):
+    """Issue 33 (4): such a replica trained 14 of 14 stale bf16 steps at lr 2e-5 and 2e-4. Its samples come from v0
+    while the batches are stamped v1, v2, ...: the version test stops it at the first stale step at lr 2e-3 and 2e-4
+    (32 rows of a few tokens), at the third at 2e-5, before that step's update."""
+    tok = parts[0]
+    words = ["abc", "de", "fgh", "ij", "klm", "no", "pqr", "st", "uvw", "xy", "za", "bcd", "ef", "ghi", "jk", "lmn"]
+    prompts = PromptBatch([tok(f"{w}>")["input_ids"] for w in words], words, [w[::-1] for w in words])
+    ctl, learner = build(parts, student_dir, JitteryStaleWorker, "hf_reference", "bfloat16", lr, proof="probe")
+    gate(ctl, prompts, "hf_reference")
+    ctl.step(prompts, PARAMS)  # v0 samples v0
+    with pytest.raises(SamplerGapError, match=r"sit nearer the learner's (v\d+|base model .*) than the v\d+ the batch"):
+        for _ in range(by_step):
+            ctl.step(prompts, PARAMS)
+    assert 1 <= learner.version <= by_step  # the refused step's update was not applied
+
+
 @pytest.mark.parametrize("backend", ["hf_reference", "hf_cached"])
 def test_lora_dropout_does_not_enter_the_gap(parts, student_dir, backend):
     """The update's forward drops adapter inputs; the gap is taken on the policy itself (an eval forward), so an
