@@ -7,8 +7,8 @@ step_bound), then
 - fault: a replica that samples with the adapter of its first generate call (the gate's, v0) while its buffers,
   digest and probe are current (tests/step/faults.py, StaleSamplingWorker), at each --lrs learning rate: the step
   at which it is stopped (none within --fault-steps: missed), its gap and the version test's z at every step.
-The honest cells record the version test's largest z per step (objectives/ratios.py VERSION_TESTS; refused above 6)
-over the steps it voted on.
+The honest cells record the version test's largest z per step (objectives/sampler_check.py VERSION_TESTS; refused
+above 6) over the steps it voted on.
 Writes one JSON (--out) and prints a line per cell. In-process (no Ray): the learner, rollout and scorer are the
 actors' classes called directly, as tests/step/test_sync.py does.
 
@@ -34,13 +34,14 @@ from miniverl.data.tasks import reverse_task  # noqa: E402
 from miniverl.models.builtin import SHIPPED_DIR, torch_threads  # noqa: E402
 from miniverl.models.lora import LoraSettings  # noqa: E402
 from miniverl.objectives.gkd import GkdObjective  # noqa: E402
+from miniverl.objectives.sampler_check import SamplerGapError  # noqa: E402
 from miniverl.rewards import ExactMatchReward  # noqa: E402
 from miniverl.rollout.sampling import SamplingParams  # noqa: E402
 from miniverl.step.conformance import conformance_gate  # noqa: E402
 from miniverl.step.controller import StrictSyncController  # noqa: E402
 from miniverl.step.seeds import sampling_seed  # noqa: E402
 from miniverl.workers import ProcessSettings  # noqa: E402
-from miniverl.workers.learner import LearnerWorker, SamplerGapError  # noqa: E402
+from miniverl.workers.learner import LearnerWorker  # noqa: E402
 from miniverl.workers.rollout import RolloutWorker  # noqa: E402
 from miniverl.workers.scorer import ScorerWorker  # noqa: E402
 from tests.step.faults import StaleSamplingWorker  # noqa: E402

@@ -24,76 +24,20 @@ TIS_MAX_OUTSIDE_FRAC = 0.05
 # of 16 tokens is one rare token from its mean, a step of 100k is not), and hold at most STEP_TAIL_SHARE of its
 # tokens (plus STEP_SPREAD_Z binomial errors) beyond STEP_TAIL_MULTIPLE x the gate's p99. Measured (docs/benchmarks/
 # sampler-gap/, scripts/sampler_gap_faults.py): 0 false alarms in 1,000 honest CPU steps (hf_reference and
-# hf_cached, bf16; 500 more each with the version test below) and on the H200 (4080 recipe, a step's mean at most
-# 1.0x the gate's; honest votes at least 16 standard errors below 0). The floors keep an fp32
-# run (gaps of 1e-7 nats) from flagging rounding; the objective's own bound stays the ceiling.
+# hf_cached, bf16; 500 more each beside the version test, objectives/sampler_check.py) and on the H200 (4080
+# recipe, a step's mean at most 1.0x the gate's). The floors keep an fp32 run (gaps of 1e-7 nats) from flagging
+# rounding; the objective's own bound stays the ceiling.
 STEP_MEAN_MULTIPLE = 3.0
 STEP_SPREAD_Z = 6.0
 STEP_MEAN_FLOOR = 1e-4
 STEP_TAIL_MULTIPLE = 4.0
 STEP_TAIL_FLOOR = 1e-3
 STEP_TAIL_SHARE = 0.05
-# Which version sampled? Every step, some of its rows (version_test_rows) are recomputed under older policies
-# (VERSION_TESTS: the version before the batch's, the base model). A row votes (a - b) / (a + b) in [-1, 1], with a
-# and b its sum of squared gaps between the sampler's log-probs and the learner's under the batch's version (a) and
-# under the older policy (b): an honest sampler sits at the version it names (votes near -1 where the policies
-# differ by more than the noise, around 0 where they do not), one that kept the older policy sits nearer it (near
-# +1). The comparison shares the sampler's rounding, so it sees changes far smaller than the per-step |gap| bound can
-# (that bound must cover bf16's noise). A step is refused when its mean vote is above 0 by STEP_SPREAD_Z standard
-# errors (over its rows); steps with fewer than VERSION_TEST_MIN_ROWS rows are not voted on.
-VERSION_TEST_ROWS = 32  # at most; as few as VERSION_TEST_MIN_ROWS once they hold VERSION_TEST_TOKENS sampled tokens
-VERSION_TEST_MIN_ROWS = 16
-VERSION_TEST_TOKENS = 4096
-# The older policies each step is voted against (name -> how an error names it, given the previous version): the
-# previous version (a sampler one refresh behind) and the base model, v0 (one that never took an adapter, or kept
-# the first it served: a graph captured once, an engine copy never refreshed).
-VERSION_TESTS = {"previous": "v{}", "base": "base model (v0, the adapter off)"}
 
 
 def importance_ratio(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
     """`rho_t = q_theta(y_t) / q_sampler(y_t)` as a detached value. Shapes: [B, T] -> [B, T]."""
     return torch.exp(logprobs.detach() - sampler_logprobs.detach())
-
-
-def version_test_rows(row_tokens: list[int]) -> list[int]:
-    """The rows the version test recomputes, spread evenly over the batch (every uid group stays contiguous): enough
-    to hold VERSION_TEST_TOKENS sampled tokens, between VERSION_TEST_MIN_ROWS and VERSION_TEST_ROWS (all rows of a
-    smaller batch). `row_tokens`: each row's sampled tokens."""
-    rows = len(row_tokens)
-    mean = max(sum(row_tokens) / max(rows, 1), 1.0)
-    count = min(rows, max(VERSION_TEST_MIN_ROWS, min(VERSION_TEST_ROWS, math.ceil(VERSION_TEST_TOKENS / mean))))
-    return sorted({i * rows // count for i in range(count)}) if count else []
-
-
-def version_votes(
-    sampler: torch.Tensor, learner: torch.Tensor, older: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Each row's vote for 'the sampler used the older policy': (a - b) / (a + b), with a and b the row's sums of
-    squared gaps between the sampler's log-probs and the learner's under the batch's version (a) and under the older
-    policy (b); 0 where both are 0. Shapes: [B, T] x 4 -> [B] float64."""
-    m = mask.to(torch.float64)
-    s, cur, old = (x.detach().double() for x in (sampler, learner, older))
-    a, b = (((s - cur) ** 2) * m).sum(-1), (((s - old) ** 2) * m).sum(-1)  # [B]
-    total = a + b
-    return torch.where(total > 0, (a - b) / total.clamp_min(1e-300), torch.zeros_like(total))
-
-
-def vote_sums(votes: torch.Tensor, tokens: int) -> list[float]:
-    """[sum of votes, sum of their squares, rows, tokens]: what `vote_z` needs, adding across ranks."""
-    return [float(votes.sum()), float((votes * votes).sum()), float(votes.numel()), float(tokens)]
-
-
-def vote_z(sums: list[float]) -> tuple[float, float]:
-    """(mean vote, its z: mean / standard error over rows) from `vote_sums`; z 0 with fewer than 2 rows or no
-    spread (where every row votes alike, the mean alone decides: +-inf)."""
-    total, squares, rows, _ = sums
-    if rows < 2:
-        return 0.0, 0.0
-    mean = total / rows
-    variance = max(squares - rows * mean * mean, 0.0) / (rows - 1)
-    if variance == 0:
-        return mean, 0.0 if mean == 0 else math.copysign(math.inf, mean)
-    return mean, mean / math.sqrt(variance / rows)
 
 
 def ratio_metrics(

@@ -25,16 +25,14 @@ from miniverl.models.lora import (
     load_adapter_state,
 )
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
-from miniverl.objectives.ratios import (
-    DEFAULT_IS_CAP,
-    STEP_SPREAD_Z,
-    VERSION_TEST_MIN_ROWS,
+from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
+from miniverl.objectives.sampler_check import (
     VERSION_TESTS,
-    importance_ratio,
+    SamplerGapError,
+    judge_step,
     version_test_rows,
     version_votes,
     vote_sums,
-    vote_z,
 )
 from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
 from miniverl.step.served_policy import PROBE_TOKENS, draw_probe
@@ -53,10 +51,6 @@ OOM_SHRINK = 0.75
 
 class NonFiniteError(MiniVerlError):
     """A NaN or inf loss, gradient or weight; nothing poisoned was applied, published or saved."""
-
-
-class SamplerGapError(PolicyMismatchError):
-    """A step's sampled tokens sit further from the learner's log-probs than the objective tolerates."""
 
 
 class StaleBatchError(PolicyMismatchError):
@@ -527,48 +521,11 @@ class LearnerWorker:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             (gap_abs, gap_tail, *votes), gap_max = total.tolist(), float(peak)
             gap_tail = int(gap_tail)
-        version_metrics = {"sampler_version_tokens": max(votes[3::4])}
-        for i, (name, older) in enumerate(VERSION_TESTS.items()):
-            sums = votes[4 * i : 4 * i + 4]
-            vote, z = vote_z(sums)
-            version_metrics[f"sampler_vs_{name}_z"] = max(min(z, 1e6), -1e6)  # finite in the metrics
-            if sums[2] >= VERSION_TEST_MIN_ROWS and vote > 0 and z > STEP_SPREAD_Z:
-                self.optimizer.zero_grad(set_to_none=True)
-                raise SamplerGapError(
-                    f"the sampler's log-probs of {sums[3]:.0f} of this step's tokens ({sums[2]:.0f} rows) sit nearer"
-                    f" the learner's {older.format(version - 1)} than the v{version} the batch is stamped with (mean"
-                    f" row vote {vote:.2f} of [-1, 1], {z:.1f} standard errors above 0; refused beyond"
-                    f" {STEP_SPREAD_Z:g}); the"
-                    " update was not applied. The rollout side sampled an older policy than it was proven to serve: a"
-                    " generation path that kept it (a stale cache, graph or engine copy) while its adapter buffers are"
-                    " current"
-                )
-        bound = self.gap_bound
-        mean, tail_share = gap_abs / max(num_tokens, 1), gap_tail / max(num_tokens, 1)
-        mean_bound, share_bound = bound.mean_at(num_tokens), bound.tail_share_at(num_tokens)
-        if not math.isfinite(mean) or not math.isfinite(gap_max):  # `mean > bound` is False for NaN
-            self.optimizer.zero_grad(set_to_none=True)
-            raise SamplerGapError(
-                f"the sampler's log-probs of this step's {num_tokens} tokens are not finite against the learner's"
-                f" v{self.version} (mean gap {mean}, max {gap_max}); the update was not applied. The rollout side"
-                " returned NaN or infinite log-probs: check its model, dtype and sampling settings"
-            )
-        if mean <= mean_bound and tail_share <= share_bound:
-            return version_metrics
-        self.optimizer.zero_grad(set_to_none=True)
-        which = (
-            "the per-step bound calibrated at the conformance gate from this backend's honest gap"
-            if bound.source == "gate"
-            else "the objective's per-step bound"
-        )
-        raise SamplerGapError(
-            f"the sampler's log-probs of this step's {num_tokens} tokens sit mean {mean:.3g} nats (max {gap_max:.3g};"
-            f" {tail_share:.1%} of tokens beyond {bound.tail:.3g}) from the learner's v{self.version}, above {which}"
-            f" (mean {mean_bound:.3g}, at most {share_bound:.1%} of tokens beyond {bound.tail:.3g}); the update"
-            " was not applied. The rollout side does not sample what the learner computes: a generation path that"
-            " kept an older policy (a stale cache, graph or engine copy) while its adapter buffers are current, or"
-            " another model, dtype or quantization than the learner's"
-        )
+        try:
+            return judge_step(self.gap_bound, gap_abs, gap_max, gap_tail, votes, num_tokens, version, self.version)
+        except SamplerGapError:
+            self.optimizer.zero_grad(set_to_none=True)  # nothing of this step reaches the adapter
+            raise
 
     def _sum_gradients(self) -> None:
         """All-reduce (sum) the adapter gradients; each rank's loss is already divided by the step's tokens."""

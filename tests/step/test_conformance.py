@@ -155,7 +155,7 @@ def test_truncation_does_not_excuse_a_sampler_that_is_another_policy():
 
 def test_the_learner_refuses_a_step_whose_sampler_gap_is_beyond_the_objective(parts, student_dir):
     """Enforced on every step before optimizer.step(), with the numbers (main only logged it)."""
-    from miniverl.workers.learner import SamplerGapError
+    from miniverl.objectives.sampler_check import SamplerGapError
 
     _, prompts, learner, scorer = parts
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)

@@ -21,16 +21,19 @@ from miniverl.objectives.ratios import (
     STEP_TAIL_FLOOR,
     STEP_TAIL_MULTIPLE,
     STEP_TAIL_SHARE,
+)
+from miniverl.objectives.sampler_check import (
     VERSION_TEST_MIN_ROWS,
     VERSION_TEST_ROWS,
     VERSION_TEST_TOKENS,
+    SamplerGapError,
     version_test_rows,
     version_votes,
     vote_sums,
     vote_z,
 )
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.workers.learner import LearnerWorker, SamplerGapError
+from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from tests.step.faults import StaleSamplingWorker
 from tests.step.test_controller import CPU, LORA, PARAMS

@@ -11,9 +11,10 @@ import torch
 from miniverl.errors import PolicyMismatchError
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.objectives.pg_k1 import PgK1Objective
+from miniverl.objectives.sampler_check import SamplerGapError
 from miniverl.rewards import ExactMatchReward
 from miniverl.step.controller import StrictSyncController, overlap_seconds, span
-from miniverl.workers.learner import LearnerWorker, SamplerGapError, StaleBatchError
+from miniverl.workers.learner import LearnerWorker, StaleBatchError
 from miniverl.workers.rollout import RolloutWorker
 from tests.step.test_controller import CPU, LORA, PARAMS
 
