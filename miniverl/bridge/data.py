@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from miniverl.data.prompts import held_out_examples, training_examples
+from miniverl.data.prompts import held_out_examples, held_out_prompts, training_examples
 from miniverl.data.stream import VALID as VALID_PROMPT
 from miniverl.errors import ConfigError
 
@@ -75,9 +75,9 @@ def task_rows(
 
     Same seeds and uids as miniverl.data.prompts.PromptSource.batch, so verl sees the run's prompts.
     """
-    rows = []
+    rows, exclude = [], held_out_prompts(task, min_len, max_len, seed, held_out)
     for step in range(steps):
-        for i, (source, ex) in enumerate(training_examples(task, min_len, max_len, seed, step, groups, held_out)):
+        for i, (source, ex) in enumerate(training_examples(task, min_len, max_len, seed, step, groups, exclude)):
             rows.append(make_row(source, ex.prompt, ex.answer, source, len(rows), "train", f"s{step}-{i}"))
     return rows
 

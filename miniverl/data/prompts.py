@@ -25,10 +25,16 @@ def held_out_examples(task: str, min_len: int, max_len: int, seed: int, count: i
     return draw_examples(task, prompt_rng(seed, "eval"), min_len, max_len, count)
 
 
-def training_examples(task: str, min_len: int, max_len: int, seed: int, step: int, count: int, held_out: int) -> list:
-    """Training step `step`'s `count` examples as (task name, example), never one whose prompt is among the first
-    `held_out` evaluation prompts (drawn again: the stream stays deterministic)."""
-    exclude = frozenset(ex.prompt for _, ex in held_out_examples(task, min_len, max_len, seed, held_out))
+def held_out_prompts(task: str, min_len: int, max_len: int, seed: int, count: int) -> frozenset[str]:
+    """The prompt texts of the first `count` evaluation examples: what training draws never repeat."""
+    return frozenset(ex.prompt for _, ex in held_out_examples(task, min_len, max_len, seed, count))
+
+
+def training_examples(
+    task: str, min_len: int, max_len: int, seed: int, step: int, count: int, exclude: frozenset[str]
+) -> list:
+    """Training step `step`'s `count` examples as (task name, example), never one whose prompt is in `exclude` (the
+    held-out prompts, `held_out_prompts`: drawn again, so the stream stays deterministic)."""
     return draw_examples(task, prompt_rng(seed, "train", step), min_len, max_len, count, exclude)
 
 
@@ -47,7 +53,7 @@ class PromptSource:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.seed = seed
-        self.held_out = held_out
+        self.held_out = held_out_prompts(task, min_len, max_len, seed, held_out)  # drawn once, not every step
 
     def _make(self, examples: list, prefix: str) -> PromptBatch:
         ids, uids, answers, sources = [], [], [], []
