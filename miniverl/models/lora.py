@@ -250,15 +250,20 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
     return {k: v.to("cpu", copy=True) for k, v in live_adapter(model).items()}
 
 
-def load_adapter_state(model, weights: dict[str, torch.Tensor]) -> None:
-    """Load `weights` into the model's adapter; a name that matches nothing is an error, not a no-op."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    expected = set(get_peft_model_state_dict(model))  # names only: no copy of the old adapter off the device
-    if set(weights) != expected:
-        missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+def check_adapter_names(expected, given, partial: bool = False) -> None:
+    """Refuse adapter tensors whose names are not the model's (`expected`): one the model lacks, or (unless
+    `partial`) one of the model's left out. A name that matches nothing is an error, not a no-op."""
+    missing, extra = sorted(set(expected) - set(given))[:3], sorted(set(given) - set(expected))[:3]
+    if extra or (missing and not partial):
         raise ValueError(
-            f"adapter names do not match the served model (missing {missing}, unexpected {extra});"
+            f"adapter names do not match the model's (missing {missing}, unexpected {extra});"
             " learner and rollout must use the same model.lora settings"
         )
+
+
+def load_adapter_state(model, weights: dict[str, torch.Tensor]) -> None:
+    """Load `weights` into the model's adapter (check_adapter_names first)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    check_adapter_names(get_peft_model_state_dict(model), weights)  # names only: no copy off the device
     set_peft_model_state_dict(model, weights)

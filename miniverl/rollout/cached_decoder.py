@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from miniverl.errors import ConfigError, PolicyMismatchError
+from miniverl.models.lora import check_adapter_names
 from miniverl.policy import FlatCopy
 from miniverl.rollout import decode_kernels
 
@@ -213,12 +214,7 @@ class CachedDecoder:
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         """Write a new adapter into the serving buffers in place (CUDA graphs keep reading the same memory):
         adapter-sized copies only (one multi-tensor copy call), no merge, nothing read back from the device."""
-        if set(weights) != set(self.views):
-            missing, extra = sorted(set(self.views) - set(weights))[:3], sorted(set(weights) - set(self.views))[:3]
-            raise ValueError(
-                f"adapter names do not match the served model (missing {missing}, unexpected {extra});"
-                " learner and rollout must use the same model.lora settings"
-            )
+        check_adapter_names(self.views, weights)
         torch._foreach_copy_(list(self.views.values()), [weights[name] for name in self.views], non_blocking=True)
         self._cast_adapter()
 

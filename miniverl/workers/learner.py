@@ -21,6 +21,7 @@ from miniverl.models.lora import (
     RoundedAdapter,
     adapter_state,
     build_lora_model,
+    check_adapter_names,
     live_adapter,
     load_adapter_state,
 )
@@ -229,12 +230,7 @@ class LearnerWorker:
         block raises. One multi-tensor copy each way into the adapter's own tensors: no module walk, and the
         learner's own values stay on its device."""
         live = self._adapter_outbox().tensors
-        unknown, missing = sorted(set(weights) - set(live))[:3], sorted(set(live) - set(weights))[:3]
-        if unknown or (missing and not partial):
-            raise ValueError(
-                f"adapter names do not match the learner's (missing {missing}, unexpected {unknown}); the adapter"
-                " must come from this learner's model.lora settings"
-            )
+        check_adapter_names(live, weights, partial)
         names = sorted(weights)
         targets = [live[k] for k in names]
         with torch.no_grad():
@@ -475,7 +471,7 @@ class LearnerWorker:
             self.model.train()
 
     def _version_votes(self, batch: RolloutBatch, recomputed: torch.Tensor) -> list[float]:
-        """The version test's sums (objectives/ratios.py, version_votes and vote_sums; VERSION_TESTS' order)
+        """The version test's sums (objectives/sampler_check.py, version_votes and vote_sums; VERSION_TESTS' order)
         over up to VERSION_TEST_ROWS rows spread over the batch, recomputed under the version before the batch's and
         under the base model (lora_B set to 0: v0). Zeros for a comparison that cannot differ or is not held: v0's
         batches, the previous version after a restore. Shapes: recomputed [B, Tr]."""
