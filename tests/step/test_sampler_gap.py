@@ -42,6 +42,12 @@ from tests.step.test_sync import build, gate
 GKD = GkdObjective(0.5, 1.0, 0)
 
 
+def sixteen_prompts(tok) -> PromptBatch:
+    """Sixteen reversal prompts: with PARAMS' two samples each, 32 rows, enough for the version test to vote."""
+    words = ["abc", "de", "fgh", "ij", "klm", "no", "pqr", "st", "uvw", "xy", "za", "bcd", "ef", "ghi", "jk", "lmn"]
+    return PromptBatch([tok(f"{w}>")["input_ids"] for w in words], words, [w[::-1] for w in words])
+
+
 def test_the_bound_is_a_multiple_of_the_gates_gap_never_looser_than_the_objective():
     tol = GKD.sampler_tolerance
     generic = tol.step_bound()
@@ -142,8 +148,7 @@ def test_a_sampler_one_or_more_versions_behind_is_stopped_by_the_version_test(pa
     batch stamped v2 but sampled by v1 (one refresh behind) or v0 (the base model) sits nearer the older policy;
     the same batch sampled by v2 passes with both votes below 0."""
     tok, _, _, scorer = parts
-    words = ["abc", "de", "fgh", "ij", "klm", "no", "pqr", "st", "uvw", "xy", "za", "bcd", "ef", "ghi", "jk", "lmn"]
-    prompts = PromptBatch([tok(f"{w}>")["input_ids"] for w in words], words, [w[::-1] for w in words])
+    prompts = sixteen_prompts(tok)
     learner = LearnerWorker(str(student_dir), LORA, "float32", GKD, 2e-2, 0.0, 1.0, 2, CPU)
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
     snapshots = []
@@ -196,8 +201,7 @@ def test_a_digest_less_replica_that_kept_its_weights_is_stopped_where_the_probe_
     while the batches are stamped v1, v2, ...: the version test stops it at the first stale step at lr 2e-3 and 2e-4
     (32 rows of a few tokens), at the third at 2e-5, before that step's update."""
     tok = parts[0]
-    words = ["abc", "de", "fgh", "ij", "klm", "no", "pqr", "st", "uvw", "xy", "za", "bcd", "ef", "ghi", "jk", "lmn"]
-    prompts = PromptBatch([tok(f"{w}>")["input_ids"] for w in words], words, [w[::-1] for w in words])
+    prompts = sixteen_prompts(tok)
     ctl, learner = build(parts, student_dir, JitteryStaleWorker, "hf_reference", "bfloat16", lr, proof="probe")
     gate(ctl, prompts, "hf_reference")
     ctl.step(prompts, PARAMS)  # v0 samples v0
