@@ -84,6 +84,7 @@ class RawVllm:
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
+            stop_token_ids=list(params.stop_token_ids),
             seed=params.seed,
             logprobs=0 if self.logprobs else None,
             detokenize=False,

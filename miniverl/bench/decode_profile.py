@@ -1,7 +1,7 @@
 """Where a decode step's time goes: hf_cached's generate at RL sizes, timed whole and traced by torch.profiler.
 
     python -m miniverl.bench.decode_profile --out DIR [--cells 64x4x512,256x4x512] [--prompt-len 16:64]
-        [--stop-median 0] [--profile-steps 64]
+        [--stop-median 0] [--profile-steps 64] [--backend hf_cached] [--backend-args JSON]
 
 Needs only torch, transformers and peft (no Hydra, no Ray), so it runs on the GPU machine as it is. For each cell
 (prompts x samples x max new tokens) it builds the random-init Qwen2.5-0.5B-shape model with a non-zero rank-32
@@ -15,6 +15,11 @@ LoRA (the RL-size bench's model and adapter), then reports:
 `--stop-median M` gives every row stop tokens: a set of ~ln(2) V / M token ids, so on a random-init model (nearly
 uniform next-token distribution) lengths are geometric with median ~M, capped by max new tokens (a long tail: a
 share of rows runs to the cap). The measured length distribution is reported with the cell.
+`--backend` is a rollout backend (`hf_cached`, `hf_reference`) or a peer the bench measures beside them
+(miniverl/bench/baselines.py: `raw_vllm`, `hf_generate`), built with `--backend-args` (a JSON object of keyword
+arguments, e.g. raw vLLM's tuned settings `{"async_scheduling": true, "engine_process": "subprocess",
+"logprobs": false}`), so the peers run the same prompts, stop tokens and lengths. `--profile-steps 0` skips the
+trace (vLLM's engine subprocess runs its kernels where this process's profiler cannot see them).
 """
 
 from __future__ import annotations
@@ -189,9 +194,35 @@ def replay(backend, device: str, iters: int = 100) -> dict:
     return out
 
 
-def run(args) -> dict:
+def make_backend(args, model_dir: Path, spec: AdapterSpec, dtype: torch.dtype, device: str, cells) -> object:
+    """The backend `--backend` names, with `--backend-args`; raw vLLM sized for the widest and longest cell."""
+    from miniverl.bench.baselines import BASELINES
     from miniverl.rollout import BACKENDS
 
+    try:
+        kwargs = json.loads(args.backend_args)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--backend-args is not JSON ({e}): give an object, e.g. '{{\"logprobs\": false}}'") from None
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"--backend-args must be a JSON object of keyword arguments, got {args.backend_args!r}")
+    common = {"model_path": str(model_dir), "lora": lora_settings(spec), "dtype": dtype, "device": device}
+    if args.backend in BASELINES:
+        if args.backend == "raw_vllm":
+            longest = int(args.prompt_len.split(":")[1]) + max(t for _, _, t in cells)
+            kwargs = {"max_num_seqs": max(g * n for g, n, _ in cells), "max_model_len": longest} | kwargs
+        cls = BASELINES[args.backend]
+    elif args.backend in BACKENDS.names():
+        cls = BACKENDS.get(args.backend)
+    else:
+        known = ", ".join(sorted([*BACKENDS.names(), *BASELINES]))
+        raise SystemExit(f"--backend {args.backend!r} is not a rollout backend or a bench peer; choose one of {known}")
+    try:
+        return cls(**common, **kwargs)
+    except TypeError as e:
+        raise SystemExit(f"--backend-args do not fit {args.backend}: {e}") from None
+
+
+def run(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     lo, hi = (int(x) for x in args.prompt_len.split(":"))
@@ -199,18 +230,18 @@ def run(args) -> dict:
     spec = AdapterSpec(rank=32, alpha=64.0, target_modules=list(TARGETS), init_std=0.02, seed=1)
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
     result["args"] = vars(args)
+    cells_asked = parse_cells(args.cells)
     with tempfile.TemporaryDirectory(prefix="decode-profile-") as tmp:
         if shape is None:
             from miniverl.bench.config import ModelShape
 
             shape = ModelShape(64, 2, 4, 2, 128, 512, True, 4096, 0)
         model_dir = build_random_model(shape, dtype, device, Path(tmp) / "model")
-        cls = BACKENDS.get(args.backend)
-        backend = cls(model_path=str(model_dir), lora=lora_settings(spec), dtype=dtype, device=device)
+        backend = make_backend(args, model_dir, spec, dtype, device, cells_asked)
         backend.load_adapter(make_adapter(backend.adapter_weights(), spec))
         result["decode_mode"] = getattr(backend, "decode_mode", None)
         cells = []
-        for g, n, t in parse_cells(args.cells):
+        for g, n, t in cells_asked:
             prompts = make_prompts(g, lo, hi, shape.vocab_size, seed=g)
             params = SamplingParams(
                 n=n, max_new_tokens=t, stop_token_ids=stop_set(args.stop_median, shape.vocab_size, 7)
@@ -219,8 +250,9 @@ def run(args) -> dict:
             time_generate(backend, prompts, params, seeds, device, 1)  # warm-up: graphs, cuBLAS handles
             cell = {"cell": f"{g}x{n}x{t}", "stop_tokens": len(params.stop_token_ids)}
             cell["generate"] = time_generate(backend, prompts, params, seeds, device, args.repeats)
-            short = SamplingParams(n=n, max_new_tokens=min(t, args.profile_steps), stop_token_ids=())
-            cell["trace"] = trace(backend, prompts, short, seeds, device)
+            if args.profile_steps > 0:
+                short = SamplingParams(n=n, max_new_tokens=min(t, args.profile_steps), stop_token_ids=())
+                cell["trace"] = trace(backend, prompts, short, seeds, device)
             cell["replay_ms"] = replay(backend, device)
             cells.append(cell)
             print(summary_line(cell), flush=True)
@@ -234,11 +266,17 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def summary_line(cell: dict) -> str:
-    gen, tr = cell["generate"], cell["trace"]
+    gen = cell["generate"]
+    line = (
+        f"{cell['cell']}: {gen['tokens_per_s']:,.0f} tok/s (wall {statistics.median(gen['wall_s']):.2f} s, mean length"
+        f" {gen['lengths']['mean']:.0f})"
+    )
+    if "trace" not in cell:
+        return line
+    tr = cell["trace"]
     top = sorted(tr["kernel_ms_per_step"].items(), key=lambda kv: -kv[1])[:4]
     return (
-        f"{cell['cell']}: {gen['tokens_per_s']:,.0f} tok/s (wall {statistics.median(gen['wall_s']):.2f} s, mean length"
-        f" {gen['lengths']['mean']:.0f}) | trace: {tr['wall_ms_per_step']:.2f} ms/step wall,"
+        line + f" | trace: {tr['wall_ms_per_step']:.2f} ms/step wall,"
         f" GPU busy {tr['gpu_busy_ms_per_step']:.2f} ms ({tr['gpu_busy_fraction']:.0%}),"
         f" {tr['kernels_per_step']:.0f} kernels/step; "
         + ", ".join(f"{c} {ms:.2f}" for c, ms in top)
@@ -249,12 +287,13 @@ def summary_line(cell: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--backend", default="hf_cached")
+    ap.add_argument("--backend", default="hf_cached", help="a rollout backend or a bench peer (raw_vllm, hf_generate)")
+    ap.add_argument("--backend-args", default="{}", help="JSON object of the backend's keyword arguments")
     ap.add_argument("--shape", default="qwen2.5-0.5b", help="qwen2.5-0.5b, qwen2.5-1.5b or tiny (CPU smoke)")
     ap.add_argument("--cells", default="64x4x512,256x4x512")
     ap.add_argument("--prompt-len", default="16:64", help="min:max prompt tokens (uniform)")
     ap.add_argument("--stop-median", type=int, default=0, help="median length under stop tokens (0: none)")
-    ap.add_argument("--profile-steps", type=int, default=64)
+    ap.add_argument("--profile-steps", type=int, default=64, help="new tokens of the traced call (0: no trace)")
     ap.add_argument("--repeats", type=int, default=2)
     run(ap.parse_args())
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+
+import pytest
 
 from miniverl.bench import decode_profile
 
@@ -18,11 +21,7 @@ def test_the_stop_set_gives_the_asked_median():
 
 
 def test_a_tiny_profile_runs_on_the_cpu_and_writes_its_cells(tmp_path):
-    args = argparse.Namespace(
-        out=str(tmp_path), backend="hf_cached", shape="tiny", cells="4x2x24,2x1x8", prompt_len="3:9",
-        stop_median=6, profile_steps=8, repeats=1,
-    )  # fmt: skip
-    result = decode_profile.run(args)
+    result = decode_profile.run(profile_args(tmp_path))
     written = json.loads((tmp_path / "decode_profile.json").read_text())
     assert [c["cell"] for c in written["cells"]] == ["4x2x24", "2x1x8"] == [c["cell"] for c in result["cells"]]
     first = written["cells"][0]
@@ -31,3 +30,35 @@ def test_a_tiny_profile_runs_on_the_cpu_and_writes_its_cells(tmp_path):
     assert lengths["mean"] < 24  # the stop tokens ended rows early
     assert first["generate"]["tokens"] == round(lengths["mean"] * 8)
     assert first["trace"]["steps"] == 8 and first["replay_ms"] == {}  # no CUDA graphs on the CPU
+
+
+def profile_args(tmp_path, **changes) -> argparse.Namespace:
+    args = dict(
+        out=str(tmp_path), backend="hf_cached", backend_args="{}", shape="tiny", cells="4x2x24,2x1x8",
+        prompt_len="3:9", stop_median=6, profile_steps=8, repeats=1,
+    )  # fmt: skip
+    return argparse.Namespace(**(args | changes))
+
+
+def test_a_bench_peer_runs_the_same_cells_and_an_untraced_cell_has_no_trace(tmp_path):
+    """`--backend hf_generate` (a peer from miniverl/bench/baselines.py) with `--profile-steps 0`: timed, not traced."""
+    result = decode_profile.run(profile_args(tmp_path, backend="hf_generate", stop_median=0, profile_steps=0))
+    cell = result["cells"][0]
+    assert cell["cell"] == "4x2x24" and "trace" not in cell
+    assert cell["generate"]["tokens"] == 4 * 2 * 24  # model.generate runs every row to the cap (equal work)
+    assert "4x2x24:" in decode_profile.summary_line(cell) and "trace" not in decode_profile.summary_line(cell)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"backend": "sglang"}, "'sglang' is not a rollout backend or a bench peer; choose one of"),
+        ({"backend_args": "{logprobs: false}"}, "--backend-args is not JSON"),
+        ({"backend_args": "[1]"}, "--backend-args must be a JSON object"),
+        ({"backend": "hf_generate", "backend_args": '{"logprobs": false}'}, "--backend-args do not fit hf_generate"),
+    ],
+)
+def test_a_wrong_backend_or_argument_names_the_fix_before_any_cell_runs(tmp_path, changes, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        decode_profile.run(profile_args(tmp_path, **changes))
+    assert not (tmp_path / "decode_profile.json").exists()
