@@ -149,6 +149,59 @@ def check_scorer_share(
         check_scorer_fits(shape, share, cfg.trainer.logprob_chunk_tokens, entry, longest_row)
 
 
+def adapter_params(config, lora) -> int:
+    """Parameters of the LoRA adapter peft would put on the model of transformers `config`: r x (in + out) for every
+    linear layer whose last name component is in lora.target_modules, counted on the meta device (no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    targets = set(lora.target_modules)
+    return sum(
+        lora.rank * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
+
+
+def check_learner_share(cfg: MiniVerlConfig, device: str, objective, path: str, config) -> None:
+    """The learner's twin of check_scorer_share: on an emulated card (resources.emulate_gpu_gib) its share is known
+    before any actor starts, so a student whose weights, adapter state and one row of the run's longest length do
+    not fit it, or a trainer.max_tokens_per_micro_batch over what it holds, is refused here with the arithmetic the
+    learner would print after loading (models/sizing.py fit_tokens, check_token_budget), not after Ray started and
+    the teacher loaded. Checked for a student loaded as it is stored (bf16/fp32, weights from the safetensors
+    headers); a 4-bit student is left to the learner's own check. `config`: the student's transformers config."""
+    from miniverl.models.loading import checkpoint_numel, torch_dtype
+    from miniverl.models.sizing import LearnerShape, check_token_budget, fit_tokens
+    from miniverl.models.vocab_kernels import kernels_available
+    from miniverl.workers import emulated_cap_gib
+
+    res, spec, t = cfg.resources, cfg.model.student, cfg.trainer
+    if device != "cuda" or res.emulate_gpu_gib is None or spec.quantization != "none":
+        return
+    numel = checkpoint_numel(path)
+    if not numel:
+        return
+    share = int(emulated_cap_gib(res.emulate_gpu_gib, res.learner.num_gpus, "resources.learner.num_gpus") * 2**30)
+    shape = LearnerShape(
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        weight_bytes=numel * torch_dtype(spec.dtype, device).itemsize,
+        adapter_params=adapter_params(config, cfg.model.lora),
+    )
+    closed = objective.closed_form_head and kernels_available()  # as the learner decides (workers/learner.py)
+    if t.max_tokens_per_micro_batch:
+        check_token_budget(
+            shape, share, t.max_tokens_per_micro_batch, t.logprob_chunk_tokens, t.gradient_checkpointing, closed
+        )
+    else:
+        longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+        fit_tokens(shape, share, t.logprob_chunk_tokens, t.gradient_checkpointing, longest_row, closed)
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run starts: the checkpoint, the step it holds, and the run's step-0 evaluation."""

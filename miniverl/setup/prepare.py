@@ -36,6 +36,7 @@ from miniverl.setup.preflight import (
     ResumePoint,
     check_device_settings,
     check_gpu_request,
+    check_learner_share,
     check_lora_targets,
     check_scorer_share,
     check_tracking,
@@ -156,6 +157,7 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
         objective.closed_form_head,
     )
     check_scorer_share(cfg, device, objective, teachers, paths, configs, vocab_size)
+    check_learner_share(cfg, device, objective, paths["student"], configs["student"])
     stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)

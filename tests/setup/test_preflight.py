@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from miniverl.config import validate
 from miniverl.errors import ConfigError
@@ -176,7 +177,10 @@ def test_a_teacher_its_scorer_share_cannot_hold_is_refused_before_any_actor(stud
     from miniverl.models.loading import checkpoint_numel
 
     monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
-    card = ("resources.emulate_gpu_gib=1", "resources.rollout.num_gpus=0.15", "resources.scorer.num_gpus=0.7")
+    # shares that isolate the scorer (not a placement): 0.04 GiB for it, 1.1 GiB for the learner, whose own check
+    # (the next test) passes at every row length here
+    card = ("resources.emulate_gpu_gib=2", "resources.rollout.num_gpus=0.1", "resources.scorer.num_gpus=0.35")
+    card += ("resources.learner.num_gpus=0.9",)
     quiet = lambda *_: None  # noqa: E731
     assert checkpoint_numel(str(teacher_dir)) > 0 and checkpoint_numel(str(teacher_dir / "missing")) == 0
     prep.prepare(with_models(student_dir, teacher_dir, *card), log=quiet)  # 43 MB hold short rows of a tiny teacher
@@ -187,3 +191,34 @@ def test_a_teacher_its_scorer_share_cannot_hold_is_refused_before_any_actor(stud
         student_dir, teacher_dir, *card, "rollout.max_new_tokens=60000", "model.teacher.quantization=nf4"
     )
     prep.prepare(four_bit, log=quiet)  # its loaded size is the scorer's to count (bitsandbytes is a dependency)
+
+
+def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(student_dir, teacher_dir, monkeypatch):
+    """The learner's twin of the scorer check (issue 35: "will it fit?" before anything loads): on an emulated card
+    prepare refuses rows or a token budget the learner's share cannot hold, with the arithmetic the learner would
+    print after loading; adapter parameters are counted on the meta device as peft makes them; a 4-bit student is
+    left to the learner."""
+    import miniverl.setup.prepare as prep
+    from miniverl.models.lora import LoraSettings, build_lora_model
+    from miniverl.setup.preflight import adapter_params
+
+    lora = load().model.lora
+    model = build_lora_model(str(student_dir), LoraSettings.from_config(lora), torch.float32, "cpu")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adapter_params(model.get_base_model().config, lora) == trainable > 0
+
+    monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
+    card = ("resources.emulate_gpu_gib=2", "resources.rollout.num_gpus=0.1", "resources.scorer.num_gpus=0.9")
+    card += ("resources.learner.num_gpus=0.55",)  # 0.44 GiB: weights, adapter state, 128 MiB of runtime, then rows
+    quiet = lambda *_: None  # noqa: E731
+    prep.prepare(with_models(student_dir, teacher_dir, *card), log=quiet)
+    long_rows = with_models(student_dir, teacher_dir, *card, "rollout.max_new_tokens=200000")
+    with pytest.raises(ConfigError, match=r"the learner's memory share of .* cannot hold one row of 200032 tokens"):
+        prep.prepare(long_rows, log=quiet)
+    budget = with_models(student_dir, teacher_dir, *card, "trainer.max_tokens_per_micro_batch=300000")
+    with pytest.raises(ConfigError, match=r"trainer.max_tokens_per_micro_batch=300000 would peak the learner at"):
+        prep.prepare(budget, log=quiet)
+    four_bit = with_models(
+        student_dir, teacher_dir, *card, "rollout.max_new_tokens=200000", "model.student.quantization=nf4"
+    )
+    prep.prepare(four_bit, log=quiet)  # its loaded size is the learner's to count
