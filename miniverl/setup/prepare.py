@@ -156,8 +156,13 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
         t.max_tokens_per_micro_batch,
         objective.closed_form_head,
     )
-    check_scorer_share(cfg, device, objective, teachers, paths, configs, vocab_size)
-    check_learner_share(cfg, device, objective, paths["student"], configs["student"])
+    plans = [
+        check_learner_share(cfg, device, objective, paths["student"], configs["student"]),
+        check_scorer_share(cfg, device, objective, teachers, paths, configs, vocab_size),
+    ]
+    if any(plans):  # on an emulated card: what the actors will size themselves to, before any of them starts
+        card = f"{cfg.resources.emulate_gpu_gib:g} GiB"
+        log(f"[miniverl] memory plan on the emulated {card} card: " + "; ".join(p for p in plans if p))
     stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)

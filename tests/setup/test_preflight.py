@@ -200,10 +200,13 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     left to the learner."""
     import miniverl.setup.prepare as prep
     from miniverl.models.lora import LoraSettings, build_lora_model
+    from miniverl.models.sizing import fit_tokens
     from miniverl.setup.preflight import adapter_params
+    from miniverl.workers import CUDA_CONTEXT_GIB
+    from miniverl.workers.learner import learner_shape
 
     lora = load().model.lora
-    model = build_lora_model(str(student_dir), LoraSettings.from_config(lora), torch.float32, "cpu")
+    model = build_lora_model(str(student_dir), LoraSettings.from_config(lora), torch.bfloat16, "cpu")  # as on a GPU
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert adapter_params(model.get_base_model().config, lora) == trainable > 0
 
@@ -211,7 +214,14 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     card = ("resources.emulate_gpu_gib=2", "resources.rollout.num_gpus=0.1", "resources.scorer.num_gpus=0.9")
     card += ("resources.learner.num_gpus=0.55",)  # 0.44 GiB: weights, adapter state, 128 MiB of runtime, then rows
     quiet = lambda *_: None  # noqa: E731
-    prep.prepare(with_models(student_dir, teacher_dir, *card), log=quiet)
+    said = []
+    prep.prepare(with_models(student_dir, teacher_dir, *card), log=said.append)
+    # the plan is the learner's own sizing of the loaded model (workers/learner.py learner_shape, fit_tokens)
+    share = int((2 * 0.55 - CUDA_CONTEXT_GIB) * 2**30)
+    tokens = fit_tokens(learner_shape(model), share, 0, False, 1)  # the budget: the most that fits, any row length
+    plan = [line for line in said if "memory plan on the emulated 2 GiB card" in line]
+    assert len(plan) == 1 and f"learner micro-batches of up to {tokens} tokens (modelled peak" in plan[0]
+    assert "scorer forwards of up to" in plan[0]
     long_rows = with_models(student_dir, teacher_dir, *card, "rollout.max_new_tokens=200000")
     with pytest.raises(ConfigError, match=r"the learner's memory share of .* cannot hold one row of 200032 tokens"):
         prep.prepare(long_rows, log=quiet)
