@@ -194,8 +194,9 @@ def replay(backend, device: str, iters: int = 100) -> dict:
     return out
 
 
-def make_backend(args, model_dir: Path, spec: AdapterSpec, dtype: torch.dtype, device: str, cells) -> object:
-    """The backend `--backend` names, with `--backend-args`; raw vLLM sized for the widest and longest cell."""
+def backend_class(args, cells, longest_prompt: int) -> tuple[type, dict]:
+    """The class `--backend` names and its keyword arguments from `--backend-args` (raw vLLM sized for the widest and
+    longest cell), refused with the fix before any model is built."""
     from miniverl.bench.baselines import BASELINES
     from miniverl.rollout import BACKENDS
 
@@ -205,21 +206,15 @@ def make_backend(args, model_dir: Path, spec: AdapterSpec, dtype: torch.dtype, d
         raise SystemExit(f"--backend-args is not JSON ({e}): give an object, e.g. '{{\"logprobs\": false}}'") from None
     if not isinstance(kwargs, dict):
         raise SystemExit(f"--backend-args must be a JSON object of keyword arguments, got {args.backend_args!r}")
-    common = {"model_path": str(model_dir), "lora": lora_settings(spec), "dtype": dtype, "device": device}
     if args.backend in BASELINES:
         if args.backend == "raw_vllm":
-            longest = int(args.prompt_len.split(":")[1]) + max(t for _, _, t in cells)
+            longest = longest_prompt + max(t for _, _, t in cells)
             kwargs = {"max_num_seqs": max(g * n for g, n, _ in cells), "max_model_len": longest} | kwargs
-        cls = BASELINES[args.backend]
-    elif args.backend in BACKENDS.names():
-        cls = BACKENDS.get(args.backend)
-    else:
-        known = ", ".join(sorted([*BACKENDS.names(), *BASELINES]))
-        raise SystemExit(f"--backend {args.backend!r} is not a rollout backend or a bench peer; choose one of {known}")
-    try:
-        return cls(**common, **kwargs)
-    except TypeError as e:
-        raise SystemExit(f"--backend-args do not fit {args.backend}: {e}") from None
+        return BASELINES[args.backend], kwargs
+    if args.backend in BACKENDS:
+        return BACKENDS.get(args.backend), kwargs
+    known = ", ".join(sorted([*BACKENDS.names(), *BASELINES]))
+    raise SystemExit(f"--backend {args.backend!r} is not a rollout backend or a bench peer; choose one of {known}")
 
 
 def run(args) -> dict:
@@ -231,13 +226,17 @@ def run(args) -> dict:
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
     result["args"] = vars(args)
     cells_asked = parse_cells(args.cells)
+    cls, kwargs = backend_class(args, cells_asked, hi)
     with tempfile.TemporaryDirectory(prefix="decode-profile-") as tmp:
         if shape is None:
             from miniverl.bench.config import ModelShape
 
             shape = ModelShape(64, 2, 4, 2, 128, 512, True, 4096, 0)
         model_dir = build_random_model(shape, dtype, device, Path(tmp) / "model")
-        backend = make_backend(args, model_dir, spec, dtype, device, cells_asked)
+        try:
+            backend = cls(model_path=str(model_dir), lora=lora_settings(spec), dtype=dtype, device=device, **kwargs)
+        except TypeError as e:
+            raise SystemExit(f"--backend-args do not fit {args.backend}: {e}") from None
         backend.load_adapter(make_adapter(backend.adapter_weights(), spec))
         result["decode_mode"] = getattr(backend, "decode_mode", None)
         cells = []

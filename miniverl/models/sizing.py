@@ -55,16 +55,16 @@ class LearnerShape:
     adapter_params: int
 
 
-def teacher_shape(config, vocab: int, weight_bytes: int) -> LearnerShape:
-    """A teacher as the scorer's memory model sees it: the sizes in its transformers `config`, the logits it is
-    scored over (`vocab`) and the bytes its weights take as loaded; no adapter."""
+def model_shape(config, vocab: int, weight_bytes: int, adapter_params: int = 0) -> LearnerShape:
+    """A model as the memory models see it: the sizes in its transformers `config`, the logits it is scored over
+    (`vocab`), the bytes its weights take as loaded and its adapter's parameters (a teacher has none)."""
     return LearnerShape(
         layers=config.num_hidden_layers,
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
         vocab=vocab,
         weight_bytes=weight_bytes,
-        adapter_params=0,
+        adapter_params=adapter_params,
     )
 
 

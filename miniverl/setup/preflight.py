@@ -25,19 +25,24 @@ from miniverl.errors import ConfigError
 WANDB_HOST = "api.wandb.ai"
 
 
-def linear_layer_names(model_path: str) -> set[str]:
-    """Last name component of every linear layer of the model at `model_path` (what LoRA targets match).
-
-    Built from the model's config on the meta device: no weights are read or allocated.
-    """
+def meta_linear_layers(config) -> list[tuple[str, object]]:
+    """(last name component, module) of every linear layer of the model of transformers `config`, built on the meta
+    device: no weights are read or allocated."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def linear_layer_names(model_path: str) -> set[str]:
+    """Last name component of every linear layer of the model at `model_path` (what LoRA targets match)."""
+    from transformers import AutoConfig
 
     local = Path(model_path).expanduser()
     config = AutoConfig.from_pretrained(str(local) if local.exists() else model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return {name for name, _ in meta_linear_layers(config)}
 
 
 def check_lora_targets(model_path: str, targets: list[str] | tuple[str, ...]) -> None:
@@ -130,7 +135,7 @@ def check_scorer_share(
     (the forward size the scorer will choose, as a line for the run's log), None where it is left to the scorer."""
     from miniverl.models.loading import checkpoint_numel, torch_dtype
     from miniverl.models.memory import human
-    from miniverl.models.sizing import check_scorer_fits, scorer_chunk_entry_bytes, teacher_shape
+    from miniverl.models.sizing import check_scorer_fits, model_shape, scorer_chunk_entry_bytes
     from miniverl.workers import emulated_cap_gib
 
     res = cfg.resources
@@ -148,7 +153,7 @@ def check_scorer_share(
     held = sum(weights.values())  # one scorer process holds every teacher (workers/teachers.py)
     tokens = min(
         check_scorer_fits(
-            teacher_shape(configs[role], vocab, held), share, cfg.trainer.logprob_chunk_tokens, entry, longest_row
+            model_shape(configs[role], vocab, held), share, cfg.trainer.logprob_chunk_tokens, entry, longest_row
         )
         for role in teachers
     )
@@ -160,16 +165,9 @@ def check_scorer_share(
 def adapter_params(config, lora) -> int:
     """Parameters of the LoRA adapter peft would put on the model of transformers `config`: r x (in + out) for every
     linear layer whose last name component is in lora.target_modules, counted on the meta device (no weights)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
     targets = set(lora.target_modules)
     return sum(
-        lora.rank * (m.in_features + m.out_features)
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+        lora.rank * (m.in_features + m.out_features) for name, m in meta_linear_layers(config) if name in targets
     )
 
 
@@ -184,7 +182,7 @@ def check_learner_share(cfg: MiniVerlConfig, device: str, objective, path: str, 
     where it is left to the learner."""
     from miniverl.models.loading import checkpoint_numel, torch_dtype
     from miniverl.models.memory import human
-    from miniverl.models.sizing import LearnerShape, check_token_budget, fit_tokens, learner_peak_bytes
+    from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes, model_shape
     from miniverl.models.vocab_kernels import kernels_available
     from miniverl.workers import emulated_cap_gib
 
@@ -195,14 +193,8 @@ def check_learner_share(cfg: MiniVerlConfig, device: str, objective, path: str, 
     if not numel:
         return None
     share = int(emulated_cap_gib(res.emulate_gpu_gib, res.learner.num_gpus, "resources.learner.num_gpus") * 2**30)
-    shape = LearnerShape(
-        layers=config.num_hidden_layers,
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        vocab=config.vocab_size,
-        weight_bytes=numel * torch_dtype(spec.dtype, device).itemsize,
-        adapter_params=adapter_params(config, cfg.model.lora),
-    )
+    weights = numel * torch_dtype(spec.dtype, device).itemsize
+    shape = model_shape(config, config.vocab_size, weights, adapter_params(config, cfg.model.lora))
     closed = objective.closed_form_head and kernels_available()  # as the learner decides (workers/learner.py)
     tokens = t.max_tokens_per_micro_batch
     if tokens:

@@ -633,15 +633,9 @@ class LearnerWorker:
 
 def learner_shape(model):
     """The peak-memory model's view of a loaded peft student (models/sizing.py)."""
-    from miniverl.models.sizing import LearnerShape
+    from miniverl.models.sizing import model_shape
 
     config = model.get_base_model().config
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    return LearnerShape(
-        layers=config.num_hidden_layers,
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        vocab=config.vocab_size,
-        weight_bytes=sum(p.numel() * p.element_size() for p in frozen),
-        adapter_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-    )
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model_shape(config, config.vocab_size, frozen, trainable)

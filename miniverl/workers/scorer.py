@@ -112,11 +112,11 @@ class ScorerWorker:
         what other models in this process hold (several teachers in one scorer, workers/teachers.py). Refuses, with
         the arithmetic, a share that cannot hold one row beside the weights and an LM-head chunk."""
         from miniverl.models.memory import human
-        from miniverl.models.sizing import check_scorer_fits, scorer_chunk_entry_bytes, teacher_shape
+        from miniverl.models.sizing import check_scorer_fits, model_shape, scorer_chunk_entry_bytes
         from miniverl.models.vocab_kernels import kernels_available
 
         config = self.model.config
-        shape = teacher_shape(config, self.vocab_size or config.vocab_size, self.weight_bytes() + other_bytes)
+        shape = model_shape(config, self.vocab_size or config.vocab_size, self.weight_bytes() + other_bytes)
         share = memory_share_bytes(process)
         entry = scorer_chunk_entry_bytes(self.support_k, self.loss_temperature, shape.vocab, kernels_available())
         fits = check_scorer_fits(shape, share, self.chunk_tokens, entry, self.max_row_tokens)
