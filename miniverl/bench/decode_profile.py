@@ -20,6 +20,11 @@ share of rows runs to the cap). The measured length distribution is reported wit
 arguments, e.g. raw vLLM's tuned settings `{"async_scheduling": true, "engine_process": "subprocess",
 "logprobs": false}`), so the peers run the same prompts, stop tokens and lengths. `--profile-steps 0` skips the
 trace (vLLM's engine subprocess runs its kernels where this process's profiler cannot see them).
+`--oracle-rows K` teacher-forces each cell's first K rows through hf_reference with the same model and adapter:
+the mean log-prob of the sampled tokens under the model's own law (equal, up to sampling noise, for every backend
+that samples from that law) and, where the backend reports log-probs, their mean gap to the oracle's. With the
+measured stop hazard (stops per generated token) it tells whether two backends' different lengths come from
+different laws.
 """
 
 from __future__ import annotations
@@ -36,9 +41,13 @@ from pathlib import Path
 
 import torch
 
-from miniverl.bench.config import AdapterSpec
+from miniverl.bench.config import AdapterSpec, ModelShape
 from miniverl.bench.workload import build_random_model, lora_settings, make_adapter, real_shape
 from miniverl.rollout.sampling import SamplingParams, row_seeds
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER = AdapterSpec(rank=32, alpha=64.0, target_modules=list(TARGETS), init_std=0.02, seed=1)  # every cell's
+TINY = ModelShape(64, 2, 4, 2, 128, 512, True, 4096, 0)  # `--shape tiny`: the CPU smoke
 
 # Kernel name -> category, first match wins (CUDA kernel names of cuBLAS, cuDNN, ATen and Triton).
 KERNEL_CATEGORIES = (
@@ -98,8 +107,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_generate(backend, prompts, params, seeds, device: str, repeats: int) -> dict:
-    walls, lengths = [], []
+def time_generate(backend, prompts, params, seeds, device: str, repeats: int) -> tuple[dict, list]:
+    """Timed whole calls, and the last call's completions."""
+    walls, lengths, out = [], [], []
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
@@ -122,7 +132,9 @@ def time_generate(backend, prompts, params, seeds, device: str, repeats: int) ->
             "mean": tokens / len(ordered),
             "capped_share": sum(n == params.max_new_tokens for n in lengths) / len(lengths),
         },
-    }
+        # the per-token chance a row stops: |stop set| / V on a uniform next-token law (stop_set's design)
+        "stop_hazard": sum(c.finished for c in out) / max(1, tokens),
+    }, out
 
 
 def trace(backend, prompts, params, seeds, device: str) -> dict:
@@ -194,6 +206,32 @@ def replay(backend, device: str, iters: int = 100) -> dict:
     return out
 
 
+def build_oracle(model_dir: Path, spec: AdapterSpec, dtype: torch.dtype, device: str):
+    """hf_reference (the peft model, adapter applied on the fly) with the cells' adapter: the law every backend
+    must sample from."""
+    from miniverl.rollout import BACKENDS
+
+    oracle = BACKENDS.get("hf_reference")(
+        model_path=str(model_dir), lora=lora_settings(spec), dtype=dtype, device=device
+    )
+    oracle.load_adapter(make_adapter(oracle.adapter_weights(), spec))
+    return oracle
+
+
+def judge_rows(oracle, prompts: list[list[int]], n: int, out: list, rows: int) -> dict:
+    """The first `rows` rows (whole prompts' groups) teacher-forced through the oracle: the mean log-prob of the
+    sampled tokens under the model's own law (samples from that law average minus its entropy, whichever backend
+    drew them) and, where the backend reported log-probs, the mean |reported - oracle|."""
+    from miniverl.bench.oracle import sampled_logprobs
+
+    groups = max(1, math.ceil(rows / n))
+    judged, reported = sampled_logprobs(oracle, prompts[:groups], n, out[: groups * n])
+    verdict = {"rows": groups * n, "tokens": judged.numel(), "logprob_mean": float(judged.mean())}
+    if all(c.logprobs for c in out[: groups * n]):
+        verdict["gap_mean"] = float((reported - judged).abs().mean())
+    return verdict
+
+
 def backend_class(args, cells, longest_prompt: int) -> tuple[type, dict]:
     """The class `--backend` names and its keyword arguments from `--backend-args` (raw vLLM sized for the widest and
     longest cell), refused with the fix before any model is built."""
@@ -221,17 +259,13 @@ def run(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     lo, hi = (int(x) for x in args.prompt_len.split(":"))
-    shape = real_shape(args.shape, 4096, 0) if args.shape != "tiny" else None
-    spec = AdapterSpec(rank=32, alpha=64.0, target_modules=list(TARGETS), init_std=0.02, seed=1)
+    shape = real_shape(args.shape, 4096, 0) if args.shape != "tiny" else TINY
+    spec = ADAPTER
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
     result["args"] = vars(args)
     cells_asked = parse_cells(args.cells)
     cls, kwargs = backend_class(args, cells_asked, hi)
     with tempfile.TemporaryDirectory(prefix="decode-profile-") as tmp:
-        if shape is None:
-            from miniverl.bench.config import ModelShape
-
-            shape = ModelShape(64, 2, 4, 2, 128, 512, True, 4096, 0)
         model_dir = build_random_model(shape, dtype, device, Path(tmp) / "model")
         try:
             backend = cls(model_path=str(model_dir), lora=lora_settings(spec), dtype=dtype, device=device, **kwargs)
@@ -239,7 +273,7 @@ def run(args) -> dict:
             raise SystemExit(f"--backend-args do not fit {args.backend}: {e}") from None
         backend.load_adapter(make_adapter(backend.adapter_weights(), spec))
         result["decode_mode"] = getattr(backend, "decode_mode", None)
-        cells = []
+        cells, oracle = [], None
         for g, n, t in cells_asked:
             prompts = make_prompts(g, lo, hi, shape.vocab_size, seed=g)
             params = SamplingParams(
@@ -248,7 +282,10 @@ def run(args) -> dict:
             seeds = row_seeds(0, g * n)
             time_generate(backend, prompts, params, seeds, device, 1)  # warm-up: graphs, cuBLAS handles
             cell = {"cell": f"{g}x{n}x{t}", "stop_tokens": len(params.stop_token_ids)}
-            cell["generate"] = time_generate(backend, prompts, params, seeds, device, args.repeats)
+            cell["generate"], out = time_generate(backend, prompts, params, seeds, device, args.repeats)
+            if args.oracle_rows > 0:
+                oracle = oracle or build_oracle(model_dir, spec, dtype, device)
+                cell["oracle"] = judge_rows(oracle, prompts, n, out, args.oracle_rows)
             if args.profile_steps > 0:
                 short = SamplingParams(n=n, max_new_tokens=min(t, args.profile_steps), stop_token_ids=())
                 cell["trace"] = trace(backend, prompts, short, seeds, device)
@@ -261,15 +298,16 @@ def run(args) -> dict:
     return result
 
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def summary_line(cell: dict) -> str:
     gen = cell["generate"]
     line = (
         f"{cell['cell']}: {gen['tokens_per_s']:,.0f} tok/s (wall {statistics.median(gen['wall_s']):.2f} s, mean length"
-        f" {gen['lengths']['mean']:.0f})"
+        f" {gen['lengths']['mean']:.0f}, stop hazard {gen['stop_hazard']:.4f}/token)"
     )
+    if "oracle" in cell:
+        ora = cell["oracle"]
+        line += f" | oracle on {ora['rows']} rows: sampled log-prob mean {ora['logprob_mean']:.3f}"
+        line += f", |gap| mean {ora['gap_mean']:.2e}" if "gap_mean" in ora else ""
     if "trace" not in cell:
         return line
     tr = cell["trace"]
@@ -294,6 +332,9 @@ def main() -> None:
     ap.add_argument("--stop-median", type=int, default=0, help="median length under stop tokens (0: none)")
     ap.add_argument("--profile-steps", type=int, default=64, help="new tokens of the traced call (0: no trace)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--oracle-rows", type=int, default=0, help="rows of each cell teacher-forced through hf_reference (0: none)"
+    )
     run(ap.parse_args())
 
 

@@ -20,21 +20,37 @@ ORACLE_CHUNK_ROWS = 8
 
 
 @torch.no_grad()
+def sampled_logprobs(
+    oracle, prompts: list[list[int]], n: int, completions: list[Completion]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle's teacher-forced log-prob of every generated token and the one the backend reported (0 where it
+    reported none), rows concatenated.
+
+    Shapes: -> ([tokens], [tokens]) float32 on the CPU.
+    """
+    completions = [
+        c if c.logprobs else Completion(c.token_ids, [0.0] * len(c.token_ids), c.finished) for c in completions
+    ]
+    uids = [str(i) for i in range(len(prompts))]
+    batch = to_rollout_batch(PromptBatch(prompts, uids, [""] * len(prompts)), completions, n, version=0)
+    device = next(oracle.model.parameters()).device
+    judged, reported = [], []
+    for start in range(0, len(batch), ORACLE_CHUNK_ROWS):
+        part = batch.rows(start, min(start + ORACLE_CHUNK_ROWS, len(batch)))
+        logprobs = token_logprobs(response_logits(oracle.model, part), part.responses.to(device)).cpu()  # [b, Tr]
+        mask = part.response_mask.bool()
+        judged.append(logprobs[mask].float())
+        reported.append(part.rollout_log_probs[mask])
+    return torch.cat(judged), torch.cat(reported)
+
+
 def logprob_gaps(oracle, prompts: list[list[int]], n: int, completions: list[Completion]) -> torch.Tensor:
     """|reported - oracle| log-prob of every generated token, rows concatenated.
 
     Shapes: -> [tokens] float32 on the CPU.
     """
-    uids = [str(i) for i in range(len(prompts))]
-    batch = to_rollout_batch(PromptBatch(prompts, uids, [""] * len(prompts)), completions, n, version=0)
-    device = next(oracle.model.parameters()).device
-    gaps = []
-    for start in range(0, len(batch), ORACLE_CHUNK_ROWS):
-        part = batch.rows(start, min(start + ORACLE_CHUNK_ROWS, len(batch)))
-        logprobs = token_logprobs(response_logits(oracle.model, part), part.responses.to(device)).cpu()  # [b, Tr]
-        mask = part.response_mask.bool()
-        gaps.append((logprobs - part.rollout_log_probs)[mask].abs())
-    return torch.cat(gaps)
+    judged, reported = sampled_logprobs(oracle, prompts, n, completions)
+    return (reported - judged).abs()
 
 
 def identical_fraction(a: list[Completion], b: list[Completion]) -> float:

@@ -9,8 +9,11 @@ import math
 import re
 
 import pytest
+import torch
 
 from miniverl.bench import decode_profile
+from miniverl.bench.oracle import sampled_logprobs
+from miniverl.rollout import Completion
 
 
 def test_the_stop_set_gives_the_asked_median():
@@ -35,7 +38,7 @@ def test_a_tiny_profile_runs_on_the_cpu_and_writes_its_cells(tmp_path):
 def profile_args(tmp_path, **changes) -> argparse.Namespace:
     args = dict(
         out=str(tmp_path), backend="hf_cached", backend_args="{}", shape="tiny", cells="4x2x24,2x1x8",
-        prompt_len="3:9", stop_median=6, profile_steps=8, repeats=1,
+        prompt_len="3:9", stop_median=6, profile_steps=8, repeats=1, oracle_rows=0,
     )  # fmt: skip
     return argparse.Namespace(**(args | changes))
 
@@ -62,3 +65,29 @@ def test_a_wrong_backend_or_argument_names_the_fix_before_any_cell_runs(tmp_path
     with pytest.raises(SystemExit, match=re.escape(message)):
         decode_profile.run(profile_args(tmp_path, **changes))
     assert not (tmp_path / "decode_profile.json").exists()
+
+
+def test_the_oracle_judges_a_backends_rows_by_the_law_they_were_sampled_from(tmp_path):
+    """`--oracle-rows`: hf_cached's own log-probs agree with the oracle's (fp32 on the CPU), the stop hazard is
+    stops per token; rows whose reported log-probs are off by one nat read a gap of one."""
+    result = decode_profile.run(profile_args(tmp_path, profile_steps=0, oracle_rows=3))
+    cell = result["cells"][0]
+    ora, gen = cell["oracle"], cell["generate"]
+    assert ora["rows"] == 4 and 0 < ora["tokens"] <= 4 * 24  # whole groups of n = 2: 3 rows round up to 4
+    assert ora["gap_mean"] < 1e-4 and ora["logprob_mean"] < 0
+    assert 0 < gen["stop_hazard"] <= 1 and "stop hazard" in decode_profile.summary_line(cell)
+
+    oracle = decode_profile.build_oracle(_tiny_model(tmp_path), decode_profile.ADAPTER, torch.float32, "cpu")
+    prompts, rows = [[1, 2, 3], [4, 5]], [Completion([7, 8, 9], [], True) for _ in range(4)]
+    silent = decode_profile.judge_rows(oracle, prompts, 2, rows, 4)  # a peer without log-probs: no gap
+    assert "gap_mean" not in silent and silent["tokens"] == 12
+    own = sampled_logprobs(oracle, prompts, 2, rows)[0].view(4, 3)
+    shifted = [Completion(c.token_ids, (own[i] + 1.0).tolist(), True) for i, c in enumerate(rows)]
+    judged = decode_profile.judge_rows(oracle, prompts, 2, shifted, 4)
+    assert judged["gap_mean"] == pytest.approx(1.0, abs=1e-4) and judged["logprob_mean"] == silent["logprob_mean"]
+
+
+def _tiny_model(tmp_path):
+    from miniverl.bench.workload import build_random_model
+
+    return build_random_model(decode_profile.TINY, torch.float32, "cpu", tmp_path / "m")
