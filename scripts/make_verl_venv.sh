@@ -14,7 +14,9 @@ VERL_VERSION="0.9.1"   # the version the bridge targets (miniverl/bridge/version
 VENV="${1:-${MINIVERL_VERL_VENV:-$HOME/.cache/miniverl/verl-venv}}"
 PY="$VENV/bin/python"
 
-if [ -x "$PY" ] && "$PY" -c "import verl, sys; sys.exit(verl.__version__ != '$VERL_VERSION')" 2>/dev/null; then
+# The check imports what the tests import (core_algos pulls in transformers), so a venv broken by a change in the
+# system site-packages it shares is rebuilt rather than kept.
+if [ -x "$PY" ] && "$PY" -c "import verl, sys; from verl.trainer.ppo import core_algos; sys.exit(verl.__version__ != '$VERL_VERSION')" 2>/dev/null; then
   echo "verl $VERL_VERSION venv already at $VENV"
   exit 0
 fi
@@ -23,12 +25,16 @@ start=$(date +%s)
 python3 -m venv --system-site-packages "$VENV"
 # The system torch must stay the one verl sees: refuse to go on if the venv resolves another.
 "$PY" -c "import torch; print('torch', torch.__version__)"
+# kernels: transformers 5.25 (ours) depends on kernels 0.19, which the venv sees through the system site-packages;
+# kernels >= 0.17 refuses the revision-less LayerRepository that transformers 5.10 (verl's) builds at import, so
+# the venv carries its own older copy.
 "$PY" -m pip install -q --no-deps \
   "verl==$VERL_VERSION" \
   "transformers>=5.5.3,<5.11,!=5.6.0" "tokenizers>=0.22,<=0.23.0" "huggingface-hub>=1.5,<2" \
   "tensordict>=0.8,<=0.10.0,!=0.9.0" \
   pyvers importlib_metadata codetiming dill pybind11 pylatexenc \
-  pandas pyarrow tzdata python-dateutil
+  pandas pyarrow tzdata python-dateutil \
+  "kernels>=0.10.2,<0.17"
 # The venv must still use the CPU torch it started with (no CUDA build pulled in).
 "$PY" - <<'PY'
 import torch, verl

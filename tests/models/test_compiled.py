@@ -63,6 +63,9 @@ def test_compiled_layers_give_the_eager_update_every_micro_batch_compiled(name, 
     compiled = learner(student_dir, objective, compiled=True)
     layers = compiled.model.get_base_model().model.layers
     assert all("forward" in layer.__dict__ and not layer.gradient_checkpointing for layer in layers)
+    # transformers >= 5.2x with kernels: the attention's hub-kernel routing wrapper is bypassed (it broke compiling)
+    routed = [m for m in layers.modules() if "_kernel_funcs" in m.__dict__]
+    assert all(m.forward.__func__ is type(m).forward.__wrapped__ for m in routed)
     want = two_updates(eager, batch, scores)
     got = two_updates(compiled, batch, scores)
     # fp32: Inductor's fused arithmetic reorders sums, nothing more
