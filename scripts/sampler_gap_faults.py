@@ -8,7 +8,10 @@ step_bound), then
   digest and probe are current (tests/step/faults.py, StaleSamplingWorker), at each --lrs learning rate: the step
   at which it is stopped (none within --fault-steps: missed), its gap and the version test's z at every step.
 The honest cells record the version test's largest z per step (objectives/sampler_check.py VERSION_TESTS; refused
-above 6) over the steps it voted on.
+above 6) over the steps it voted on, and on how many steps each comparison was armed (an honest z below -6: the
+mirror image of a stale sampler's, which would have been refused). --twins runs each fault cell's honest twin (same
+learning rate, prompts and seeds, --fault-steps steps): its per-step z beside the stale run's shows whether the
+stale sampler was caught where the honest run said the test could see it.
 Writes one JSON (--out) and prints a line per cell. In-process (no Ray): the learner, rollout and scorer are the
 actors' classes called directly, as tests/step/test_sync.py does.
 
@@ -96,7 +99,8 @@ def train_step(ctl, tok, rng: random.Random, step: int, params: SamplingParams) 
 def honest(backend: str, dtype: str, lr: float, steps: int, params: SamplingParams) -> dict:
     ctl, tok = build(RolloutWorker, backend, dtype, lr)
     record = {"backend": backend, "dtype": dtype, "lr": lr, "gate": gate(ctl, tok, params, backend)}
-    rng, rows, alarms, zs = random.Random(7), [], [], []
+    rng, rows, alarms, zs, per_step = random.Random(7), [], [], [], []
+    armed = {"previous": 0, "base": 0}
     started = time.perf_counter()
     for step in range(steps):
         try:
@@ -105,8 +109,11 @@ def honest(backend: str, dtype: str, lr: float, steps: int, params: SamplingPara
             alarms.append({"step": step, "error": str(e)})
             continue
         rows.append((m["sampler_gap_mean"], m["sampler_gap_p99"], m["sampler_gap_tail_frac"]))
+        per_step.append((round(m["sampler_vs_previous_z"], 2), round(m["sampler_vs_base_z"], 2)))
         if m["sampler_version_tokens"]:  # a step the version test voted on (not v0's): its larger z
             zs.append(max(m["sampler_vs_previous_z"], m["sampler_vs_base_z"]))
+            for name in armed:
+                armed[name] += int(m[f"sampler_vs_{name}_armed"])
     means, p99s, tails = (sorted(x) for x in zip(*rows))
     zs.sort()
     record.update(
@@ -118,6 +125,8 @@ def honest(backend: str, dtype: str, lr: float, steps: int, params: SamplingPara
         step_p99={"median": statistics.median(p99s), "max": p99s[-1]},
         step_tail_frac={"median": statistics.median(tails), "max": tails[-1]},
         version_z={"median": statistics.median(zs), "max": zs[-1], "voted_steps": len(zs)} if zs else None,
+        armed_steps=armed,
+        version_z_steps=per_step,
         seconds=round(time.perf_counter() - started, 1),
     )
     return record
@@ -148,10 +157,11 @@ def main() -> None:
     ap.add_argument("--honest-lr", type=float, default=2e-3, help="the default run's trainer.lr")
     ap.add_argument("--fault-steps", type=int, default=20)
     ap.add_argument("--lrs", nargs="+", type=float, default=[2e-3, 2e-4, 2e-5])
+    ap.add_argument("--twins", action="store_true", help="after each fault cell, its honest twin (--fault-steps)")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # a line per cell as it ends
     params = SamplingParams(n=4, max_new_tokens=16, stop_token_ids=(2,))
-    out = {"command": " ".join(sys.argv), "honest": [], "fault": []}
+    out = {"command": " ".join(sys.argv), "honest": [], "fault": [], "twins": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with torch_threads(1):
         for backend in args.backends:
@@ -166,6 +176,16 @@ def main() -> None:
                         flush=True,
                     )
                     args.out.write_text(json.dumps(out, indent=1))
+                    if args.twins:
+                        t = honest(backend, dtype, lr, args.fault_steps, params)
+                        out["twins"].append(t)
+                        print(
+                            f"twin {backend} {dtype} lr {lr:g}: armed steps {t['armed_steps']} of"
+                            f" {t['version_z']['voted_steps'] if t['version_z'] else 0} voted; version z"
+                            f" {t['version_z_steps'][:6]}",
+                            flush=True,
+                        )
+                        args.out.write_text(json.dumps(out, indent=1))
                 if args.honest_steps:
                     r = honest(backend, dtype, args.honest_lr, args.honest_steps, params)
                     out["honest"].append(r)

@@ -80,6 +80,9 @@ def test_gkd_runs_through_ray_actors(tmp_path, student_dir, teacher_dir):
         assert name in state["files"] and (checkpoint / name).exists(), name
     for png in ("reverse_kl.png", "accuracy.png", "step_time.png"):
         assert (run_dir / png).stat().st_size > 0, png
+    voted = [x for x in lines[1:] if x["sampler_version_tokens"]]  # the version test's record matches the steps'
+    armed = {name: sum(x[f"sampler_vs_{name}_armed"] for x in voted) for name in ("previous", "base")}
+    assert summary["version_test"] == {"voted_steps": len(voted), "armed_steps": armed}
     gate = summary["conformance"]  # fp32 hf_reference: the sampler computes what the learner computes
     assert gate["decision"] == "pass" and gate["tokens"] > 0 and gate["mean_gap"] < 1e-4
     assert "conformance gate: hf_reference vs learner" in proc.stdout

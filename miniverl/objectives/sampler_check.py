@@ -8,6 +8,7 @@ decides): the sampler's log-probs against the learner's, bounded by what the con
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -29,6 +30,14 @@ VERSION_TEST_TOKENS = 4096
 # previous version (a sampler one refresh behind) and the base model, v0 (one that never took an adapter, or kept
 # the first it served: a graph captured once, an engine copy never refreshed).
 VERSION_TESTS = {"previous": "v{}", "base": "base model (v0, the adapter off)"}
+# What the test can see on a step. A row's vote flips sign when its sampler swaps which of the two policies it sits
+# at (the same rounding in its log-probs), so a sampler that had kept the older policy votes about the mirror image
+# of an honest one: an honest z below -STEP_SPREAD_Z means that sampler would have been refused this step (the
+# comparison is *armed*, logged as sampler_vs_<name>_armed). Near 0, the two policies differ by less than the
+# sampler's rounding over the voted tokens, and a sampler at the older one would pass too, its samples no further
+# from on-policy ones than that rounding. Small learning rates in bf16 do this to the one-behind comparison: after
+# UNARMED_WARN_STEPS voted steps in a row of it, the run says so once (VersionTestWatch).
+UNARMED_WARN_STEPS = 20
 
 
 class SamplerGapError(PolicyMismatchError):
@@ -96,8 +105,10 @@ def judge_step(
     for i, (name, older) in enumerate(VERSION_TESTS.items()):
         sums = votes[4 * i : 4 * i + 4]
         vote, z = vote_z(sums)
+        voted = sums[2] >= VERSION_TEST_MIN_ROWS
         version_metrics[f"sampler_vs_{name}_z"] = max(min(z, 1e6), -1e6)  # finite in the metrics
-        if sums[2] >= VERSION_TEST_MIN_ROWS and vote > 0 and z > STEP_SPREAD_Z:
+        version_metrics[f"sampler_vs_{name}_armed"] = float(voted and z < -STEP_SPREAD_Z)
+        if voted and vote > 0 and z > STEP_SPREAD_Z:
             raise SamplerGapError(
                 f"the sampler's log-probs of {sums[3]:.0f} of this step's tokens ({sums[2]:.0f} rows) sit nearer"
                 f" the learner's {older.format(version - 1)} than the v{version} the batch is stamped with (mean"
@@ -129,3 +140,43 @@ def judge_step(
         " kept an older policy (a stale cache, graph or engine copy) while its adapter buffers are current, or"
         " another model, dtype or quantization than the learner's"
     )
+
+
+class VersionTestWatch:
+    """A run's record of what its version test could see: over the steps it voted on, how many each comparison was
+    armed on (UNARMED_WARN_STEPS' comment), and one line, the first time the one-behind comparison has been unarmed
+    UNARMED_WARN_STEPS voted steps in a row, saying what that leaves unproven."""
+
+    def __init__(self) -> None:
+        self.voted = 0
+        self.armed = dict.fromkeys(VERSION_TESTS, 0)
+        self._unarmed_run = 0
+        self._warned = False
+
+    def observe(self, step: int, metrics: dict[str, float]) -> str | None:
+        """A step's learner metrics (sampler_check's keys; a step without them, or not voted on, counts nothing);
+        returns the warning line once, else None."""
+        if not metrics.get("sampler_version_tokens"):
+            return None
+        self.voted += 1
+        for name in VERSION_TESTS:
+            self.armed[name] += int(metrics.get(f"sampler_vs_{name}_armed", 0.0) > 0)
+        self._unarmed_run = 0 if metrics.get("sampler_vs_previous_armed", 0.0) > 0 else self._unarmed_run + 1
+        if self._warned or self._unarmed_run < UNARMED_WARN_STEPS:
+            return None
+        self._warned = True
+        return (
+            f"[miniverl] sync, step {step}: for {UNARMED_WARN_STEPS} voted steps in a row the version test could not"
+            f" tell the policy from the one a refresh before (honest votes above -{STEP_SPREAD_Z:g} standard errors"
+            f" over {metrics['sampler_version_tokens']:.0f} tokens; last z {metrics['sampler_vs_previous_z']:.1f}):"
+            " each update moves it less than the sampler's rounding, so a sampler one refresh behind would pass"
+            " this test, its samples no further from on-policy ones than that rounding. The adapter digest, the"
+            " per-step |gap| bound and the base-model comparison still hold (a sampler stuck further back is"
+            " refused once the policy has moved past the rounding: armed on"
+            f" {self.armed['base']} of {self.voted} voted steps so far). sampler_vs_*_armed in metrics.jsonl"
+            " tracks both"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """For summary.json: the voted steps and, per comparison, the steps it was armed on."""
+        return {"voted_steps": self.voted, "armed_steps": dict(self.armed)}

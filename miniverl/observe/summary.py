@@ -25,7 +25,7 @@ def run_summary(
     """A finished run: its first and last evaluation, where it went, peak memory per actor process, the gate's
     numbers.
 
-    `result` is the loop's LoopResult (first_eval, last_eval, checkpoint).
+    `result` is the loop's LoopResult (first_eval, last_eval, checkpoint, version_test).
     """
     memory = {name: call(a, "memory") for name, a in processes(actors).items()}
     return {
@@ -47,6 +47,7 @@ def run_summary(
         "overlong_prompts_filtered": setup.prompts.overlong_count,
         "memory": memory,
         "conformance": gate,
+        "version_test": result.version_test,  # objectives/sampler_check.py VersionTestWatch: steps voted, armed
     }
 
 

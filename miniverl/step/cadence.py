@@ -22,6 +22,7 @@ from miniverl.cluster.colocate import processes
 from miniverl.cluster.faults import RunInterrupted, StopRequests, actor_names, dead_actor_error
 from miniverl.cluster.gpu_memory import device_used_gib
 from miniverl.config import MiniVerlConfig
+from miniverl.objectives.sampler_check import VersionTestWatch
 from miniverl.observe.tracking import Tracker
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.step.controller import StrictSyncController
@@ -34,6 +35,7 @@ class LoopResult:
     first_eval: dict[str, float]
     last_eval: dict[str, float]
     checkpoint: str | None
+    version_test: dict[str, Any]  # VersionTestWatch.summary(): what the sampler's version test could see
 
 
 class TrainingLoop:
@@ -59,6 +61,7 @@ class TrainingLoop:
         self.current = 0  # the step in progress (0: the evaluation before training)
         self.params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
         self.names = actor_names(actors)
+        self.version_test = VersionTestWatch()
 
     def evaluate(self, step: int) -> dict[str, float]:
         s, r = self.setup, self.cfg.rollout
@@ -124,7 +127,7 @@ class TrainingLoop:
                 self.after_step(done, self.actors)
             if self.stop.requested and done < t.total_steps:
                 self._interrupt(done, saved)
-        return LoopResult(first_eval, last, self.checkpoint)
+        return LoopResult(first_eval, last, self.checkpoint, self.version_test.summary())
 
     def _step_inputs(self, step: int) -> tuple[PromptBatch, SamplingParams]:
         """The prompts and sampling settings of `step`: pure functions of the step (a resumed run sees the same)."""
@@ -133,6 +136,9 @@ class TrainingLoop:
 
     def _observe(self, done: int, metrics: dict[str, float]) -> None:
         self.tracker.log(done, metrics)
+        warning = self.version_test.observe(done, metrics)
+        if warning is not None:
+            self.tracker.write(warning)
         if self.gauges is not None:
             self.gauges.record(done, metrics)
             if self.setup.device == "cuda":

@@ -41,6 +41,8 @@ SAME_ON_EVERY_RANK = (
     "response_tokens",
     "sampler_vs_previous_z",
     "sampler_vs_base_z",
+    "sampler_vs_previous_armed",
+    "sampler_vs_base_armed",
     "sampler_version_tokens",
 )
 MAX_OVER_RANKS = ("sampler_gap_max", "sampler_gap_p99", "policy_drift_max", "ratio_max", "micro_batch_tokens")

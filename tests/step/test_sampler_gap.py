@@ -23,10 +23,13 @@ from miniverl.objectives.ratios import (
     STEP_TAIL_SHARE,
 )
 from miniverl.objectives.sampler_check import (
+    UNARMED_WARN_STEPS,
     VERSION_TEST_MIN_ROWS,
     VERSION_TEST_ROWS,
     VERSION_TEST_TOKENS,
     SamplerGapError,
+    VersionTestWatch,
+    judge_step,
     version_test_rows,
     version_votes,
     vote_sums,
@@ -96,6 +99,67 @@ def test_the_votes_z_is_their_mean_over_its_standard_error_over_rows_and_sums_ad
     assert [a + b for a, b in zip(*halves, strict=True)] == pytest.approx(vote_sums(votes, 40))
     assert vote_z(vote_sums(torch.ones(20), 20)) == (1.0, math.inf)  # every row at the older policy
     assert vote_z(vote_sums(torch.zeros(20), 20)) == (0.0, 0.0) and vote_z(vote_sums(votes[:1], 3)) == (0.0, 0.0)
+
+
+def test_a_sampler_at_the_older_policy_votes_the_mirror_image_of_an_honest_one():
+    """The same rounding e in the sampler's log-probs, at the batch's version (honest) or at the older policy: every
+    row's vote flips sign, so an honest step's z tells how far a stale sampler's would have sat on the refused side."""
+    gen = torch.Generator().manual_seed(0)
+    learner = -torch.rand(16, 12, generator=gen) * 3
+    older = learner + 0.02 * torch.randn(16, 12, generator=gen)  # a policy that moved a little
+    rounding = 0.01 * torch.randn(16, 12, generator=gen)
+    mask = torch.ones(16, 12)
+    honest = version_votes(learner + rounding, learner, older, mask)
+    stale = version_votes(older - rounding, learner, older, mask)
+    assert torch.allclose(stale, -honest, atol=1e-12)
+    z_honest, z_stale = vote_z(vote_sums(honest, 192))[1], vote_z(vote_sums(stale, 192))[1]
+    assert z_stale == pytest.approx(-z_honest) and z_honest < -STEP_SPREAD_Z  # armed: the stale one is refused
+
+
+def judged(votes: torch.Tensor) -> dict[str, float]:
+    """judge_step's version metrics for one set of row votes used for both comparisons, the |gap| bound wide."""
+    sums = vote_sums(votes, 10 * votes.numel()) * 2
+    return judge_step(GKD.sampler_tolerance.step_bound(), 0.0, 0.0, 0, sums, 10 * votes.numel(), 3, 3)
+
+
+def test_a_comparison_is_armed_where_its_honest_votes_sit_beyond_the_refusal_on_the_other_side():
+    gen = torch.Generator().manual_seed(1)
+    clear = -0.9 + 0.05 * torch.randn(VERSION_TEST_MIN_ROWS, generator=gen)  # policies apart: votes near -1
+    assert judged(clear)["sampler_vs_previous_armed"] == judged(clear)["sampler_vs_base_armed"] == 1.0
+    blurred = 0.3 * torch.randn(VERSION_TEST_MIN_ROWS, generator=gen)  # within the rounding: votes around 0
+    assert vote_z(vote_sums(blurred, 1))[1] > -STEP_SPREAD_Z
+    assert judged(blurred)["sampler_vs_previous_armed"] == 0.0
+    few = clear[: VERSION_TEST_MIN_ROWS - 1]  # too few rows to vote: neither refused nor armed
+    assert judged(few)["sampler_vs_previous_z"] < -STEP_SPREAD_Z and judged(few)["sampler_vs_previous_armed"] == 0.0
+    with pytest.raises(SamplerGapError, match="sit nearer the learner's v2 than the v3"):
+        judged(-clear)  # the mirror image: refused
+
+
+def test_a_run_says_once_when_its_version_test_cannot_see_one_refresh_back_and_counts_what_it_saw():
+    watch = VersionTestWatch()
+
+    def step(prev: float, base: float, tokens: int = 4096) -> dict[str, float]:
+        return {
+            "sampler_version_tokens": tokens,
+            "sampler_vs_previous_z": -1.5,
+            "sampler_vs_previous_armed": prev,
+            "sampler_vs_base_armed": base,
+        }
+
+    assert watch.observe(1, {"sampler_version_tokens": 0}) is None  # v0's batch: not voted, not counted
+    assert watch.observe(2, {}) is None  # a step without the learner's check
+    lines = [watch.observe(3 + i, step(0.0, float(i % 2))) for i in range(UNARMED_WARN_STEPS - 1)]
+    assert lines == [None] * (UNARMED_WARN_STEPS - 1)
+    assert watch.observe(50, step(1.0, 1.0)) is None  # armed once: the run of unarmed steps starts again
+    lines = [watch.observe(60 + i, step(0.0, 1.0)) for i in range(2 * UNARMED_WARN_STEPS)]
+    warned = [line for line in lines if line is not None]
+    assert len(warned) == 1 and lines[UNARMED_WARN_STEPS - 1] is warned[0]  # once, at the 20th in a row
+    assert f"step {60 + UNARMED_WARN_STEPS - 1}: for {UNARMED_WARN_STEPS} voted steps in a row" in warned[0]
+    assert "a sampler one refresh behind would pass this test" in warned[0] and "over 4096 tokens" in warned[0]
+    voted = 3 * UNARMED_WARN_STEPS
+    base = (UNARMED_WARN_STEPS - 1) // 2 + 1 + 2 * UNARMED_WARN_STEPS
+    assert f"armed on {base - UNARMED_WARN_STEPS} of {voted - UNARMED_WARN_STEPS} voted steps" in warned[0]
+    assert watch.summary() == {"voted_steps": voted, "armed_steps": {"previous": 1, "base": base}}
 
 
 def test_the_gate_calibrates_the_bound_every_step_is_held_to(parts, student_dir):
