@@ -102,6 +102,13 @@ def scorer_tokens(
     return max(int((usable - chunk) // per_token), 0)
 
 
+def scorer_peak_bytes(shape: LearnerShape, tokens: int, chunk_tokens: int, entry_bytes: int) -> int:
+    """Modelled peak of one teacher forward of `tokens` tokens (slack not included): the weights, the per-token
+    activations and one LM-head chunk, as scorer_tokens counts them."""
+    _, per_token, chunk = _scorer_costs(shape, 0, chunk_tokens, entry_bytes)
+    return int(shape.weight_bytes + tokens * per_token + chunk)
+
+
 def _scorer_costs(shape: LearnerShape, share_bytes: int, chunk_tokens: int, entry_bytes: int):
     """(bytes the share leaves beside the weights, bytes per token of a forward, bytes of one LM-head chunk)."""
     # Weights only: in the recipe's end-to-end run (docs/benchmarks/qlora-4080.md) the 1.5B teacher peaked at

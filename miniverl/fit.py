@@ -1,0 +1,48 @@
+"""`python -m miniverl.fit +experiment=gkd_4080 [key=value ...]`: will this run fit its card?
+
+Takes the arguments `python -m miniverl.main` takes, composes the same config and prints each actor's planned GPU
+memory (miniverl/setup/fit.py) without starting Ray or loading a weight. The card is resources.emulate_gpu_gib, else
+this machine's GPU. The prompt files need not exist yet (memory depends on data.max_prompt_length, not on them). Exit
+status 0 when the plan fits, 1 when it does not (each problem named with the knob that
+fixes it), 2 for a config it cannot plan.
+"""
+
+from __future__ import annotations
+
+import sys
+
+NO_FIT_EXIT_CODE = 1
+ERROR_EXIT_CODE = 2
+
+
+def main(argv: list[str]) -> int:
+    from hydra import compose, initialize_config_dir
+
+    from miniverl.config import register_configs, to_config
+    from miniverl.errors import MiniVerlError
+    from miniverl.main import CONF
+    from miniverl.setup.fit import plan_run
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            composed = compose(config_name="config", overrides=argv)
+        cfg = to_config(composed)
+        plan = plan_run(cfg, log=lambda line: print(line, file=sys.stderr))
+    except MiniVerlError as e:
+        print(f"miniverl.fit: error: {e}", file=sys.stderr)
+        return ERROR_EXIT_CODE
+    except Exception as e:  # Hydra's composition errors: a wrong override or config group
+        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+            raise
+        print(f"miniverl.fit: error: {e}", file=sys.stderr)
+        return ERROR_EXIT_CODE
+    print("\n".join(plan.lines()))
+    return 0 if not (plan.refusals or plan.warnings) else NO_FIT_EXIT_CODE
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,327 @@
+"""Will the run fit the card? Each actor's planned GPU memory, from the config and the models' shapes alone.
+
+No weight is read and nothing starts: a model's size comes from its safetensors headers, or, for a model with only
+its config.json at hand (a hub id whose weights are not downloaded yet), from the model built on the meta device.
+Each actor plans inside its share of the card (its resources.<actor>.num_gpus of the card, less its CUDA context,
+as the actors cap themselves: workers/__init__.py emulated_cap_gib):
+- learner: weights, the adapter with its AdamW state, and the micro-batch the calibrated peak model
+  (models/sizing.py) chooses: what the learner itself will choose after loading;
+- scorer: every teacher's weights and the forward size the scorer will choose (models/sizing.py scorer_tokens);
+- rollout: vLLM takes its whole share up front (weights, ENGINE_OVERHEAD_GIB, the KV cache: rollout/vllm_settings.py
+  memory_plan); the HF backends hold the weights, a bf16 copy of the adapter, the decode cache of every row of the
+  step at full length and the sampler's fp32 logits.
+NF4 weights are estimated (NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16 bits). The learner
+and scorer models are calibrated on the GPU (models/sizing.py); the rollout's and the NF4 estimates are arithmetic
+on shapes, not yet checked against a measured peak, so a plan they put over its share is reported, not refused.
+
+`python -m miniverl.fit` prints the plan; every GPU run logs the same lines at its start (setup/prepare.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from miniverl.config import MiniVerlConfig, validate
+from miniverl.errors import ConfigError
+from miniverl.models.memory import human
+
+# bitsandbytes NF4 with double quantization: 4-bit codes, one 8-bit absmax per block of 64, one fp32 constant per
+# 256 of those blocks.
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# fp32 [rows, V] buffers while the HF rollout samples a token: the logits, their log-softmax, the sampler's draw.
+ROLLOUT_LOGIT_COPIES = 3
+ADAPTER_COPY_BYTES = 2  # the rollout's copy of the adapter, in the base's 16-bit dtype
+KV_BYTES = 2  # keys and values in the model's 16-bit dtype
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the plan needs of one model: every parameter, the ones NF4 would quantize (the decoder's linear
+    layers, not the LM head), and its transformers config."""
+
+    numel: int
+    linear_numel: int
+    config: object
+
+    def weight_bytes(self, quantization: str, dtype_bytes: int) -> int:
+        if quantization == "nf4":
+            return int(self.linear_numel * NF4_BYTES_PER_PARAM + (self.numel - self.linear_numel) * 2)
+        return self.numel * dtype_bytes
+
+
+def model_size(path: str, config) -> ModelSize:
+    """The model at `path` (its transformers `config`): parameters from the safetensors headers where there are
+    any, else counted on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miniverl.models.loading import checkpoint_numel
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"
+    )
+    numel = checkpoint_numel(path) or sum(p.numel() for p in model.parameters())
+    return ModelSize(numel, linear, config)
+
+
+@dataclass
+class ActorPlan:
+    """One actor's plan: its share of the card (the cap it runs under), the weights it holds, its modelled peak,
+    what it will choose (a line), and what does not fit (None when it fits)."""
+
+    role: str
+    fraction: float
+    share_bytes: int
+    weight_bytes: int
+    peak_bytes: int
+    choice: str
+    problem: str | None = None
+    calibrated: bool = True  # False: arithmetic on shapes, not checked against a measured peak (reported only)
+
+
+@dataclass
+class FitPlan:
+    """Every actor's plan on one card, the CUDA contexts beside them, and what would not fit."""
+
+    card_bytes: int
+    card_source: str
+    actors: list[ActorPlan]
+    context_bytes: int
+    contexts: int
+    problems: list[str] = field(default_factory=list)  # the card's own (shares over the whole card)
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """The modelled whole-device peak: every actor's modelled peak and every CUDA context."""
+        return sum(a.peak_bytes for a in self.actors) + self.context_bytes
+
+    @property
+    def refusals(self) -> list[str]:
+        """What the run refuses: the card's problems and those of the calibrated models."""
+        return self.problems + [f"{a.role}: {a.problem}" for a in self.actors if a.problem and a.calibrated]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [f"{a.role}: {a.problem}" for a in self.actors if a.problem and not a.calibrated]
+
+    def lines(self) -> list[str]:
+        out = [f"memory plan for a {human(self.card_bytes)} card ({self.card_source}):"]
+        for a in self.actors:
+            mark = "" if a.problem is None else ("  DOES NOT FIT" if a.calibrated else "  over its share (estimate)")
+            out.append(
+                f"  {a.role:<8} {a.fraction:>5.2f} of the card = {human(a.share_bytes)} share; weights"
+                f" {human(a.weight_bytes)}; modelled peak {human(a.peak_bytes)}; {a.choice}{mark}"
+            )
+        out.append(
+            f"  device   {self.contexts} CUDA context(s) {human(self.context_bytes)}; modelled peak of the whole card"
+            f" {human(self.device_peak_bytes)} of {human(self.card_bytes)}"
+        )
+        verdict = "fits" if not (self.refusals or self.warnings) else "does not fit"
+        out.append(f"  => {verdict}" + ("" if verdict == "fits" else ": " + "; ".join(self.refusals + self.warnings)))
+        return out
+
+
+def card_bytes(cfg: MiniVerlConfig, device_total: int | None) -> tuple[int, str]:
+    """The card the plan is for: resources.emulate_gpu_gib, else the visible GPU (`device_total` bytes)."""
+    if cfg.resources.emulate_gpu_gib is not None:
+        return int(cfg.resources.emulate_gpu_gib * 2**30), "resources.emulate_gpu_gib"
+    if device_total:
+        return device_total, "this machine's GPU 0"
+    raise ConfigError(
+        "no card to plan for: this machine has no GPU and resources.emulate_gpu_gib is not set; name the card, e.g."
+        " resources.emulate_gpu_gib=16 for a 16 GB RTX 4080"
+    )
+
+
+def plan_fit(
+    cfg: MiniVerlConfig,
+    objective,
+    sizes: dict[str, ModelSize],
+    vocab: int,
+    card: tuple[int, str],
+    kernels: bool = True,
+) -> FitPlan:
+    """The plan of `cfg` on `card` ((bytes, where it came from)): `objective` the built objective, `sizes` by role
+    ("student" and every teacher's role), `vocab` the logits distillation compares, `kernels` whether the learner and
+    scorer will use the Triton vocabulary passes (a CUDA machine with Triton: models/vocab_kernels.py)."""
+    from miniverl.setup.teachers import teacher_specs
+    from miniverl.workers import COLOCATED_CONTEXT_GIB, CUDA_CONTEXT_GIB
+
+    res = cfg.resources
+    total, source = card
+    fractions = {"rollout": res.rollout.num_gpus, "scorer": res.scorer.num_gpus, "learner": res.learner.num_gpus}
+    own_scorer_gpu = res.scorer_gpus > 0
+    if own_scorer_gpu:
+        fractions["scorer"] = 1.0
+    problems = []
+    shared = sum(f for role, f in fractions.items() if not (own_scorer_gpu and role == "scorer"))
+    if shared > 1.0 + 1e-9:
+        problems.append(
+            f"the actors' resources.*.num_gpus add up to {shared:g} of one GPU; lower them to at most 1 in all"
+        )
+
+    def share(role: str) -> int:
+        return int(total * fractions[role] - CUDA_CONTEXT_GIB * 2**30)
+
+    actors = [
+        _learner(cfg, objective, sizes["student"], vocab, share("learner"), fractions["learner"], kernels),
+        _scorer(
+            cfg,
+            objective,
+            {r: sizes[r] for r in teacher_specs(cfg.model)},
+            vocab,
+            share("scorer"),
+            fractions["scorer"],
+            kernels,
+        ),
+        _rollout(cfg, sizes["student"], share("rollout"), fractions["rollout"]),
+    ]
+    for a in actors:
+        if a.share_bytes <= 0:
+            a.problem = (
+                f"resources.{a.role}.num_gpus={a.fraction:g} of the card is no more than its {CUDA_CONTEXT_GIB} GiB"
+                " CUDA context; give it a larger share"
+            )
+            a.calibrated = True
+    contexts = 1 if res.colocate else len(actors)
+    context = COLOCATED_CONTEXT_GIB if res.colocate else CUDA_CONTEXT_GIB
+    return FitPlan(total, source, actors, int(contexts * context * 2**30), contexts, problems)
+
+
+def step_rows(cfg: MiniVerlConfig) -> int:
+    """Rows of one step on one GPU (each GPU's replicas take a contiguous share of the prompt groups)."""
+    return max(cfg.data.prompts_per_step * cfg.rollout.n // max(cfg.resources.gpus or 1, 1), 1)
+
+
+def _learner(cfg, objective, size: ModelSize, vocab: int, share: int, fraction: float, kernels: bool) -> ActorPlan:
+    from miniverl.models.loading import torch_dtype
+    from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes, model_shape
+    from miniverl.setup.preflight import adapter_params
+
+    spec, t = cfg.model.student, cfg.trainer
+    weights = size.weight_bytes(spec.quantization, torch_dtype(spec.dtype, "cuda").itemsize)
+    shape = model_shape(size.config, vocab, weights, adapter_params(size.config, cfg.model.lora))
+    closed = objective.closed_form_head and kernels
+    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    step_tokens = step_rows(cfg) * longest_row
+    plan = ActorPlan("learner", fraction, share, weights, 0, "", calibrated=spec.quantization == "none")
+    try:
+        if t.max_tokens_per_micro_batch:
+            tokens = t.max_tokens_per_micro_batch
+            check_token_budget(shape, share, tokens, t.logprob_chunk_tokens, t.gradient_checkpointing, closed)
+        else:
+            tokens = fit_tokens(shape, share, t.logprob_chunk_tokens, t.gradient_checkpointing, longest_row, closed)
+    except ConfigError as e:
+        plan.problem, tokens = str(e), longest_row
+    used = min(tokens, step_tokens)  # a micro-batch never holds more than the step's rows
+    plan.peak_bytes = learner_peak_bytes(shape, used, t.logprob_chunk_tokens, t.gradient_checkpointing, closed)
+    plan.choice = (
+        f"micro-batches of up to {tokens:,} tokens (the step: {step_tokens:,} at most)"
+        if plan.problem is None
+        else f"not one row of {longest_row:,} tokens (the peak shown is that row's)"
+    )
+    return plan
+
+
+def _scorer(
+    cfg, objective, sizes: dict[str, ModelSize], vocab: int, share: int, fraction: float, kernels: bool
+) -> ActorPlan:
+    from miniverl.models.loading import torch_dtype
+    from miniverl.models.sizing import check_scorer_fits, model_shape, scorer_chunk_entry_bytes, scorer_peak_bytes
+    from miniverl.setup.teachers import teacher_specs
+
+    specs, t = teacher_specs(cfg.model), cfg.trainer
+    weights = sum(
+        sizes[r].weight_bytes(s.quantization, torch_dtype(s.dtype, "cuda").itemsize) for r, s in specs.items()
+    )
+    entry = scorer_chunk_entry_bytes(objective.teacher_support_k, objective.loss_temperature, vocab, kernels)
+    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    quantized = any(s.quantization != "none" for s in specs.values())
+    plan = ActorPlan("scorer", fraction, share, weights, 0, "", calibrated=not quantized)
+    shapes = [model_shape(sizes[r].config, vocab, weights) for r in specs]  # one process holds every teacher
+    try:
+        tokens = min(check_scorer_fits(s, share, t.logprob_chunk_tokens, entry, longest_row) for s in shapes)
+        if t.max_tokens_per_micro_batch:
+            tokens = min(tokens, t.max_tokens_per_micro_batch)
+    except ConfigError as e:
+        plan.problem, tokens = str(e), longest_row
+    used = min(tokens, step_rows(cfg) * longest_row)
+    plan.peak_bytes = max(scorer_peak_bytes(s, used, t.logprob_chunk_tokens, entry) for s in shapes)
+    plan.choice = (
+        f"forwards of up to {tokens:,} tokens"
+        if plan.problem is None
+        else f"not one row of {longest_row:,} tokens (the peak shown is that row's)"
+    )
+    return plan
+
+
+def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
+    from miniverl.models.loading import torch_dtype
+    from miniverl.rollout.vllm_settings import ENGINE_OVERHEAD_GIB
+    from miniverl.setup.preflight import adapter_params
+
+    spec, r = cfg.model.student, cfg.rollout
+    c = size.config
+    weights = size.weight_bytes(spec.quantization, torch_dtype(spec.dtype, "cuda").itemsize)
+    adapter = adapter_params(c, cfg.model.lora) * ADAPTER_COPY_BYTES
+    rows = step_rows(cfg)
+    columns = cfg.data.max_prompt_length + r.max_new_tokens
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    kv_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * KV_BYTES
+    plan = ActorPlan("rollout", fraction, share, weights, 0, "", calibrated=False)
+    if r.backend == "vllm":
+        overhead = int(ENGINE_OVERHEAD_GIB * 2**30)
+        explicit = r.vllm.kv_cache_gib
+        kv = int(explicit * 2**30) if explicit is not None else share - weights - adapter - overhead
+        plan.peak_bytes = weights + adapter + overhead + max(kv, 0)
+        at_once = max(kv, 0) // kv_per_token // max(columns, 1)
+        plan.choice = (
+            f"vLLM KV cache {human(max(kv, 0))}: {min(at_once, rows)} of the step's {rows} rows at full length at once"
+        )
+        if kv <= 0 or plan.peak_bytes > share:
+            plan.problem = (
+                f"vLLM's weights ({human(weights)}), adapter and ~{ENGINE_OVERHEAD_GIB} GiB engine overhead leave"
+                f" {human(kv)} for the KV cache in a {human(share)} share; raise resources.rollout.num_gpus, set"
+                " rollout.vllm.kv_cache_gib smaller or quantize the student (model.student.quantization=nf4)"
+            )
+            plan.calibrated = True  # the engine refuses this itself at start (vllm_settings.memory_plan)
+        return plan
+    cache = rows * columns * kv_per_token
+    logits = rows * c.vocab_size * 4 * ROLLOUT_LOGIT_COPIES
+    plan.peak_bytes = weights + adapter + cache + logits
+    plan.choice = f"decode cache {rows} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)}"
+    if plan.peak_bytes > share:
+        plan.problem = (
+            f"the {r.backend} rollout's weights, adapter copy, decode cache and logits come to"
+            f" {human(plan.peak_bytes)}, over its {human(share)} share; fewer rows (data.prompts_per_step,"
+            " rollout.n), a shorter rollout.max_new_tokens, a larger resources.rollout.num_gpus or an NF4 student"
+        )
+    return plan
+
+
+def plan_run(cfg: MiniVerlConfig, log=print) -> FitPlan:
+    """The plan of a composed run config on its card: the models resolved as a run resolves them (built-in ones
+    built on first use), their sizes read without loading weights."""
+    import torch
+
+    from miniverl.models.loading import load_model_config
+    from miniverl.models.vocab_kernels import kernels_available
+    from miniverl.objectives import build_objective
+    from miniverl.setup.prepare import USER_MODEL_FIX, resolve_model_paths
+
+    # Every check a run makes of the config but the prompt files' existence: memory does not depend on them
+    validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=[], val_files=[])))
+    paths = resolve_model_paths(cfg, log)
+    configs = {role: load_model_config(p, f"model.{role}.path", USER_MODEL_FIX) for role, p in paths.items()}
+    sizes = {role: model_size(paths[role], configs[role]) for role in paths}
+    on_gpu = torch.cuda.is_available()
+    total = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
+    kernels = kernels_available() if on_gpu else True  # planned from a CPU machine for a GPU with Triton
+    vocab = configs["student"].vocab_size
+    return plan_fit(cfg, build_objective(cfg.objective), sizes, vocab, card_bytes(cfg, total), kernels)

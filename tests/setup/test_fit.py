@@ -1,0 +1,136 @@
+"""`python -m miniverl.fit`: each actor's planned GPU memory from the config and the models' shapes alone
+(miniverl/setup/fit.py), checked against the learner's and scorer's own sizing and the recipes' measured layout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miniverl.config import MiniVerlConfig, ModelSpec
+from miniverl.errors import ConfigError
+from miniverl.fit import ERROR_EXIT_CODE, NO_FIT_EXIT_CODE, main
+from miniverl.objectives import build_objective
+from miniverl.setup.fit import NF4_BYTES_PER_PARAM, ModelSize, card_bytes, model_size, plan_fit
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+QWEN = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096, num_key_value_heads=2)
+SHAPES = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864, **QWEN),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, intermediate_size=8960, **QWEN),
+}
+
+
+@pytest.fixture(scope="module")
+def qwen_configs(tmp_path_factory) -> dict[str, Path]:
+    """config.json alone of the Qwen2.5-0.5B and -1.5B shapes: the plan counts their parameters on the meta device."""
+    from transformers import Qwen2Config
+
+    root = tmp_path_factory.mktemp("shapes")
+    for name, shape in SHAPES.items():
+        Qwen2Config(**shape).save_pretrained(root / name)
+    return {name: root / name for name in SHAPES}
+
+
+def recipe(**overrides) -> MiniVerlConfig:
+    """The 4080 recipe's layout (gkd_4080.yaml) on an emulated 16 GiB card."""
+    cfg = MiniVerlConfig()
+    cfg.data.prompts_per_step, cfg.data.max_prompt_length = 64, 320
+    cfg.rollout.n, cfg.rollout.max_new_tokens = 4, 512
+    cfg.model.lora.rank, cfg.model.lora.alpha = 32, 64.0
+    cfg.resources.emulate_gpu_gib = 16
+    cfg.resources.rollout.num_gpus, cfg.resources.scorer.num_gpus, cfg.resources.learner.num_gpus = 0.35, 0.35, 0.3
+    cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing = 1024, True
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def plan(cfg: MiniVerlConfig, configs: dict[str, Path], student="0.5b", teacher="1.5b"):
+    from transformers import AutoConfig
+
+    sizes = {
+        "student": model_size(str(configs[student]), AutoConfig.from_pretrained(configs[student])),
+        "teacher": model_size(str(configs[teacher]), AutoConfig.from_pretrained(configs[teacher])),
+    }
+    return plan_fit(cfg, build_objective(cfg.objective), sizes, 151936, card_bytes(cfg, None))
+
+
+def test_the_4080_recipe_plans_the_learners_measured_micro_batch_and_fits(qwen_configs):
+    p = plan(recipe(), qwen_configs)
+    learner, scorer, rollout = p.actors
+    assert learner.share_bytes == int(0.3 * 16 * GIB - 0.66 * GIB)
+    assert "micro-batches of up to 17,322 tokens" in learner.choice  # what the learner's own fit_tokens gives
+    # Measured on the H200 (docs/benchmarks/qlora-4080.md run 7, allocated): learner 3.29, scorer 3.65, rollout 4.19
+    assert learner.peak_bytes / GIB == pytest.approx(3.29, rel=0.05)
+    assert scorer.peak_bytes / GIB == pytest.approx(3.65, rel=0.15) and rollout.peak_bytes / GIB == pytest.approx(
+        4.19, rel=0.15
+    )
+    assert p.contexts == 3 and not p.refusals and not p.warnings
+    assert p.lines()[-1] == "  => fits" and "3 CUDA context(s)" in p.lines()[-2]
+
+
+def test_a_plan_that_does_not_fit_names_the_actor_and_the_knob(qwen_configs):
+    tiny = plan(recipe(resources__emulate_gpu_gib=8), qwen_configs)
+    assert any(r.startswith("scorer: the teacher scorer's memory share") for r in tiny.refusals), tiny.refusals
+    assert "model.teacher.quantization=nf4" in " ".join(tiny.refusals)
+    wide = plan(recipe(data__prompts_per_step=512), qwen_configs)  # 2,048 rows of 832 tokens: the rollout's cache
+    assert [w.split(":")[0] for w in wide.warnings] == ["rollout"] and "data.prompts_per_step" in wide.warnings[0]
+    assert "over its share (estimate)" in "\n".join(wide.lines()) and wide.lines()[-1].startswith("  => does not fit")
+    cfg = recipe()
+    cfg.resources.learner.num_gpus = 0.5  # 0.35 + 0.35 + 0.5 of one GPU
+    assert plan(cfg, qwen_configs).refusals[0].startswith("the actors' resources.*.num_gpus add up to 1.2")
+    cfg.resources.learner.num_gpus = 0.03  # 0.48 GiB: less than a CUDA context
+    assert "no more than its 0.66 GiB CUDA context" in " ".join(plan(cfg, qwen_configs).refusals)
+
+
+def test_nf4_weights_are_four_bits_for_the_decoders_linear_layers_and_sixteen_for_the_rest(qwen_configs):
+    from transformers import AutoConfig
+
+    size = model_size(str(qwen_configs["1.5b"]), AutoConfig.from_pretrained(qwen_configs["1.5b"]))
+    embedding = 151936 * 1536  # tied: the LM head is the embedding, counted once and not quantized
+    assert (
+        size.numel - size.linear_numel == embedding + 28 * (2 * 1536 + 1536 + 256 + 256) + 1536
+    )  # norms, q/k/v biases
+    assert size.weight_bytes("none", 2) == 2 * size.numel
+    assert size.weight_bytes("nf4", 2) == int(
+        size.linear_numel * NF4_BYTES_PER_PARAM + 2 * (size.numel - size.linear_numel)
+    )
+    nf4 = plan(recipe(), qwen_configs)
+    cfg = recipe()
+    cfg.model.teacher = ModelSpec(path="x", quantization="nf4")
+    quantized = plan(cfg, qwen_configs).actors[1]
+    assert quantized.weight_bytes < nf4.actors[1].weight_bytes / 2 and not quantized.calibrated
+
+
+def test_without_a_card_the_plan_asks_for_one():
+    with pytest.raises(ConfigError, match=r"no card to plan for: .* resources.emulate_gpu_gib=16"):
+        card_bytes(MiniVerlConfig(), None)
+    assert card_bytes(MiniVerlConfig(), 80 * GIB) == (80 * GIB, "this machine's GPU 0")
+    assert ModelSize(10, 8, None).weight_bytes("none", 4) == 40
+
+
+def test_the_command_plans_the_default_run_and_refuses_what_it_cannot_plan(capsys):
+    assert main(["+experiment=gkd", "resources.emulate_gpu_gib=16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan for a 16.0 GiB card (resources.emulate_gpu_gib):") and "=> fits" in out
+    assert main(["+experiment=gkd", "resources.emulate_gpu_gib=16", "data.prompts_per_step=0"]) == ERROR_EXIT_CODE
+    assert "miniverl.fit: error: data.prompts_per_step" in capsys.readouterr().err
+    assert main(["+experiment=nope"]) == ERROR_EXIT_CODE
+    assert "miniverl.fit: error:" in capsys.readouterr().err
+
+
+def test_the_command_exits_1_with_the_plan_when_it_does_not_fit():
+    proc = subprocess.run(
+        [sys.executable, "-m", "miniverl.fit", "+experiment=gkd", "resources.emulate_gpu_gib=1.5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == NO_FIT_EXIT_CODE, proc.stdout + proc.stderr
+    assert "DOES NOT FIT" in proc.stdout and "give it a larger share" in proc.stdout
