@@ -108,8 +108,11 @@ def _sync(device: str) -> None:
 
 
 def time_generate(backend, prompts, params, seeds, device: str, repeats: int) -> tuple[dict, list]:
-    """Timed whole calls, and the last call's completions."""
+    """Timed whole calls, and the last call's completions; on a GPU the calls' peak memory (torch's, allocated and
+    reserved), what `python -m miniverl.fit` plans the rollout's peak against."""
     walls, lengths, out = [], [], []
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
@@ -134,7 +137,15 @@ def time_generate(backend, prompts, params, seeds, device: str, repeats: int) ->
         },
         # the per-token chance a row stops: |stop set| / V on a uniform next-token law (stop_set's design)
         "stop_hazard": sum(c.finished for c in out) / max(1, tokens),
+        **(_peak_memory() if device.startswith("cuda") else {}),
     }, out
+
+
+def _peak_memory() -> dict[str, float]:
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+    }
 
 
 def trace(backend, prompts, params, seeds, device: str) -> dict:
@@ -304,6 +315,8 @@ def summary_line(cell: dict) -> str:
         f"{cell['cell']}: {gen['tokens_per_s']:,.0f} tok/s (wall {statistics.median(gen['wall_s']):.2f} s, mean length"
         f" {gen['lengths']['mean']:.0f}, stop hazard {gen['stop_hazard']:.4f}/token)"
     )
+    if "peak_allocated_gib" in gen:
+        line += f" | peak {gen['peak_allocated_gib']:.2f} GiB allocated, {gen['peak_reserved_gib']:.2f} reserved"
     if "oracle" in cell:
         ora = cell["oracle"]
         line += f" | oracle on {ora['rows']} rows: sampled log-prob mean {ora['logprob_mean']:.3f}"

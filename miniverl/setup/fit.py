@@ -9,7 +9,8 @@ as the actors cap themselves: workers/__init__.py emulated_cap_gib):
 - scorer: every teacher's weights and the forward size the scorer will choose (models/sizing.py scorer_tokens);
 - rollout: vLLM takes its whole share up front (weights, ENGINE_OVERHEAD_GIB, the KV cache: rollout/vllm_settings.py
   memory_plan); the HF backends hold the weights, a bf16 copy of the adapter, the decode cache of every row of the
-  step at full length and the sampler's fp32 logits.
+  step at full length (data.max_prompt_length + rollout.max_new_tokens: the longest a step can ask for) and the
+  sampler's fp32 logits, calibrated on hf_cached (ROLLOUT_FIXED_BYTES).
 NF4 weights are estimated (NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16 bits). The learner
 and scorer models are calibrated on the GPU (models/sizing.py); the rollout's and the NF4 estimates are arithmetic
 on shapes, not yet checked against a measured peak, so a plan they put over its share is reported, not refused.
@@ -29,8 +30,13 @@ from miniverl.models.memory import human
 # bitsandbytes NF4 with double quantization: 4-bit codes, one 8-bit absmax per block of 64, one fp32 constant per
 # 256 of those blocks.
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
-# fp32 [rows, V] buffers while the HF rollout samples a token: the logits, their log-softmax, the sampler's draw.
-ROLLOUT_LOGIT_COPIES = 3
+# The HF rollout (hf_cached) beside its weights, adapter and decode cache, calibrated on the H200's rollout bench
+# (docs/benchmarks/rollout-rl-sizes-hf-v4.json: random 0.5B shape, r32, 576-token rows; peak allocated 3.91 GiB at
+# 256 rows and 10.82 at 1,024): per row about 4 fp32 [V] buffers while a token is sampled (the logits, their
+# log-softmax, the sampler's draw and its scratch: 16.6 B per logit measured), and 0.70 GiB that does not grow with
+# the rows (what the prefill and the CUDA graphs' pool hold at the peak). The plan then gives 3.90 and 10.70 GiB.
+ROLLOUT_LOGIT_COPIES = 4
+ROLLOUT_FIXED_BYTES = int(0.70 * 2**30)
 ADAPTER_COPY_BYTES = 2  # the rollout's copy of the adapter, in the base's 16-bit dtype
 KV_BYTES = 2  # keys and values in the model's 16-bit dtype
 
@@ -294,7 +300,7 @@ def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
         return plan
     cache = rows * columns * kv_per_token
     logits = rows * c.vocab_size * 4 * ROLLOUT_LOGIT_COPIES
-    plan.peak_bytes = weights + adapter + cache + logits
+    plan.peak_bytes = weights + adapter + ROLLOUT_FIXED_BYTES + cache + logits
     plan.choice = f"decode cache {rows} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)}"
     if plan.peak_bytes > share:
         plan.problem = (
