@@ -10,7 +10,7 @@ as the actors cap themselves: workers/__init__.py emulated_cap_gib):
 - rollout: vLLM takes its whole share up front (weights, ENGINE_OVERHEAD_GIB, the KV cache: rollout/vllm_settings.py
   memory_plan); the HF backends hold the weights, a bf16 copy of the adapter, the decode cache of every row of the
   step at full length (data.max_prompt_length + rollout.max_new_tokens: the longest a step can ask for) and the
-  sampler's fp32 logits, calibrated on hf_cached (ROLLOUT_FIXED_BYTES).
+  sampler's fp32 logits and the prefill's activations, calibrated on hf_cached (ROLLOUT_FIXED_BYTES).
 NF4 weights are estimated (NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16 bits). The learner
 and scorer models are calibrated on the GPU (models/sizing.py); the rollout's and the NF4 estimates are arithmetic
 on shapes, not yet checked against a measured peak, so a plan they put over its share is reported, not refused.
@@ -30,13 +30,17 @@ from miniverl.models.memory import human
 # bitsandbytes NF4 with double quantization: 4-bit codes, one 8-bit absmax per block of 64, one fp32 constant per
 # 256 of those blocks.
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
-# The HF rollout (hf_cached) beside its weights, adapter and decode cache, calibrated on the H200's rollout bench
-# (docs/benchmarks/rollout-rl-sizes-hf-v4.json: random 0.5B shape, r32, 576-token rows; peak allocated 3.91 GiB at
-# 256 rows and 10.82 at 1,024): per row about 4 fp32 [V] buffers while a token is sampled (the logits, their
-# log-softmax, the sampler's draw and its scratch: 16.6 B per logit measured), and 0.70 GiB that does not grow with
-# the rows (what the prefill and the CUDA graphs' pool hold at the peak). The plan then gives 3.90 and 10.70 GiB.
+# The HF rollout (hf_cached) beside its weights, adapter and decode cache. At its peak (the first decode step after
+# the prefill) it holds per row about 4 fp32 [V] buffers (the logits, their log-softmax, the sampler's draw and
+# scratch), per prompt the prefill's transient activations (PREFILL_*: each prompt token's MLP and hidden-size
+# intermediates, each prompt's fp32 attention scores and mask), and ROLLOUT_FIXED_BYTES besides. The first model
+# (fixed 0.70 GiB, no prefill term, fitted to 16-64-token prompts) missed 320-token prompts by -6 to -21%
+# (docs/benchmarks/fit-planner.md); this one is derived from the shapes with the fixed part fitted to those three
+# H200 cells (3.36, 5.51, 9.76 GiB allocated at 128, 256, 512 rows x 832 columns: the model gives 3.39, 5.50, 9.72).
 ROLLOUT_LOGIT_COPIES = 4
-ROLLOUT_FIXED_BYTES = int(0.70 * 2**30)
+ROLLOUT_FIXED_BYTES = int(0.35 * 2**30)
+PREFILL_MLP_BYTES_PER_WIDTH = 6  # gate, up and their product, [P, intermediate] in 16 bits
+PREFILL_HIDDEN_COPIES = 8  # [P, hidden] 16-bit tensors alive in a layer (residual, norm, q, attention, o, ...)
 ADAPTER_COPY_BYTES = 2  # the rollout's copy of the adapter, in the base's 16-bit dtype
 KV_BYTES = 2  # keys and values in the model's 16-bit dtype
 
@@ -298,15 +302,26 @@ def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
             )
             plan.calibrated = True  # the engine refuses this itself at start (vllm_settings.memory_plan)
         return plan
+    from miniverl.rollout.decode_cache import CACHE_COLUMN_QUANTUM
+
+    columns = -(-columns // CACHE_COLUMN_QUANTUM) * CACHE_COLUMN_QUANTUM  # the cache grows in these steps
     cache = rows * columns * kv_per_token
     logits = rows * c.vocab_size * 4 * ROLLOUT_LOGIT_COPIES
-    plan.peak_bytes = weights + adapter + ROLLOUT_FIXED_BYTES + cache + logits
-    plan.choice = f"decode cache {rows} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)}"
+    p = cfg.data.max_prompt_length
+    per_prompt = p * (PREFILL_MLP_BYTES_PER_WIDTH * c.intermediate_size + PREFILL_HIDDEN_COPIES * 2 * c.hidden_size)
+    per_prompt += (c.num_attention_heads + 1) * p * p * 4  # fp32 scores of every head, and the mask
+    prefill = -(-rows // r.n) * per_prompt
+    plan.peak_bytes = weights + adapter + ROLLOUT_FIXED_BYTES + cache + logits + prefill
+    plan.choice = (
+        f"decode cache {rows} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)},"
+        f" prefill {human(prefill)}"
+    )
     if plan.peak_bytes > share:
         plan.problem = (
-            f"the {r.backend} rollout's weights, adapter copy, decode cache and logits come to"
+            f"the {r.backend} rollout's weights, adapter copy, decode cache, sampler logits and prefill come to"
             f" {human(plan.peak_bytes)}, over its {human(share)} share; fewer rows (data.prompts_per_step,"
-            " rollout.n), a shorter rollout.max_new_tokens, a larger resources.rollout.num_gpus or an NF4 student"
+            " rollout.n), shorter ones (data.max_prompt_length, rollout.max_new_tokens), a larger"
+            " resources.rollout.num_gpus or an NF4 student"
         )
     return plan
 
