@@ -30,17 +30,18 @@ from miniverl.models.memory import human
 # bitsandbytes NF4 with double quantization: 4-bit codes, one 8-bit absmax per block of 64, one fp32 constant per
 # 256 of those blocks.
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
-# The HF rollout (hf_cached) beside its weights, adapter and decode cache. At its peak (the first decode step after
-# the prefill) it holds per row about 4 fp32 [V] buffers (the logits, their log-softmax, the sampler's draw and
-# scratch), per prompt the prefill's transient activations (PREFILL_*: each prompt token's MLP and hidden-size
-# intermediates, each prompt's fp32 attention scores and mask), and ROLLOUT_FIXED_BYTES besides. The first model
-# (fixed 0.70 GiB, no prefill term, fitted to 16-64-token prompts) missed 320-token prompts by -6 to -21%
-# (docs/benchmarks/fit-planner.md); this one is derived from the shapes with the fixed part fitted to those three
-# H200 cells (3.36, 5.51, 9.76 GiB allocated at 128, 256, 512 rows x 832 columns: the model gives 3.39, 5.50, 9.72).
-ROLLOUT_LOGIT_COPIES = 4
-ROLLOUT_FIXED_BYTES = int(0.35 * 2**30)
-PREFILL_MLP_BYTES_PER_WIDTH = 6  # gate, up and their product, [P, intermediate] in 16 bits
-PREFILL_HIDDEN_COPIES = 8  # [P, hidden] 16-bit tensors alive in a layer (residual, norm, q, attention, o, ...)
+# The HF rollout (hf_cached) beside its weights, adapter and decode cache, at its peak (the first decode step after
+# the prefill): per row the sampler's fp32 [V] logits (ROLLOUT_LOGIT_COPIES of them), per prompt the prefill's
+# transient activations (each prompt token's MLP and hidden-size intermediates, PREFILL_TOKEN_BYTES_PER_*; each
+# prompt's fp32 attention scores and mask, PREFILL_SCORE_COPIES of [heads + 1, P, P]) and ROLLOUT_FIXED_BYTES.
+# Fitted on the H200 to five hf_cached cells of the 0.5B shape (docs/benchmarks/fit-planner.md: 128-512 rows,
+# 64-600-token prompts, 512 and 1,024 new tokens; each within 0.5%); two earlier models missed shapes they were not
+# fitted to by up to 21% and 9%, so this one is reported as an estimate until a GPU run checks it on new shapes.
+ROLLOUT_LOGIT_COPIES = 1.25
+PREFILL_TOKEN_BYTES_PER_INTERMEDIATE = 7.7  # gate, up and their product in 16 bits, x1.29 as fitted
+PREFILL_TOKEN_BYTES_PER_HIDDEN = 20.6  # about 10 [P, hidden] 16-bit tensors alive in a layer
+PREFILL_SCORE_COPIES = 1.6
+ROLLOUT_FIXED_BYTES = int(0.30 * 2**30)
 ADAPTER_COPY_BYTES = 2  # the rollout's copy of the adapter, in the base's 16-bit dtype
 KV_BYTES = 2  # keys and values in the model's 16-bit dtype
 
@@ -306,11 +307,13 @@ def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
 
     columns = -(-columns // CACHE_COLUMN_QUANTUM) * CACHE_COLUMN_QUANTUM  # the cache grows in these steps
     cache = rows * columns * kv_per_token
-    logits = rows * c.vocab_size * 4 * ROLLOUT_LOGIT_COPIES
+    logits = int(rows * c.vocab_size * 4 * ROLLOUT_LOGIT_COPIES)
     p = cfg.data.max_prompt_length
-    per_prompt = p * (PREFILL_MLP_BYTES_PER_WIDTH * c.intermediate_size + PREFILL_HIDDEN_COPIES * 2 * c.hidden_size)
-    per_prompt += (c.num_attention_heads + 1) * p * p * 4  # fp32 scores of every head, and the mask
-    prefill = -(-rows // r.n) * per_prompt
+    per_prompt = p * (
+        PREFILL_TOKEN_BYTES_PER_INTERMEDIATE * c.intermediate_size + PREFILL_TOKEN_BYTES_PER_HIDDEN * c.hidden_size
+    )
+    per_prompt += PREFILL_SCORE_COPIES * (c.num_attention_heads + 1) * p * p * 4  # fp32 scores of every head, mask
+    prefill = int(-(-rows // r.n) * per_prompt)
     plan.peak_bytes = weights + adapter + ROLLOUT_FIXED_BYTES + cache + logits + prefill
     plan.choice = (
         f"decode cache {rows} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)},"
