@@ -15,7 +15,8 @@ NF4 weights are estimated (NF4_BYTES_PER_PARAM for the decoder's linear layers, 
 and scorer models are calibrated on the GPU (models/sizing.py); the rollout's and the NF4 estimates are arithmetic
 on shapes, not yet checked against a measured peak, so a plan they put over its share is reported, not refused.
 
-`python -m miniverl.fit` prints the plan; every GPU run logs the same lines at its start (setup/prepare.py).
+`python -m miniverl.fit` prints the plan; every GPU run logs the same lines before Ray starts and refuses what the
+calibrated models say cannot fit (setup/prepare.py).
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def plan_fit(
         )
 
     def share(role: str) -> int:
-        return int(total * fractions[role] - CUDA_CONTEXT_GIB * 2**30)
+        return int((total / 2**30 * fractions[role] - CUDA_CONTEXT_GIB) * 2**30)  # as emulated_cap_gib rounds
 
     actors = [
         _learner(cfg, objective, sizes["student"], vocab, share("learner"), fractions["learner"], kernels),
@@ -332,10 +333,7 @@ def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
 def plan_run(cfg: MiniVerlConfig, log=print) -> FitPlan:
     """The plan of a composed run config on its card: the models resolved as a run resolves them (built-in ones
     built on first use), their sizes read without loading weights."""
-    import torch
-
     from miniverl.models.loading import load_model_config
-    from miniverl.models.vocab_kernels import kernels_available
     from miniverl.objectives import build_objective
     from miniverl.setup.prepare import USER_MODEL_FIX, resolve_model_paths
 
@@ -343,9 +341,22 @@ def plan_run(cfg: MiniVerlConfig, log=print) -> FitPlan:
     validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=[], val_files=[])))
     paths = resolve_model_paths(cfg, log)
     configs = {role: load_model_config(p, f"model.{role}.path", USER_MODEL_FIX) for role, p in paths.items()}
+    return card_plan(cfg, build_objective(cfg.objective), paths, configs, configs["student"].vocab_size)
+
+
+def card_plan(
+    cfg: MiniVerlConfig, objective, paths: dict[str, str], configs: dict, vocab: int, kernels: bool | None = None
+) -> FitPlan:
+    """plan_fit for models at `paths` with transformers `configs` (by role), on resources.emulate_gpu_gib or this
+    machine's GPU. `kernels`: whether the learner and scorer will have the Triton vocabulary passes (None: as this
+    machine has them, assumed present when planned from a machine without a GPU)."""
+    import torch
+
+    from miniverl.models.vocab_kernels import kernels_available
+
     sizes = {role: model_size(paths[role], configs[role]) for role in paths}
     on_gpu = torch.cuda.is_available()
     total = torch.cuda.get_device_properties(0).total_memory if on_gpu else None
-    kernels = kernels_available() if on_gpu else True  # planned from a CPU machine for a GPU with Triton
-    vocab = configs["student"].vocab_size
-    return plan_fit(cfg, build_objective(cfg.objective), sizes, vocab, card_bytes(cfg, total), kernels)
+    if kernels is None:
+        kernels = kernels_available() if on_gpu else True
+    return plan_fit(cfg, objective, sizes, vocab, card_bytes(cfg, total), kernels)

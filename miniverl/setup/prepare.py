@@ -29,9 +29,11 @@ from miniverl.models.loading import (
 from miniverl.models.memory import check_vocab_memory
 from miniverl.models.packing import check_plain_logits
 from miniverl.models.stops import resolve_stop_ids
+from miniverl.models.vocab_kernels import kernels_available
 from miniverl.objectives import build_objective
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.vllm_settings import require_vllm
+from miniverl.setup.fit import card_plan
 from miniverl.setup.preflight import (
     ResumePoint,
     check_device_settings,
@@ -156,13 +158,15 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
         t.max_tokens_per_micro_batch,
         objective.closed_form_head,
     )
-    plans = [
-        check_learner_share(cfg, device, objective, paths["student"], configs["student"]),
-        check_scorer_share(cfg, device, objective, teachers, paths, configs, vocab_size),
-    ]
-    if any(plans):  # on an emulated card: what the actors will size themselves to, before any of them starts
-        card = f"{cfg.resources.emulate_gpu_gib:g} GiB"
-        log(f"[miniverl] memory plan on the emulated {card} card: " + "; ".join(p for p in plans if p))
+    # on an emulated card, the learner's and scorer's refusals with the arithmetic they would print after loading
+    check_learner_share(cfg, device, objective, paths["student"], configs["student"])
+    check_scorer_share(cfg, device, objective, teachers, paths, configs, vocab_size)
+    if device == "cuda":  # what `python -m miniverl.fit` prints, before any actor starts
+        plan = card_plan(cfg, objective, paths, configs, vocab_size, kernels_available())  # as the actors decide
+        for line in plan.lines():
+            log(f"[miniverl] {line}")
+        if plan.refusals:
+            raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
     stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)

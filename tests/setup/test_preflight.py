@@ -179,8 +179,8 @@ def test_a_teacher_its_scorer_share_cannot_hold_is_refused_before_any_actor(stud
     monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
     # shares that isolate the scorer (not a placement): 0.04 GiB for it, 1.1 GiB for the learner, whose own check
     # (the next test) passes at every row length here
-    card = ("resources.emulate_gpu_gib=2", "resources.rollout.num_gpus=0.1", "resources.scorer.num_gpus=0.35")
-    card += ("resources.learner.num_gpus=0.9",)
+    card = ("resources.emulate_gpu_gib=4", "resources.rollout.num_gpus=0.2", "resources.scorer.num_gpus=0.175")
+    card += ("resources.learner.num_gpus=0.5",)
     quiet = lambda *_: None  # noqa: E731
     assert checkpoint_numel(str(teacher_dir)) > 0 and checkpoint_numel(str(teacher_dir / "missing")) == 0
     prep.prepare(with_models(student_dir, teacher_dir, *card), log=quiet)  # 43 MB hold short rows of a tiny teacher
@@ -211,17 +211,19 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     assert adapter_params(model.get_base_model().config, lora) == trainable > 0
 
     monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
-    card = ("resources.emulate_gpu_gib=2", "resources.rollout.num_gpus=0.1", "resources.scorer.num_gpus=0.9")
-    card += ("resources.learner.num_gpus=0.55",)  # 0.44 GiB: weights, adapter state, 128 MiB of runtime, then rows
+    card = ("resources.emulate_gpu_gib=8", "resources.rollout.num_gpus=0.15", "resources.scorer.num_gpus=0.45")
+    card += ("resources.learner.num_gpus=0.1375",)  # 0.44 GiB: weights, adapter state, 128 MiB of runtime, then rows
     quiet = lambda *_: None  # noqa: E731
     said = []
     prep.prepare(with_models(student_dir, teacher_dir, *card), log=said.append)
-    # the plan is the learner's own sizing of the loaded model (workers/learner.py learner_shape, fit_tokens)
-    share = int((2 * 0.55 - CUDA_CONTEXT_GIB) * 2**30)
+    # the plan (miniverl/setup/fit.py, as `python -m miniverl.fit` prints it) is the learner's own sizing of the
+    # loaded model (workers/learner.py learner_shape, fit_tokens)
+    share = int((8 * 0.1375 - CUDA_CONTEXT_GIB) * 2**30)
     tokens = fit_tokens(learner_shape(model), share, 0, False, 1)  # the budget: the most that fits, any row length
-    plan = [line for line in said if "memory plan on the emulated 2 GiB card" in line]
-    assert len(plan) == 1 and f"learner micro-batches of up to {tokens} tokens (modelled peak" in plan[0]
-    assert "scorer forwards of up to" in plan[0]
+    at = said.index("[miniverl] memory plan for a 8.0 GiB card (resources.emulate_gpu_gib):")
+    learner, scorer, _, _, verdict = said[at + 1 : at + 6]
+    assert learner.startswith("[miniverl]   learner") and f"micro-batches of up to {tokens:,} tokens" in learner
+    assert "forwards of up to" in scorer and verdict == "[miniverl]   => fits"
     long_rows = with_models(student_dir, teacher_dir, *card, "rollout.max_new_tokens=200000")
     with pytest.raises(ConfigError, match=r"the learner's memory share of .* cannot hold one row of 200032 tokens"):
         prep.prepare(long_rows, log=quiet)
