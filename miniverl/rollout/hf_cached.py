@@ -42,6 +42,11 @@ PROBE_DECODE_STEPS = 8  # cache length rounds up to this, so slightly longer pro
 # of replays, while a late answer only costs a few steps of rows that already stopped.
 DONE_CHECK_STEPS = 8
 PLAIN = SamplingParams(n=1, max_new_tokens=1)  # the graphs the probe replays before any generate call
+# Padded prompt tokens per prefill pass of generate. The prefill's activations live beside the whole step's decode
+# cache: in one pass, 64 prompts of 320 tokens held about 1.7 GiB at the 0.5B shape, a third of the 4080 recipe's
+# rollout share (docs/benchmarks/fit-planner.md); 8k tokens a pass hold about a fifth of that, and a pass of
+# 8k tokens is already a large batch of GEMMs.
+PREFILL_TOKENS = 8192
 
 
 def _mode(params: SamplingParams) -> tuple[float, int, float]:
@@ -149,20 +154,31 @@ class HFCachedBackend:
         return self._cache
 
     def _prefill(self, prompts: list[list[int]], n: int, cache: DecodeCache) -> torch.Tensor:
-        """Run each prompt once, copy its keys/values into its n rows, return next-token logits per row.
+        """Run each prompt once, copy its keys/values into its n rows, return next-token logits per row. The prompts
+        go through in passes of at most PREFILL_TOKENS padded tokens (whole prompts, at least one a pass), so the
+        prefill's activations stay that size beside the whole step's decode cache.
 
         Shapes: -> [G * N, V].
         """
-        h = self._prefill_hidden(prompts, n, cache)  # [G, P, E]
-        return self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0)  # [G*N, V]
+        width = max(map(len, prompts))
+        per_pass = max(1, PREFILL_TOKENS // width)
+        logits = []
+        for first in range(0, len(prompts), per_pass):
+            h = self._prefill_hidden(prompts[first : first + per_pass], n, cache, first * n, width)  # [g, P, E]
+            logits.append(self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0))  # [g*N, V]
+        return torch.cat(logits) if len(logits) > 1 else logits[0]
 
-    def _prefill_hidden(self, prompts: list[list[int]], n: int, cache: DecodeCache) -> torch.Tensor:
-        """The prefill pass: left-padded prompts, keys/values copied into the cache rows of their n samples.
+    def _prefill_hidden(
+        self, prompts: list[list[int]], n: int, cache: DecodeCache, first_row: int = 0, width: int = 0
+    ) -> torch.Tensor:
+        """One prefill pass: prompts left-padded to `width` columns (at least their longest), keys/values copied into
+        the cache rows of their n samples from `first_row` on.
 
         Shapes: -> [G, P, E] final-norm hidden states, prompts right-aligned at column P.
         """
-        ids, mask = left_pad(prompts)  # [G, P] each
+        ids, mask = left_pad(prompts, width=width)  # [G, P] each
         g, p = ids.shape
+        rows = slice(first_row, first_row + g * n)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
@@ -172,8 +188,8 @@ class HFCachedBackend:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [G, Hkv, P, D]
-            cache.keys[layer][: g * n, :, :p] = k.repeat_interleave(n, dim=0)
-            cache.values[layer][: g * n, :, :p] = v.repeat_interleave(n, dim=0)
+            cache.keys[layer][rows, :, :p] = k.repeat_interleave(n, dim=0)
+            cache.values[layer][rows, :, :p] = v.repeat_interleave(n, dim=0)
             return self.decoder.attend(q.transpose(1, 2), k, v, bias)
 
         return self.decoder.hidden(ids, positions, attend)  # [G, P, E]

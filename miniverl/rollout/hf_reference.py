@@ -16,9 +16,9 @@ from miniverl.rollout.sampling import SamplingParams, sample_next
 from miniverl.step.served_policy import probe_tolerance
 
 
-def left_pad(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shapes: -> ids [B, T] long, mask [B, T] long (left-padded)."""
-    t = max(map(len, seqs))
+def left_pad(seqs: list[list[int]], pad_id: int = 0, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes: -> ids [B, T] long, mask [B, T] long (left-padded to T: the longest sequence, or `width` if wider)."""
+    t = max(max(map(len, seqs)), width)
     ids = torch.full((len(seqs), t), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), t), dtype=torch.long)
     for i, s in enumerate(seqs):

@@ -36,8 +36,10 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 # transient activations (each prompt token's MLP and hidden-size intermediates, PREFILL_TOKEN_BYTES_PER_*; each
 # prompt's fp32 attention scores and mask, PREFILL_SCORE_COPIES of [heads + 1, P, P]) and ROLLOUT_FIXED_BYTES.
 # Fitted on the H200 to five hf_cached cells of the 0.5B shape (docs/benchmarks/fit-planner.md: 128-512 rows,
-# 64-600-token prompts, 512 and 1,024 new tokens; each within 0.5%); two earlier models missed shapes they were not
-# fitted to by up to 21% and 9%, so this one is reported as an estimate until a GPU run checks it on new shapes.
+# 64-600-token prompts, 512 and 1,024 new tokens; each within 0.5%), measured when hf_cached ran every prompt through
+# one prefill pass; it now runs passes of PREFILL_TOKENS (rollout/hf_cached.py), which the plan counts, unmeasured.
+# Two earlier models missed shapes they were not fitted to by up to 21% and 9%, so this one is reported as an
+# estimate until a GPU run checks it on new shapes.
 ROLLOUT_LOGIT_COPIES = 1.25
 PREFILL_TOKEN_BYTES_PER_INTERMEDIATE = 7.7  # gate, up and their product in 16 bits, x1.29 as fitted
 PREFILL_TOKEN_BYTES_PER_HIDDEN = 20.6  # about 10 [P, hidden] 16-bit tensors alive in a layer
@@ -314,7 +316,12 @@ def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
         PREFILL_TOKEN_BYTES_PER_INTERMEDIATE * c.intermediate_size + PREFILL_TOKEN_BYTES_PER_HIDDEN * c.hidden_size
     )
     per_prompt += PREFILL_SCORE_COPIES * (c.num_attention_heads + 1) * p * p * 4  # fp32 scores of every head, mask
-    prefill = int(-(-rows // r.n) * per_prompt)
+    prompts = -(-rows // r.n)
+    if r.backend == "hf_cached":  # its prefill goes in passes of at most PREFILL_TOKENS padded tokens
+        from miniverl.rollout import hf_cached
+
+        prompts = min(prompts, max(1, hf_cached.PREFILL_TOKENS // max(p, 1)))
+    prefill = int(prompts * per_prompt)
     plan.peak_bytes = weights + adapter + ROLLOUT_FIXED_BYTES + cache + logits + prefill
     plan.choice = (
         f"decode cache {rows} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)},"

@@ -367,3 +367,24 @@ def test_the_probe_goes_through_the_decode_step_that_samples(random_model_dir, m
     for w, b in zip(want, broken):
         assert max(abs(x - y) for x, y in zip(w[:-decoded], b[:-decoded])) < LOGPROB_TOL  # the prefill's part
         assert max(abs(x - y) for x, y in zip(w[-decoded:], b[-decoded:])) > 0.1  # the decoded part
+
+
+def test_the_prefill_in_passes_gives_the_one_pass_rows(random_model_dir, monkeypatch):
+    """Prompts of different lengths through passes of a few prompts each (PREFILL_TOKENS), every pass padded to the
+    longest prompt of the call so all rows share the cache's columns: the same completions as one pass, and both
+    as the oracle's."""
+    import miniverl.rollout.hf_cached as hf_cached
+
+    ref, fast = pair(random_model_dir)
+    prompts = prompts_of(random_model_dir, 7)  # lengths 2-9, the longest not in the first pass
+    params = SamplingParams(n=3, max_new_tokens=9, stop_token_ids=tuple(range(4, 10)), seed=11)
+    seeds = row_seeds(params.seed, len(prompts) * params.n)
+    one_pass = fast.generate(prompts, params, seeds)
+    width = max(map(len, prompts))
+    monkeypatch.setattr(hf_cached, "PREFILL_TOKENS", 2 * width)  # two prompts a pass: four passes, the last of one
+    passes = fast.generate(prompts, params, seeds)
+    assert [(c.token_ids, c.finished) for c in passes] == [(c.token_ids, c.finished) for c in one_pass]
+    assert max(abs(x - y) for a, b in zip(passes, one_pass) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_TOL
+    assert compare(ref.generate(prompts, params, seeds), passes) == (1.0, pytest.approx(0.0, abs=LOGPROB_TOL))
+    monkeypatch.setattr(hf_cached, "PREFILL_TOKENS", 1)  # narrower than a prompt: still one whole prompt a pass
+    assert [c.token_ids for c in fast.generate(prompts, params, seeds)] == [c.token_ids for c in one_pass]
