@@ -9,6 +9,7 @@ fixes it), 2 for a config it cannot plan.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 NO_FIT_EXIT_CODE = 1
@@ -21,7 +22,6 @@ def main(argv: list[str]) -> int:
     from miniverl.config import register_configs, to_config
     from miniverl.errors import MiniVerlError
     from miniverl.main import CONF
-    from miniverl.setup.fit import plan_run
 
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -42,6 +42,22 @@ def main(argv: list[str]) -> int:
         return ERROR_EXIT_CODE
     print("\n".join(plan.lines()))
     return 0 if not (plan.refusals or plan.warnings) else NO_FIT_EXIT_CODE
+
+
+def plan_run(cfg, log=print):
+    """The FitPlan of a composed run config (MiniVerlConfig) on its card: the models resolved as a run resolves them
+    (built-in ones built on first use), their sizes read without loading weights."""
+    from miniverl.config import validate
+    from miniverl.models.loading import load_model_config
+    from miniverl.objectives import build_objective
+    from miniverl.setup.fit import card_plan
+    from miniverl.setup.prepare import USER_MODEL_FIX, resolve_model_paths
+
+    # Every check a run makes of the config but the prompt files' existence: memory does not depend on them
+    validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=[], val_files=[])))
+    paths = resolve_model_paths(cfg, log)
+    configs = {role: load_model_config(p, f"model.{role}.path", USER_MODEL_FIX) for role, p in paths.items()}
+    return card_plan(cfg, build_objective(cfg.objective), paths, configs, configs["student"].vocab_size)
 
 
 if __name__ == "__main__":

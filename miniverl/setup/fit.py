@@ -22,10 +22,9 @@ calibrated models say cannot fit (setup/prepare.py).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from miniverl.config import MiniVerlConfig, validate
+from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
 from miniverl.models.memory import human
 
@@ -336,20 +335,6 @@ def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
             " resources.rollout.num_gpus or an NF4 student"
         )
     return plan
-
-
-def plan_run(cfg: MiniVerlConfig, log=print) -> FitPlan:
-    """The plan of a composed run config on its card: the models resolved as a run resolves them (built-in ones
-    built on first use), their sizes read without loading weights."""
-    from miniverl.models.loading import load_model_config
-    from miniverl.objectives import build_objective
-    from miniverl.setup.prepare import USER_MODEL_FIX, resolve_model_paths
-
-    # Every check a run makes of the config but the prompt files' existence: memory does not depend on them
-    validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=[], val_files=[])))
-    paths = resolve_model_paths(cfg, log)
-    configs = {role: load_model_config(p, f"model.{role}.path", USER_MODEL_FIX) for role, p in paths.items()}
-    return card_plan(cfg, build_objective(cfg.objective), paths, configs, configs["student"].vocab_size)
 
 
 def card_plan(
