@@ -163,6 +163,7 @@ def plan_fit(
     """The plan of `cfg` on `card` ((bytes, where it came from)): `objective` the built objective, `sizes` by role
     ("student" and every teacher's role), `vocab` the logits distillation compares, `kernels` whether the learner and
     scorer will use the Triton vocabulary passes (a CUDA machine with Triton: models/vocab_kernels.py)."""
+    from miniverl.setup.preflight import adapter_params
     from miniverl.setup.teachers import teacher_specs
     from miniverl.workers import COLOCATED_CONTEXT_GIB, CUDA_CONTEXT_GIB
 
@@ -182,8 +183,9 @@ def plan_fit(
     def share(role: str) -> int:
         return int((total / 2**30 * fractions[role] - CUDA_CONTEXT_GIB) * 2**30)  # as emulated_cap_gib rounds
 
+    adapter = adapter_params(sizes["student"].config, cfg.model.lora)  # a meta-device build: once
     actors = [
-        _learner(cfg, objective, sizes["student"], vocab, share("learner"), fractions["learner"], kernels),
+        _learner(cfg, objective, sizes["student"], adapter, vocab, share("learner"), fractions["learner"], kernels),
         _scorer(
             cfg,
             objective,
@@ -193,7 +195,7 @@ def plan_fit(
             fractions["scorer"],
             kernels,
         ),
-        _rollout(cfg, sizes["student"], share("rollout"), fractions["rollout"]),
+        _rollout(cfg, sizes["student"], adapter, share("rollout"), fractions["rollout"]),
     ]
     for a in actors:
         if a.share_bytes <= 0:
@@ -212,14 +214,16 @@ def step_rows(cfg: MiniVerlConfig) -> int:
     return max(cfg.data.prompts_per_step * cfg.rollout.n // max(cfg.resources.gpus or 1, 1), 1)
 
 
-def _learner(cfg, objective, size: ModelSize, vocab: int, share: int, fraction: float, kernels: bool) -> ActorPlan:
+def _learner(
+    cfg, objective, size: ModelSize, adapter: int, vocab: int, share: int, fraction: float, kernels: bool
+) -> ActorPlan:
+    """`adapter`: the LoRA adapter's parameters (setup/preflight.py adapter_params)."""
     from miniverl.models.loading import torch_dtype
     from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes, model_shape
-    from miniverl.setup.preflight import adapter_params
 
     spec, t = cfg.model.student, cfg.trainer
     weights = size.weight_bytes(spec.quantization, torch_dtype(spec.dtype, "cuda").itemsize)
-    shape = model_shape(size.config, vocab, weights, adapter_params(size.config, cfg.model.lora))
+    shape = model_shape(size.config, vocab, weights, adapter)
     closed = objective.closed_form_head and kernels
     longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     step_tokens = step_rows(cfg) * longest_row
@@ -274,15 +278,15 @@ def _scorer(
     return plan
 
 
-def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
+def _rollout(cfg, size: ModelSize, adapter: int, share: int, fraction: float) -> ActorPlan:
+    """`adapter`: the LoRA adapter's parameters (setup/preflight.py adapter_params)."""
     from miniverl.models.loading import torch_dtype
     from miniverl.rollout.vllm_settings import ENGINE_OVERHEAD_GIB
-    from miniverl.setup.preflight import adapter_params
 
     spec, r = cfg.model.student, cfg.rollout
     c = size.config
     weights = size.weight_bytes(spec.quantization, torch_dtype(spec.dtype, "cuda").itemsize)
-    adapter = adapter_params(c, cfg.model.lora) * ADAPTER_COPY_BYTES
+    adapter_bytes = adapter * ADAPTER_COPY_BYTES
     rows = step_rows(cfg)
     columns = cfg.data.max_prompt_length + r.max_new_tokens
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -292,8 +296,8 @@ def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
     if r.backend == "vllm":
         overhead = int(ENGINE_OVERHEAD_GIB * 2**30)
         explicit = r.vllm.kv_cache_gib
-        kv = int(explicit * 2**30) if explicit is not None else share - weights - adapter - overhead
-        plan.peak_bytes = weights + adapter + overhead + max(kv, 0)
+        kv = int(explicit * 2**30) if explicit is not None else share - weights - adapter_bytes - overhead
+        plan.peak_bytes = weights + adapter_bytes + overhead + max(kv, 0)
         at_once = max(kv, 0) // kv_per_token // max(columns, 1)
         plan.choice = (
             f"vLLM KV cache {human(max(kv, 0))}: {min(at_once, rows)} of the step's {rows} rows at full length at once"
@@ -322,7 +326,7 @@ def _rollout(cfg, size: ModelSize, share: int, fraction: float) -> ActorPlan:
 
         prompts = min(prompts, max(1, hf_cached.PREFILL_TOKENS // max(p, 1)))
     prefill = int(prompts * per_prompt)
-    plan.peak_bytes = weights + adapter + ROLLOUT_FIXED_BYTES + cache + logits + prefill
+    plan.peak_bytes = weights + adapter_bytes + ROLLOUT_FIXED_BYTES + cache + logits + prefill
     plan.choice = (
         f"decode cache {rows} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)},"
         f" prefill {human(prefill)}"

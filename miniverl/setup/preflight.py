@@ -120,48 +120,6 @@ def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
             )
 
 
-def check_scorer_share(
-    cfg: MiniVerlConfig, device: str, objective, teachers: dict, paths: dict, configs: dict, vocab: int
-) -> str | None:
-    """On an emulated card (resources.emulate_gpu_gib) the scorer's memory share is known before any actor starts,
-    so teachers that cannot score one row in it are refused here, with the arithmetic the scorer would give after
-    loading them (models/sizing.py check_scorer_fits), not after Ray started and the student loaded (a 12 GiB
-    card with the 1.5B bf16 teacher, docs/benchmarks/staleness-gpu.md, session 8). Counted at their most frugal
-    (LM-head chunks in the model's dtype, weights from the safetensors headers), so nothing refused here would
-    have fit; 4-bit teachers and weights in other formats are left to the scorer's own check.
-
-    `objective`: the built objective (its support and loss temperature); `teachers`: setup role -> its model
-    spec (setup/teachers.py teacher_specs); `paths` and `configs` (transformers configs): by role. Returns the plan
-    (the forward size the scorer will choose, as a line for the run's log), None where it is left to the scorer."""
-    from miniverl.models.loading import checkpoint_numel, torch_dtype
-    from miniverl.models.memory import human
-    from miniverl.models.sizing import check_scorer_fits, model_shape, scorer_chunk_entry_bytes
-    from miniverl.workers import emulated_cap_gib
-
-    res = cfg.resources
-    if device != "cuda" or res.emulate_gpu_gib is None or any(s.quantization != "none" for s in teachers.values()):
-        return None
-    weights = {
-        role: checkpoint_numel(paths[role]) * torch_dtype(s.dtype, device).itemsize for role, s in teachers.items()
-    }
-    if not all(weights.values()):
-        return None
-    fraction = 1.0 if res.scorer_gpus > 0 else res.scorer.num_gpus  # scorer_gpus: a GPU of its own
-    share = int(emulated_cap_gib(res.emulate_gpu_gib, fraction, "resources.scorer.num_gpus") * 2**30)
-    entry = scorer_chunk_entry_bytes(objective.teacher_support_k, objective.loss_temperature, vocab, kernels=True)
-    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    held = sum(weights.values())  # one scorer process holds every teacher (workers/teachers.py)
-    tokens = min(
-        check_scorer_fits(
-            model_shape(configs[role], vocab, held), share, cfg.trainer.logprob_chunk_tokens, entry, longest_row
-        )
-        for role in teachers
-    )
-    if cfg.trainer.max_tokens_per_micro_batch:
-        tokens = min(tokens, cfg.trainer.max_tokens_per_micro_batch)
-    return f"scorer forwards of up to {tokens} tokens ({human(share)} share, {human(held)} of teacher weights)"
-
-
 def adapter_params(config, lora) -> int:
     """Parameters of the LoRA adapter peft would put on the model of transformers `config`: r x (in + out) for every
     linear layer whose last name component is in lora.target_modules, counted on the meta device (no weights)."""
@@ -169,41 +127,6 @@ def adapter_params(config, lora) -> int:
     return sum(
         lora.rank * (m.in_features + m.out_features) for name, m in meta_linear_layers(config) if name in targets
     )
-
-
-def check_learner_share(cfg: MiniVerlConfig, device: str, objective, path: str, config) -> str | None:
-    """The learner's twin of check_scorer_share: on an emulated card (resources.emulate_gpu_gib) its share is known
-    before any actor starts, so a student whose weights, adapter state and one row of the run's longest length do
-    not fit it, or a trainer.max_tokens_per_micro_batch over what it holds, is refused here with the arithmetic the
-    learner would print after loading (models/sizing.py fit_tokens, check_token_budget), not after Ray started and
-    the teacher loaded. Checked for a student loaded as it is stored (bf16/fp32, weights from the safetensors
-    headers); a 4-bit student is left to the learner's own check. `config`: the student's transformers config.
-    Returns the plan (the micro-batch the learner will use and its modelled peak, as a line for the run's log), None
-    where it is left to the learner."""
-    from miniverl.models.loading import checkpoint_numel, torch_dtype
-    from miniverl.models.memory import human
-    from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes, model_shape
-    from miniverl.models.vocab_kernels import kernels_available
-    from miniverl.workers import emulated_cap_gib
-
-    res, spec, t = cfg.resources, cfg.model.student, cfg.trainer
-    if device != "cuda" or res.emulate_gpu_gib is None or spec.quantization != "none":
-        return None
-    numel = checkpoint_numel(path)
-    if not numel:
-        return None
-    share = int(emulated_cap_gib(res.emulate_gpu_gib, res.learner.num_gpus, "resources.learner.num_gpus") * 2**30)
-    weights = numel * torch_dtype(spec.dtype, device).itemsize
-    shape = model_shape(config, config.vocab_size, weights, adapter_params(config, cfg.model.lora))
-    closed = objective.closed_form_head and kernels_available()  # as the learner decides (workers/learner.py)
-    tokens = t.max_tokens_per_micro_batch
-    if tokens:
-        check_token_budget(shape, share, tokens, t.logprob_chunk_tokens, t.gradient_checkpointing, closed)
-    else:
-        longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-        tokens = fit_tokens(shape, share, t.logprob_chunk_tokens, t.gradient_checkpointing, longest_row, closed)
-    peak = learner_peak_bytes(shape, tokens, t.logprob_chunk_tokens, t.gradient_checkpointing, closed)
-    return f"learner micro-batches of up to {tokens} tokens (modelled peak {human(peak)} of a {human(share)} share)"
 
 
 @dataclass(frozen=True)
