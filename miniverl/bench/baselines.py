@@ -18,9 +18,11 @@ from miniverl.rollout.sampling import SamplingParams
 
 
 class RawVllm:
-    """`vllm.LLM.generate` used plainly: one request per prompt with n samples, the adapter as a LoRA request,
-    no strict-sync bookkeeping. `logprobs=False` skips the sampled-token log-probs (then the oracle cannot
-    judge the cell)."""
+    """`vllm.LLM.generate` used plainly: the adapter as a LoRA request, no strict-sync bookkeeping.
+    `logprobs=False` skips the sampled-token log-probs (then the oracle cannot judge the cell). `seeding="none"`
+    (the default, what a plain user runs): one unseeded request per prompt with n samples, vLLM's batched sampler;
+    "row": the product's one seeded request per row; "prompt": one request per prompt seeded by its first row's
+    seed (miniverl.rollout.vllm.sampling_requests)."""
 
     def __init__(
         self,
@@ -35,7 +37,11 @@ class RawVllm:
         engine_process: str = "inprocess",
         async_scheduling: bool = False,
         gpu_memory_utilization: float = 0.5,
+        seeding: str = "none",
     ) -> None:
+        if seeding not in ("none", "row", "prompt"):
+            raise ValueError(f"raw_vllm seeding={seeding!r}: use none (vLLM's batched sampler), row or prompt")
+        self.seeding = seeding
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine_process == "inprocess" else "1"
         from vllm import LLM
 
@@ -75,30 +81,11 @@ class RawVllm:
         self.request = LoRARequest("raw", 1, str(self.store.write(1, weights)))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
+        from miniverl.rollout.vllm import completions, sampling_requests
 
-        sp = VllmSamplingParams(
-            n=params.n,
-            max_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            stop_token_ids=list(params.stop_token_ids),
-            seed=params.seed,
-            logprobs=0 if self.logprobs else None,
-            detokenize=False,
-        )
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False, lora_request=self.request
-        )
-        done = []
-        for o in outs:
-            for c in o.outputs:
-                ids = list(c.token_ids)
-                lps = [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)] if self.logprobs else []
-                done.append(Completion(ids, lps, c.finish_reason == "stop"))
-        return done
+        requests, sampling = sampling_requests(prompts, params, seeds, self.seeding, self.logprobs)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.request)
+        return completions(outputs, self.logprobs)
 
     def close(self) -> None:
         from miniverl.rollout.vllm import shutdown_engine

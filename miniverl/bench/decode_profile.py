@@ -24,7 +24,9 @@ trace (vLLM's engine subprocess runs its kernels where this process's profiler c
 the mean log-prob of the sampled tokens under the model's own law (equal, up to sampling noise, for every backend
 that samples from that law) and, where the backend reports log-probs, their mean gap to the oracle's. With the
 measured stop hazard (stops per generated token) it tells whether two backends' different lengths come from
-different laws.
+different laws; with stop tokens it also gives the law's own stop mass at the judged rows' positions
+(`stop_mass_mean`), the hazard those rows must show. `distinct_rows`, the share of rows no other row repeats, flags
+rows that share sampling noise (below 1 on a random model).
 """
 
 from __future__ import annotations
@@ -137,6 +139,9 @@ def time_generate(backend, prompts, params, seeds, device: str, repeats: int) ->
         },
         # the per-token chance a row stops: |stop set| / V on a uniform next-token law (stop_set's design)
         "stop_hazard": sum(c.finished for c in out) / max(1, tokens),
+        # rows are independent draws: on a random-init model two rows repeat each other only when they share
+        # sampling noise (a seed handed to several requests), so a share below 1 flags correlated rows
+        "distinct_rows": len({tuple(c.token_ids) for c in out}) / max(1, len(out)),
         **(_peak_memory() if device.startswith("cuda") else {}),
     }, out
 
@@ -229,17 +234,22 @@ def build_oracle(model_dir: Path, spec: AdapterSpec, dtype: torch.dtype, device:
     return oracle
 
 
-def judge_rows(oracle, prompts: list[list[int]], n: int, out: list, rows: int) -> dict:
+def judge_rows(oracle, prompts: list[list[int]], n: int, out: list, rows: int, stop_ids=()) -> dict:
     """The first `rows` rows (whole prompts' groups) teacher-forced through the oracle: the mean log-prob of the
     sampled tokens under the model's own law (samples from that law average minus its entropy, whichever backend
-    drew them) and, where the backend reported log-probs, the mean |reported - oracle|."""
-    from miniverl.bench.oracle import sampled_logprobs
+    drew them), where the backend reported log-probs the mean |reported - oracle|, and with stop tokens the stop
+    hazard those rows showed beside the one the law gives their positions (`stop_mass_mean`)."""
+    from miniverl.bench.oracle import sampled_logprobs, stop_mass
 
     groups = max(1, math.ceil(rows / n))
-    judged, reported = sampled_logprobs(oracle, prompts[:groups], n, out[: groups * n])
+    judged_rows = out[: groups * n]
+    judged, reported = sampled_logprobs(oracle, prompts[:groups], n, judged_rows)
     verdict = {"rows": groups * n, "tokens": judged.numel(), "logprob_mean": float(judged.mean())}
-    if all(c.logprobs for c in out[: groups * n]):
+    if all(c.logprobs for c in judged_rows):
         verdict["gap_mean"] = float((reported - judged).abs().mean())
+    if stop_ids:
+        verdict["stop_hazard"] = sum(c.finished for c in judged_rows) / max(1, judged.numel())
+        verdict["stop_mass_mean"] = float(stop_mass(oracle, prompts[:groups], n, judged_rows, stop_ids).mean())
     return verdict
 
 
@@ -296,7 +306,7 @@ def run(args) -> dict:
             cell["generate"], out = time_generate(backend, prompts, params, seeds, device, args.repeats)
             if args.oracle_rows > 0:
                 oracle = oracle or build_oracle(model_dir, spec, dtype, device)
-                cell["oracle"] = judge_rows(oracle, prompts, n, out, args.oracle_rows)
+                cell["oracle"] = judge_rows(oracle, prompts, n, out, args.oracle_rows, params.stop_token_ids)
             if args.profile_steps > 0:
                 short = SamplingParams(n=n, max_new_tokens=min(t, args.profile_steps), stop_token_ids=())
                 cell["trace"] = trace(backend, prompts, short, seeds, device)
@@ -323,6 +333,8 @@ def summary_line(cell: dict) -> str:
         ora = cell["oracle"]
         line += f" | oracle on {ora['rows']} rows: sampled log-prob mean {ora['logprob_mean']:.3f}"
         line += f", |gap| mean {ora['gap_mean']:.2e}" if "gap_mean" in ora else ""
+        if "stop_mass_mean" in ora:
+            line += f", stop hazard {ora['stop_hazard']:.4f} vs the law's {ora['stop_mass_mean']:.4f}"
     if "trace" not in cell:
         return line
     tr = cell["trace"]

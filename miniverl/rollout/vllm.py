@@ -53,6 +53,57 @@ def adapter_template(model_dir: str, lora: LoraSettings, dtype: torch.dtype) -> 
     return {k: torch.zeros(v.shape, dtype=dtype) for k, v in get_peft_model_state_dict(peft).items()}
 
 
+def sampling_requests(
+    prompts: list[list[int]], params: SamplingParams, seeds: list[int], seeding: str, logprobs: bool = True
+) -> tuple[list, list]:
+    """One generate call's vLLM requests and their sampling params; the outputs come back prompt-major,
+    sample-minor, the rows' order.
+
+    seeding: "row": one request per row, seeded by its row seed (the product's default); "prompt": one request per
+    prompt with n samples, seeded by its first row's seed (vLLM seeds sample j with that seed + j); "none": one
+    request per prompt, unseeded (vLLM's batched sampler, not reproducible: for bench peers). Requests that share a
+    seed share their sampling noise: one seed handed to every prompt makes the step n streams, not G x n draws (the
+    bench's vLLM peer did that until session 20: its rows' stop hazard read 0.71x the law's).
+    """
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    n = params.n
+    if len(seeds) != len(prompts) * n:
+        raise ValueError(f"need one seed per completion ({len(prompts) * n}), got {len(seeds)}")
+    if seeding not in ("row", "prompt", "none"):
+        raise ValueError(f"seeding {seeding!r}: use row, prompt or none")
+
+    def sp(count: int, seed: int | None):
+        return VllmSamplingParams(
+            n=count,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            stop_token_ids=list(params.stop_token_ids),
+            seed=seed,
+            logprobs=0 if logprobs else None,
+            detokenize=False,
+        )
+
+    if seeding == "row":  # the row's seed alone decides its tokens
+        return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(n)], [sp(1, s) for s in seeds]
+    firsts = [seeds[i * n] if seeding == "prompt" else None for i in range(len(prompts))]
+    return [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], [sp(n, s) for s in firsts]
+
+
+def completions(outputs, logprobs: bool = True) -> list[Completion]:
+    """vLLM's request outputs as rows (prompt-major, sample-minor), with the sampled tokens' log-probs if asked."""
+    done = []
+    for out in outputs:
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            lps = [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)] if logprobs else []
+            done.append(Completion(ids, lps, c.finish_reason == "stop"))
+    return done
+
+
 class VllmBackend:
     """Serves the published policy through a vLLM engine; `settings.refresh` picks how a version arrives."""
 
@@ -161,40 +212,9 @@ class VllmBackend:
 
     # -- serving ---------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
-
-        n = params.n
-        if len(seeds) != len(prompts) * n:
-            raise ValueError(f"need one seed per completion ({len(prompts) * n}), got {len(seeds)}")
+        requests, sampling = sampling_requests(prompts, params, seeds, self.settings.seeding)
         self._wake()
-
-        def sp(count: int, seed: int):
-            return VllmSamplingParams(
-                n=count,
-                max_tokens=params.max_new_tokens,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                stop_token_ids=list(params.stop_token_ids),
-                seed=seed,
-                logprobs=0,
-                detokenize=False,
-            )
-
-        if self.settings.seeding == "row":  # one request per row: the row's seed alone decides its tokens
-            requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(n)]
-            sampling = [sp(1, s) for s in seeds]
-        else:  # one request per prompt with n samples, seeded by its first row's seed
-            requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-            sampling = [sp(n, seeds[i * n]) for i in range(len(prompts))]
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.request)
-        done = []
-        for out in outputs:
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
-                done.append(Completion(ids, lps, c.finish_reason == "stop"))
+        done = completions(self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.request))
         if self.settings.sleep_between_steps:
             self.sleep()
         return done

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from miniverl.bench import decode_profile
-from miniverl.bench.oracle import sampled_logprobs
+from miniverl.bench.oracle import sampled_logprobs, stop_mass
 from miniverl.rollout import Completion
 
 
@@ -76,6 +76,9 @@ def test_the_oracle_judges_a_backends_rows_by_the_law_they_were_sampled_from(tmp
     assert ora["rows"] == 4 and 0 < ora["tokens"] <= 4 * 24  # whole groups of n = 2: 3 rows round up to 4
     assert ora["gap_mean"] < 1e-4 and ora["logprob_mean"] < 0
     assert 0 < gen["stop_hazard"] <= 1 and "stop hazard" in decode_profile.summary_line(cell)
+    assert 0 < gen["distinct_rows"] <= 1
+    assert ora["stop_hazard"] > 0 and 0 < ora["stop_mass_mean"] < 1
+    assert "vs the law's" in decode_profile.summary_line(cell)
 
     oracle = decode_profile.build_oracle(_tiny_model(tmp_path), decode_profile.ADAPTER, torch.float32, "cpu")
     prompts, rows = [[1, 2, 3], [4, 5]], [Completion([7, 8, 9], [], True) for _ in range(4)]
@@ -85,6 +88,15 @@ def test_the_oracle_judges_a_backends_rows_by_the_law_they_were_sampled_from(tmp
     shifted = [Completion(c.token_ids, (own[i] + 1.0).tolist(), True) for i, c in enumerate(rows)]
     judged = decode_profile.judge_rows(oracle, prompts, 2, shifted, 4)
     assert judged["gap_mean"] == pytest.approx(1.0, abs=1e-4) and judged["logprob_mean"] == silent["logprob_mean"]
+
+    # the law's stop mass at each generated position: all of it for the whole vocabulary, the sampled token's own
+    # probability for a stop set of that token alone, and more for a larger set
+    sevens = [Completion([7, 7, 7], [], False) for _ in range(4)]
+    assert torch.allclose(stop_mass(oracle, prompts, 2, sevens, range(decode_profile.TINY.vocab_size)), torch.ones(12))
+    alone = stop_mass(oracle, prompts, 2, sevens, (7,))
+    assert torch.allclose(alone, sampled_logprobs(oracle, prompts, 2, sevens)[0].exp(), atol=1e-6)
+    assert (stop_mass(oracle, prompts, 2, sevens, (7, 8)) > alone).all()
+    assert "stop_mass_mean" not in silent  # no stop set given: no stop verdict
 
 
 def _tiny_model(tmp_path):

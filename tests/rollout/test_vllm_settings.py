@@ -4,6 +4,7 @@ errors a user sees when vLLM cannot run. vLLM itself runs only in tests/rollout/
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model
+from miniverl.rollout.sampling import SamplingParams, row_seeds
+from miniverl.rollout.vllm import sampling_requests
 from miniverl.rollout.vllm_settings import (
     ENGINE_OVERHEAD_GIB,
     AdapterStore,
@@ -186,3 +189,62 @@ def test_merged_refresh_is_refused_in_half_precision(dtype):
         validate(load("rollout=vllm", "rollout.vllm.refresh=merged", f"model.student.dtype={dtype}"))
     validate(load("rollout=vllm", "rollout.vllm.refresh=merged", "model.student.dtype=float32"))
     validate(load("rollout=vllm", f"model.student.dtype={dtype}"))  # adapter mode is fine
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """vllm's SamplingParams and TokensPrompt as records of what a request would carry (vLLM is GPU-only)."""
+    vllm, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    inputs.TokensPrompt = lambda prompt_token_ids: tuple(prompt_token_ids)
+    vllm.inputs = inputs
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+
+
+PROMPTS = [[1, 2], [3]]
+
+
+def test_each_seeding_hands_vllm_the_rows_own_seeds(fake_vllm):
+    """row: a request per row with its own seed; prompt: a request per prompt with its first row's seed (vLLM adds
+    the sample's index); none: unseeded. No mode hands one seed to several prompts."""
+    params, seeds = SamplingParams(n=2, max_new_tokens=4, stop_token_ids=(9,), seed=0), row_seeds(5, 4)
+    requests, sampling = sampling_requests(PROMPTS, params, seeds, "row")
+    assert requests == [(1, 2), (1, 2), (3,), (3,)] and [s.seed for s in sampling] == seeds and len(set(seeds)) == 4
+    assert {(s.n, s.logprobs, tuple(s.stop_token_ids), s.max_tokens) for s in sampling} == {(1, 0, (9,), 4)}
+    requests, sampling = sampling_requests(PROMPTS, params, seeds, "prompt")
+    assert requests == [(1, 2), (3,)] and [(s.n, s.seed) for s in sampling] == [(2, seeds[0]), (2, seeds[2])]
+    requests, sampling = sampling_requests(PROMPTS, params, seeds, "none", logprobs=False)
+    assert [(s.n, s.seed, s.logprobs) for s in sampling] == [(2, None, None), (2, None, None)]
+    with pytest.raises(ValueError, match=r"need one seed per completion \(4\), got 3"):
+        sampling_requests(PROMPTS, params, seeds[:3], "row")
+    with pytest.raises(ValueError, match="seeding 'batch': use row, prompt or none"):
+        sampling_requests(PROMPTS, params, seeds, "batch")
+
+
+class _RecordingLLM:
+    """vllm.LLM.generate's shape: one output per request, n completions each (a stop after one token)."""
+
+    def generate(self, requests, sampling, **kw):
+        self.sampling = sampling
+        logprob = types.SimpleNamespace(logprob=-1.5)
+        done = types.SimpleNamespace(token_ids=[4], logprobs=[{4: logprob}], finish_reason="stop")
+        return [types.SimpleNamespace(outputs=[done] * sp.n) for sp in sampling]
+
+
+def test_the_bench_vllm_peer_never_gives_every_prompt_the_same_seed(fake_vllm):
+    """The peer used to seed every prompt's request with the call's one seed, so G prompts x n samples were n noise
+    streams (vLLM seeds sample j with seed + j): the rows' stop hazard read 0.71x the law's on the H200 (session 20).
+    It now samples unseeded (vLLM's batched sampler, the default) or with the product's per-row seeds."""
+    from miniverl.bench.baselines import RawVllm
+
+    params, seeds = SamplingParams(n=2, max_new_tokens=4, seed=0), row_seeds(5, 4)
+    peer = object.__new__(RawVllm)
+    peer.llm, peer.request, peer.logprobs = _RecordingLLM(), None, True
+    for seeding, expected in [("none", [None, None]), ("row", seeds)]:
+        peer.seeding = seeding
+        out = peer.generate(PROMPTS, params, seeds)
+        assert [s.seed for s in peer.llm.sampling] == expected
+        assert [(c.token_ids, c.logprobs, c.finished) for c in out] == [([4], [-1.5], True)] * 4
+    with pytest.raises(ValueError, match=r"raw_vllm seeding='batch': use none \(vLLM's batched sampler\), row or"):
+        RawVllm("m", LORA, torch.bfloat16, "cuda", 4, 16, seeding="batch")
