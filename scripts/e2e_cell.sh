@@ -1,12 +1,13 @@
 # Sourced by the GPU scripts (gpu_qlora.sh, gpu_mopd.sh): one +experiment=gkd_4080 run under 16 GB caps with the
 # random-init student at /tmp/m/student, nvidia-smi sampling the whole device every 200 ms, results into $out.
+# $EXPERIMENT and $STUDENT change the recipe and the student's folder (gpu_qlora.sh recipe-7b).
 # Needs $out and $gpu set by the caller. $CELL_TIMEOUT (seconds, default 540) bounds the run: raise it for a run
 # started under setsid that outlasts one device call. Returns the run's exit status.
 e2e_cell() {  # name, steps, extra overrides...
   local name=$1 steps=$2; shift 2
   nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/${name}_smi.csv" &
   local smi=$!
-  timeout "${CELL_TIMEOUT:-540}" python3 -m miniverl.main +experiment=gkd_4080 model.student.path=/tmp/m/student \
+  timeout "${CELL_TIMEOUT:-540}" python3 -m miniverl.main +experiment="${EXPERIMENT:-gkd_4080}" model.student.path="${STUDENT:-/tmp/m/student}" \
     data.eval_prompts=8 trainer.eval_every=0 trainer.total_steps="$steps" trainer.save_checkpoint=false \
     resources.emulate_gpu_gib=16 resources.dashboard=false tracking=disabled tracking.progress_bar=false \
     tracking.plots=false hydra.run.dir=/tmp/runs/$name "$@" 2>&1 \

@@ -10,6 +10,9 @@
 #                       $STEPS steps (default: 52 for the two headline cells, 12 for the others); $OVERRIDES (space-
 #                       separated Hydra overrides) are added to the cell and $TAG, when set, is appended to its name
 #                       (e.g. TAG=stale1 OVERRIDES=trainer.staleness=1 -> cell-gkd-bf16-hf_cached-stale1)
+#   recipe-7b           +experiment=gkd_4080_7b (issue 35): a random-init 1.5B-shape student and 7B-shape teacher
+#                       (written to /tmp/m/student-1.5b and /tmp/m/teacher-7b first, the 7B on the GPU), $STEPS
+#                       steps (default 52), $OVERRIDES added, named recipe-7b${TAG:+-$TAG}
 #   compare             miniVERL and TRL's GKDTrainer on the comparison shape (16 prompts x 1 x 512 tokens,
 #                       LoRA r32, beta 0.5, on-policy), one after the other in this call
 #   report              python -m miniverl.bench.e2e_report $OUT: the table of every cell run so far
@@ -47,6 +50,12 @@ for step in "$@"; do
       [ "$quant" = nf4 ] && extra+=(model.student.quantization=nf4 model.teacher.quantization=nf4)
       read -r -a more <<< "${OVERRIDES:-}"
       miniverl "$step${TAG:+-$TAG}" "${STEPS:-$default_steps}" "${extra[@]}" "${more[@]}" || status=$? ;;
+    recipe-7b)
+      [ -d /tmp/m/student-1.5b ] || python3 scripts/make_random_model.py --shape qwen2.5-1.5b --out /tmp/m/student-1.5b >/dev/null
+      [ -d /tmp/m/teacher-7b ] || python3 scripts/make_random_model.py --shape qwen2.5-7b --device cuda --out /tmp/m/teacher-7b >/dev/null
+      read -r -a more <<< "${OVERRIDES:-}"
+      EXPERIMENT=gkd_4080_7b STUDENT=/tmp/m/student-1.5b e2e_cell "$step${TAG:+-$TAG}" "${STEPS:-52}" \
+        model.teacher.path=/tmp/m/teacher-7b data.train_files=[] "${more[@]}" || status=$? ;;
     compare)
       models
       miniverl compare-miniverl 12 data.prompts_per_step=16 rollout.n=1 trainer.micro_batch_size=16

@@ -24,8 +24,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(REAL_SHAPES), required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: a 7B shape in seconds)")
     args = ap.parse_args()
-    build_random_model(real_shape(args.shape, MAX_POSITIONS, args.seed), torch.bfloat16, "cpu", Path(args.out))
+    build_random_model(real_shape(args.shape, MAX_POSITIONS, args.seed), torch.bfloat16, args.device, Path(args.out))
     save_char_tokenizer(args.out, vocab_size=QWEN_VOCAB)
     print(f"wrote a random {args.shape} model to {args.out}")
 

@@ -48,7 +48,7 @@ EXPERIMENT_OF = {
 }
 # Recipes for the user's data: their data.train_files is a placeholder that validate refuses by design, so they are
 # composed with the user's prompt file (below) after them.
-USER_DATA_RECIPES = {"+experiment=gkd_4080", "+experiment=gkd_4080_12g"}
+USER_DATA_RECIPES = {"+experiment=gkd_4080", "+experiment=gkd_4080_12g", "+experiment=gkd_4080_7b"}
 USER_DATA = "data.train_files=[prompts.jsonl]"
 # Inline overrides whose value stands for the user's number (documented text -> the text composed).
 PLACEHOLDER_VALUES = {

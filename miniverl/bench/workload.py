@@ -73,25 +73,29 @@ def make_adapter(template: dict[str, torch.Tensor], spec: AdapterSpec) -> dict[s
     }
 
 
-# Real architectures without downloads (DESIGN.md, "Models without downloads"): Qwen2.5 0.5B and 1.5B, two KV
-# heads, the 151,936-token vocabulary, tied embeddings; scripts/make_random_model.py and the learner bench use them.
+# Real architectures without downloads (DESIGN.md, "Models without downloads"): Qwen2.5 0.5B and 1.5B (two KV
+# heads, the 151,936-token vocabulary, tied embeddings) and 7B (four KV heads, 152,064 logits, an untied head: the
+# teacher's vocabulary padded past the student's, as the real pair); scripts/make_random_model.py and the benches.
 QWEN_VOCAB = 151936
 REAL_SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864),
     "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, intermediate_size=8960),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        intermediate_size=18944,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
 
 
 def real_shape(name: str, max_positions: int, seed: int = 0) -> ModelShape:
     """The ModelShape of a REAL_SHAPES entry (random init from `seed`)."""
-    return ModelShape(
-        **REAL_SHAPES[name],
-        num_key_value_heads=2,
-        vocab_size=QWEN_VOCAB,
-        tie_word_embeddings=True,
-        max_position_embeddings=max_positions,
-        init_seed=seed,
-    )
+    small = dict(num_key_value_heads=2, vocab_size=QWEN_VOCAB, tie_word_embeddings=True)
+    return ModelShape(**(small | REAL_SHAPES[name]), max_position_embeddings=max_positions, init_seed=seed)
 
 
 def build_random_model(shape: ModelShape, dtype: torch.dtype, device: str, target: Path) -> Path:

@@ -53,11 +53,15 @@ class LearnerShape:
     vocab: int
     weight_bytes: int  # the base model as loaded (bf16 or NF4)
     adapter_params: int
+    quantized: bool = False  # loaded in 4 bits already: a refusal does not offer quantization as the fix
 
 
-def model_shape(config, vocab: int, weight_bytes: int, adapter_params: int = 0) -> LearnerShape:
+def model_shape(
+    config, vocab: int, weight_bytes: int, adapter_params: int = 0, quantized: bool | None = None
+) -> LearnerShape:
     """A model as the memory models see it: the sizes in its transformers `config`, the logits it is scored over
-    (`vocab`), the bytes its weights take as loaded and its adapter's parameters (a teacher has none)."""
+    (`vocab`), the bytes its weights take as loaded and its adapter's parameters (a teacher has none); `quantized`
+    defaults to whether the config says it was loaded quantized (transformers' `quantization_config`)."""
     return LearnerShape(
         layers=config.num_hidden_layers,
         hidden=config.hidden_size,
@@ -65,6 +69,7 @@ def model_shape(config, vocab: int, weight_bytes: int, adapter_params: int = 0) 
         vocab=vocab,
         weight_bytes=weight_bytes,
         adapter_params=adapter_params,
+        quantized=getattr(config, "quantization_config", None) is not None if quantized is None else quantized,
     )
 
 
@@ -133,11 +138,13 @@ def check_scorer_fits(
         return fits
     usable, per_token, chunk = _scorer_costs(shape, share_bytes, chunk_tokens, entry_bytes)
     head = f"the teacher scorer's memory share of {human(share_bytes)} cannot hold one row of {row} tokens"
-    share_fixes = "give the scorer a larger resources.scorer.num_gpus share or quantize the teacher"
+    share_fixes = "give the scorer a larger resources.scorer.num_gpus share" + (
+        "" if shape.quantized else " or quantize the teacher (model.teacher.quantization=nf4)"
+    )
     if usable <= 0:
         raise ConfigError(
             f"{head}: {human(shape.weight_bytes)} of teacher weights alone exceed it less {SLACK_FRACTION:.0%} slack;"
-            f" {share_fixes} (model.teacher.quantization=nf4)"
+            f" {share_fixes}"
         )
     if chunk_tokens > 0:
         logits = f"one LM-head chunk of {chunk_tokens} tokens x {shape.vocab} x {entry_bytes} B takes {human(chunk)}"
@@ -148,7 +155,7 @@ def check_scorer_fits(
     raise ConfigError(
         f"{head}: less {SLACK_FRACTION:.0%} slack and {human(shape.weight_bytes)} of teacher weights it leaves"
         f" {human(int(usable))}; {logits}, and the row's activations need {row} x {human(int(per_token))}"
-        f" = {human(int(row * per_token))}; {fix}, {share_fixes} (model.teacher.quantization=nf4), or shorten"
+        f" = {human(int(row * per_token))}; {fix}, {share_fixes}, or shorten"
         " rollout.max_new_tokens or data.max_prompt_length"
     )
 
@@ -203,9 +210,10 @@ def fit_tokens(
             f"the learner's memory share of {human(share_bytes)} cannot hold one row of {longest_row} tokens:"
             f" weights and adapter state take {human(fixed_bytes(shape))}, one row's activations and LM-head chunk"
             f" bring the modelled peak to {human(need)} (plus {SLACK_FRACTION:.0%} slack); give the learner a"
-            " larger resources share, turn on trainer.gradient_checkpointing, lower trainer.logprob_chunk_tokens,"
-            " rollout.max_new_tokens or data.max_prompt_length, or quantize the student"
-            " (model.student.quantization=nf4)"
+            " larger resources share, "
+            + ("" if checkpointing else "turn on trainer.gradient_checkpointing, ")
+            + "lower trainer.logprob_chunk_tokens, rollout.max_new_tokens or data.max_prompt_length"
+            + ("" if shape.quantized else ", or quantize the student (model.student.quantization=nf4)")
         )
     return lo
 

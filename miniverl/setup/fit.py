@@ -223,7 +223,7 @@ def _learner(
 
     spec, t = cfg.model.student, cfg.trainer
     weights = size.weight_bytes(spec.quantization, torch_dtype(spec.dtype, "cuda").itemsize)
-    shape = model_shape(size.config, vocab, weights, adapter)
+    shape = model_shape(size.config, vocab, weights, adapter, quantized=spec.quantization != "none")
     closed = objective.closed_form_head and kernels
     longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     step_tokens = step_rows(cfg) * longest_row
@@ -261,7 +261,9 @@ def _scorer(
     longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     quantized = any(s.quantization != "none" for s in specs.values())
     plan = ActorPlan("scorer", fraction, share, weights, 0, "", calibrated=not quantized)
-    shapes = [model_shape(sizes[r].config, vocab, weights) for r in specs]  # one process holds every teacher
+    shapes = [  # one process holds every teacher
+        model_shape(sizes[r].config, vocab, weights, quantized=specs[r].quantization != "none") for r in specs
+    ]
     try:
         tokens = min(check_scorer_fits(s, share, t.logprob_chunk_tokens, entry, longest_row) for s in shapes)
         if t.max_tokens_per_micro_batch:
@@ -305,8 +307,10 @@ def _rollout(cfg, size: ModelSize, adapter: int, share: int, fraction: float) ->
         if kv <= 0 or plan.peak_bytes > share:
             plan.problem = (
                 f"vLLM's weights ({human(weights)}), adapter and ~{ENGINE_OVERHEAD_GIB} GiB engine overhead leave"
-                f" {human(kv)} for the KV cache in a {human(share)} share; raise resources.rollout.num_gpus, set"
-                " rollout.vllm.kv_cache_gib smaller or quantize the student (model.student.quantization=nf4)"
+                f" {human(kv) if kv > 0 else 'nothing'} for the KV cache in a {human(share)} share; raise"
+                " resources.rollout.num_gpus, set"
+                " rollout.vllm.kv_cache_gib smaller"
+                + (" or quantize the student (model.student.quantization=nf4)" if spec.quantization == "none" else "")
             )
             plan.calibrated = True  # the engine refuses this itself at start (vllm_settings.memory_plan)
         return plan
@@ -335,8 +339,9 @@ def _rollout(cfg, size: ModelSize, adapter: int, share: int, fraction: float) ->
         plan.problem = (
             f"the {r.backend} rollout's weights, adapter copy, decode cache, sampler logits and prefill come to"
             f" {human(plan.peak_bytes)}, over its {human(share)} share; fewer rows (data.prompts_per_step,"
-            " rollout.n), shorter ones (data.max_prompt_length, rollout.max_new_tokens), a larger"
-            " resources.rollout.num_gpus or an NF4 student"
+            " rollout.n), shorter ones (data.max_prompt_length, rollout.max_new_tokens)"
+            + (", a larger resources.rollout.num_gpus or an NF4 student" if spec.quantization == "none" else "")
+            + (" or a larger resources.rollout.num_gpus" if spec.quantization != "none" else "")
         )
     return plan
 

@@ -3,6 +3,8 @@ it picks for a share, and the refusals with their arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from miniverl.errors import ConfigError
@@ -74,7 +76,13 @@ def test_without_checkpointing_the_budget_shrinks_and_a_tiny_share_is_refused_wi
         fit_tokens(STUDENT, int(1.0 * GIB), 256, True, 832)
     msg = str(err.value)
     assert "cannot hold one row of 832 tokens" in msg and "weights and adapter state take" in msg
-    assert "trainer.gradient_checkpointing" in msg
+    assert "trainer.gradient_checkpointing" not in msg and "model.student.quantization=nf4" in msg  # on already
+    with pytest.raises(ConfigError, match="turn on trainer.gradient_checkpointing") as err:
+        fit_tokens(STUDENT, int(1.0 * GIB), 256, False, 832)
+    quantized = dataclasses.replace(STUDENT, quantized=True)
+    with pytest.raises(ConfigError) as err:
+        fit_tokens(quantized, int(1.0 * GIB), 256, True, 832)
+    assert "quantize" not in str(err.value)  # the student is 4-bit already: not offered as the fix
 
 
 def test_an_explicit_budget_over_the_share_is_refused_with_the_one_that_fits():
