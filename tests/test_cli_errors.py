@@ -71,6 +71,31 @@ def test_a_run_directory_under_a_file_or_a_locked_directory_is_refused(tmp_path,
     assert not any(locked.iterdir())
 
 
+def test_a_run_directory_where_no_directory_can_be_made_is_refused_whatever_the_permission_bits(tmp_path, monkeypatch):
+    """/proc says writable to root but makes no directory: Hydra's mkdir ended in a traceback. The check makes and
+    removes one probe directory, so it leaves nothing behind either way."""
+    if not Path("/proc").is_dir():
+        pytest.skip("no /proc on this system")
+    with pytest.raises(
+        ConfigError,
+        match=r"hydra.run.dir=/proc/nope/run cannot be created: (/proc refuses a new directory \([^)]+\)|this user"
+        r" may not write to /proc)\. Fix: set",
+    ):
+        check_run_dir("/proc/nope/run")
+    refusing = tmp_path / "refusing"
+    refusing.mkdir()
+
+    def read_only(**kw):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(argv.tempfile, "mkdtemp", read_only)
+    with pytest.raises(ConfigError, match=f"{refusing} refuses a new directory \\(Read-only file system\\)"):
+        check_run_dir(f"{refusing}/run")
+    monkeypatch.undo()
+    check_run_dir(f"{refusing}/a/run")
+    assert not any(refusing.iterdir())  # the probe is gone and nothing was made
+
+
 def test_a_usable_run_directory_passes(tmp_path, monkeypatch):
     check_run_dir(str(tmp_path))  # an existing directory (a run to continue)
     check_run_dir(str(tmp_path / "new" / "run"))

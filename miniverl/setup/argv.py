@@ -1,6 +1,7 @@
 """The command line before Hydra reads it (main's first step, before Ray): an override Hydra would answer with a
 traceback or a bare "Could not override" is either rewritten into the form Hydra accepts or refused with one line
-naming it and the fix. Nothing here composes the config, and nothing is created on disk."""
+naming it and the fix. Nothing here composes the config, and nothing is left on disk (the run directory's check
+makes and removes one probe directory)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import itertools
 import os
 import re
+import tempfile
 import typing
 from pathlib import Path
 from typing import Any
@@ -206,9 +208,16 @@ def check_run_dir(run_dir: str) -> None:
             f"{RUN_DIR_KEY}={run_dir} cannot be created: {first} is a file, not a directory. Fix: set"
             f" {RUN_DIR_KEY} to a path under a directory"
         )
+    made = "written" if first == Path(run_dir) else "created"
     if not os.access(first, os.W_OK | os.X_OK):
-        made = "written" if first == Path(run_dir) else "created"
         raise ConfigError(
             f"{RUN_DIR_KEY}={run_dir} cannot be {made}: this user may not write to {first}. Fix: set"
             f" {RUN_DIR_KEY} to a path under a directory you can write to"
         )
+    try:  # permission bits are not the whole answer (root, read-only mounts, /proc): make and remove a directory
+        os.rmdir(tempfile.mkdtemp(prefix=".miniverl-probe-", dir=first))
+    except OSError as e:
+        raise ConfigError(
+            f"{RUN_DIR_KEY}={run_dir} cannot be {made}: {first} refuses a new directory ({e.strerror}). Fix: set"
+            f" {RUN_DIR_KEY} to a path under a directory you can write to"
+        ) from None
