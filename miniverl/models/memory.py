@@ -12,7 +12,7 @@ from miniverl.errors import ConfigError
 
 GIB = 2**30
 FP32_BYTES = 4
-ID_BYTES = 8  # teacher_topk_ids are int64 (torch.topk's index dtype)
+ID_BYTES = 4  # teacher_topk_ids travel as int32 (the scorer casts torch.topk's int64 index: workers/scorer.py)
 # Vocabulary-sized fp32 buffers alive at once while the fused LM-head loss works on one chunk (upcast logits,
 # log-softmax and logsumexp inputs, the top-K support arithmetic, the chunk's own backward): measured on the
 # H200 at 5.9 for GKD top-64 (0.5B shape, 1,024-token chunks: 3.7 GB above the model, adapter, optimizer and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from miniverl.errors import ConfigError
 from miniverl.models.memory import GIB, check_vocab_memory, learner_logits_bytes, teacher_support_bytes
@@ -16,16 +17,48 @@ def test_teacher_support_bytes_by_hand():
     # Full vocabulary: + rows x tokens x V x 4 B.
     assert teacher_support_bytes(2, 3, 100, 0) == 24 + 2 * 3 * 100 * 4
     assert teacher_support_bytes(2, 3, 100, 100) == teacher_support_bytes(2, 3, 100, 0)  # K >= V is full
-    # Top-K: + rows x tokens x (K x (4 B log-prob + 8 B id) + 4 B tail).
-    assert teacher_support_bytes(2, 3, 100, 8) == 24 + 2 * 3 * (8 * 12 + 4)
+    # Top-K: + rows x tokens x (K x (4 B log-prob + 4 B int32 id) + 4 B tail).
+    assert teacher_support_bytes(2, 3, 100, 8) == 24 + 2 * 3 * (8 * 8 + 4)
+
+
+@pytest.mark.parametrize("topk", [4, 0])
+def test_the_count_is_what_the_scorer_hands_over(random_model_dir, topk):
+    """The bytes of a real TeacherScores (ScorerWorker.score, top-K and full support) are what the refusal counts:
+    the ids travel as int32 (the count said int64 until session 20, twice the ids' bytes)."""
+    from miniverl.batches import RolloutBatch
+    from miniverl.workers import ProcessSettings
+    from miniverl.workers.scorer import ScorerWorker
+
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    batch = RolloutBatch(
+        prompts=torch.tensor([[0, 1, 5, 6], [1, 7, 8, 9]]),
+        prompt_mask=torch.ones(2, 4, dtype=torch.long),
+        responses=torch.tensor([[10, 11, 2], [12, 2, 0]]),
+        response_mask=mask,
+        rollout_log_probs=-torch.ones(2, 3) * mask,
+        uid=["a", "b"],
+        ground_truth=["", ""],
+        policy_version=0,
+    )
+    scorer = ScorerWorker(str(random_model_dir), "float32", 4, ProcessSettings("cpu", torch_threads=1))
+    scores = scorer.score(batch, topk, 1.0)
+    tensors = [
+        scores.teacher_log_probs,
+        scores.teacher_topk_logprobs,
+        scores.teacher_topk_ids,
+        scores.teacher_tail_logprob,
+    ]
+    handed = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    vocab = scorer.model.config.vocab_size
+    assert handed == teacher_support_bytes(2, 3, vocab, topk)
 
 
 def test_reference_workload_full_support_is_74_gib_and_top64_a_tenth_of_one():
-    """64 prompts x 4 samples x 512 tokens at a 152k vocabulary: full support is 74 GiB, top-64 0.09 GiB."""
+    """64 prompts x 4 samples x 512 tokens at a 152k vocabulary: full support is 74 GiB, top-64 0.06 GiB."""
     full = teacher_support_bytes(256, 512, QWEN_VOCAB, 0)
     assert full / GIB == pytest.approx(256 * 512 * (QWEN_VOCAB + 1) * 4 / GIB)
     assert 74 < full / GIB < 75
-    assert teacher_support_bytes(256, 512, QWEN_VOCAB, 64) / GIB == pytest.approx(256 * 512 * (64 * 12 + 4 + 4) / GIB)
+    assert teacher_support_bytes(256, 512, QWEN_VOCAB, 64) / GIB == pytest.approx(256 * 512 * (64 * 8 + 4 + 4) / GIB)
 
 
 def test_learner_logits_bytes_whole_micro_batch_and_chunked():
