@@ -80,12 +80,10 @@ def train(
     from miniverl.cluster.faults import RunInterrupted, StopRequests
     from miniverl.cluster.launch import build_actors, start_ray, teardown
     from miniverl.errors import MiniVerlError
-    from miniverl.objectives import build_objective
     from miniverl.observe.dashboard import RunGauges
     from miniverl.observe.plots import write_plots
     from miniverl.observe.summary import run_summary, version
     from miniverl.observe.tracking import Tracker, trim_metrics
-    from miniverl.rollout.sampling import SamplingParams
     from miniverl.setup.prepare import prepare_run
     from miniverl.step.cadence import TrainingLoop
     from miniverl.step.conformance import conformance_gate
@@ -102,7 +100,7 @@ def train(
     if resume is not None:
         for name in ("metrics.jsonl", "samples.jsonl"):  # the steps after it are done again
             trim_metrics(run_dir / name, resume.step)
-    objective = build_objective(cfg.objective)
+    objective = setup.objective
     started_ray = start_ray(cfg, log)
     tracker, actors, pg, status = None, {}, None, {"status": "failed"}
     try:
@@ -127,7 +125,7 @@ def train(
             weight_sync=cfg.resources.weight_sync,
             probe_every=cfg.trainer.probe_every,
         )
-        params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
+        params = setup.sampling
         names = (cfg.objective.name, cfg.rollout.backend)
         gate_seed = sampling_seed(cfg.rollout.seed, "gate", 0)
         gate = conformance_gate(controller, setup.eval_batch, params, objective, names, log, gate_seed)

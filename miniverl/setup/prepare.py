@@ -32,6 +32,7 @@ from miniverl.models.stops import resolve_stop_ids
 from miniverl.models.vocab_kernels import kernels_available
 from miniverl.objectives import build_objective
 from miniverl.rewards import SourceReward, build_reward
+from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm
 from miniverl.setup.fit import card_plan
 from miniverl.setup.preflight import (
@@ -121,6 +122,8 @@ class Setup:
     stop_token_ids: tuple[int, ...]
     vocab_size: int  # logits compared by distillation (the student's; the scorer drops a teacher's extra)
     reward_fn: SourceReward
+    objective: Any  # the run's Objective (objectives/), built once here and used by every part after
+    sampling: SamplingParams  # the training steps' sampling settings (each step sets its own seed)
     routing: TeacherRouting | None = None  # several teachers (model.teachers); None: model.teacher scores all
 
 
@@ -175,7 +178,10 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
     reward_fn.check_sources(seen_sources)
     routing = routing_of(cfg.model)
     check_sources_routed(routing, seen_sources)
-    return Setup(device, paths, student_tok, source, eval_batch, stops, vocab_size, reward_fn, routing)
+    sampling = SamplingParams.from_config(cfg.rollout, stops)
+    return Setup(
+        device, paths, student_tok, source, eval_batch, stops, vocab_size, reward_fn, objective, sampling, routing
+    )
 
 
 def cuda_device_count() -> int:

@@ -59,7 +59,7 @@ class TrainingLoop:
         self.checkpoint = checkpoint  # the newest checkpoint written (or resumed from)
         self.first_eval: dict[str, float] = {}  # the step-0 evaluation, stored in every checkpoint
         self.current = 0  # the step in progress (0: the evaluation before training)
-        self.params = SamplingParams.from_config(cfg.rollout, setup.stop_token_ids)
+        self.params = setup.sampling
         self.names = actor_names(actors)
         self.version_test = VersionTestWatch()
 

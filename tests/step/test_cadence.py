@@ -7,13 +7,14 @@ from types import SimpleNamespace
 from miniverl.checkpoints.store import list_checkpoints, step_dir
 from miniverl.cluster.faults import StopRequests
 from miniverl.observe.tracking import Tracker
+from miniverl.rollout.sampling import SamplingParams
 from miniverl.step.cadence import TrainingLoop
 from miniverl.workers.rollout import RolloutWorker
 from tests.step.test_controller import CPU, LORA, make_controller
 from tests.test_config import load
 
 
-def loop_setup(tok, prompts, reward_fn) -> SimpleNamespace:
+def loop_setup(tok, prompts, reward_fn, cfg) -> SimpleNamespace:
     """What TrainingLoop reads of a run's Setup: the same prompts every step, on the CPU."""
     return SimpleNamespace(
         prompts=SimpleNamespace(batch=lambda step, g: prompts, overlong_count=0),
@@ -22,6 +23,7 @@ def loop_setup(tok, prompts, reward_fn) -> SimpleNamespace:
         stop_token_ids=(tok.eos_token_id,),
         device="cpu",
         reward_fn=reward_fn,
+        sampling=SamplingParams.from_config(cfg.rollout, (tok.eos_token_id,)),
     )
 
 
@@ -29,8 +31,8 @@ def run_loop(parts, student_dir, run_dir, *overrides: str, controller=None):
     tok, prompts, _, _ = parts
     if controller is None:
         controller = make_controller(RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), parts)
-    setup = loop_setup(tok, prompts, controller.reward_fn)
     cfg = load("rollout.max_new_tokens=5", "trainer.eval_every=0", *overrides)
+    setup = loop_setup(tok, prompts, controller.reward_fn, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)  # train() makes it; the loop expects it
     tracker = Tracker(run_dir, {}, "disabled", "p", None, cfg.trainer.total_steps, False)
     loop = TrainingLoop(cfg, setup, controller, {"learner": controller.learners}, tracker, run_dir, {}, StopRequests())

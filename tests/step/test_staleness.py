@@ -195,7 +195,6 @@ def run_stale_loop(stale, student_dir, run_dir, start: int = 0, checkpoint: str 
         first = {"eval/reverse_kl": 0.0, "eval/accuracy": 0.0}
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
     ctl = controller((tok, prompts, lrn, rollout, scorer))
-    setup = loop_setup(tok, prompts, ctl.reward_fn)
     cfg = load(
         "rollout.max_new_tokens=5",
         "trainer.eval_every=0",
@@ -204,6 +203,7 @@ def run_stale_loop(stale, student_dir, run_dir, start: int = 0, checkpoint: str 
         "trainer.staleness=1",
         "trainer.keep_checkpoints=4",
     )
+    setup = loop_setup(tok, prompts, ctl.reward_fn, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(run_dir, {}, "disabled", "p", None, cfg.trainer.total_steps, False, start)
     logged = []
@@ -256,8 +256,6 @@ def run_loop_recording(parts, student_dir, run_dir, staleness: int) -> dict:
     )[1]
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
     ctl = StrictSyncController(rollout, scorer, lrn, ExactMatchReward(tok), 0, 1.0, staleness=staleness)
-    setup = loop_setup(tok, prompts, ctl.reward_fn)
-    setup.prompts = PromptSource("reverse", 2, 4, tok, 16, 7)
     cfg = load(
         "rollout.max_new_tokens=5",
         "data.prompts_per_step=2",
@@ -266,6 +264,8 @@ def run_loop_recording(parts, student_dir, run_dir, staleness: int) -> dict:
         "trainer.save_checkpoint=false",
         f"trainer.staleness={staleness}",
     )
+    setup = loop_setup(tok, prompts, ctl.reward_fn, cfg)
+    setup.prompts = PromptSource("reverse", 2, 4, tok, 16, 7)
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(run_dir, {}, "disabled", "p", None, cfg.trainer.total_steps, False)
     evaluated = []
