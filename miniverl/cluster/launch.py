@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miniverl.cluster.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
 from miniverl.cluster.colocate import ROLES, RoleHandle, actor_handle, colocated_class, processes
@@ -20,6 +20,9 @@ from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
 from miniverl.workers.teachers import TeacherLoad, TeachersScorerWorker
+
+if TYPE_CHECKING:
+    from miniverl.objectives.interface import Objective
 
 # Ray starts its workers at niceness 15, so every actor of a run yields the cores to any ordinary process: beside two
 # busy processes on 2 cores the default run had written no step after 7 minutes (docs/benchmarks/default-run-cpu.md).
@@ -62,7 +65,7 @@ def actor_threads(torch_threads: int, cores: int) -> int:
     return torch_threads or max(1, cores // 2)
 
 
-def build_actors(cfg: MiniVerlConfig, setup: Setup, objective) -> tuple[dict[str, list[Any]], Any]:
+def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tuple[dict[str, list[Any]], Any]:
     """One rollout replica and learner rank per GPU (one of each without GPUs), and a scorer replica
     on each of those GPUs or on each of resources.scorer_gpus dedicated GPUs.
 

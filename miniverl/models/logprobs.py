@@ -12,12 +12,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from miniverl.batches import RolloutBatch, TeacherScores
 from miniverl.models.fused_head import Support, fused_head_loss, head_logprobs
 from miniverl.models.packing import PackedRows, lm_parts, packed_hidden
+
+if TYPE_CHECKING:
+    from miniverl.objectives.interface import Objective
 
 # Rows of [Tr, V] logits turned into fp32 log-probs at once in the direct path (see the module note).
 LOGPROB_CHUNK_ROWS = 4
@@ -132,7 +136,7 @@ def packed_token_loss(
     batch: RolloutBatch,
     packed: PackedRows,
     scores: TeacherScores | None,
-    objective,
+    objective: Objective,
     advantages: torch.Tensor | None,
     num_step_tokens: int,
     chunk_tokens: int,

@@ -30,7 +30,7 @@ from miniverl.models.memory import check_vocab_memory
 from miniverl.models.packing import check_plain_logits
 from miniverl.models.stops import resolve_stop_ids
 from miniverl.models.vocab_kernels import kernels_available
-from miniverl.objectives import build_objective
+from miniverl.objectives import Objective, build_objective
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm
@@ -122,7 +122,7 @@ class Setup:
     stop_token_ids: tuple[int, ...]
     vocab_size: int  # logits compared by distillation (the student's; the scorer drops a teacher's extra)
     reward_fn: SourceReward
-    objective: Any  # the run's Objective (objectives/), built once here and used by every part after
+    objective: Objective  # objectives/interface.py; built once here, used by every part after
     sampling: SamplingParams  # the training steps' sampling settings (each step sets its own seed)
     routing: TeacherRouting | None = None  # several teachers (model.teachers); None: model.teacher scores all
 

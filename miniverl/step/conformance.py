@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from miniverl.errors import ConfigError
 from miniverl.objectives.ratios import SamplerTolerance
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.step.seeds import sampling_seed
+
+if TYPE_CHECKING:
+    from miniverl.objectives.interface import Objective
 
 GATE_PROMPTS = 16  # prompt groups sampled for the gate (x rollout.n samples): a few hundred tokens
 P99 = 0.99
@@ -104,7 +108,7 @@ def conformance_gate(
     controller,
     prompts: PromptBatch,
     params: SamplingParams,
-    objective,
+    objective: Objective,
     names: tuple[str, str],
     log=print,
     seed: int = sampling_seed(0, "gate", 0),

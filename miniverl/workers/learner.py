@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from miniverl.workers import (
     setup_process,
 )
 
+if TYPE_CHECKING:
+    from miniverl.objectives.interface import Objective
+
 # How much an out-of-memory update lowers the token budget before it is redone (LearnerWorker._shrink_after_oom).
 OOM_SHRINK = 0.75
 
@@ -73,7 +77,7 @@ class LearnerWorker:
         model_path: str,
         lora: LoraSettings,
         dtype: str,
-        objective,
+        objective: Objective,
         lr: float,
         weight_decay: float,
         max_grad_norm: float,
