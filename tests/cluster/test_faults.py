@@ -175,13 +175,14 @@ def test_nan_loss_through_ray_stops_before_anything_poisoned_is_saved(
     from ray import cloudpickle
 
     import miniverl.main
-    import miniverl.objectives
+    import miniverl.setup.prepare
     import tests.checkpoints.test_checkpoint_files as injected
     from miniverl.objectives import build_objective
 
     cloudpickle.register_pickle_by_value(injected)  # the actor gets the class itself, not an import path
+    # prepare builds the run's one objective (Setup.objective); every actor gets that one
     monkeypatch.setattr(
-        miniverl.objectives, "build_objective", lambda c: injected.PoisonedObjective(build_objective(c), 2)
+        miniverl.setup.prepare, "build_objective", lambda c: injected.PoisonedObjective(build_objective(c), 2)
     )
     steps = ("trainer.total_steps=3", "trainer.eval_every=0", "trainer.save_every=1")
     run = tmp_path / "run"
