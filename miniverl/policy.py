@@ -138,7 +138,7 @@ def weights_digest(weights: dict[str, torch.Tensor]) -> str:
     adapter buffers of its own (hf_reference, hf_cached) digests those buffers the same way after every load
     (its served digest: miniverl/step/sync.py): equal digests mean it serves the published adapter bit for
     bit. No digest sees the base model or the engine's arithmetic: the strict-sync probe proves those
-    (miniverl/step/served_policy.py).
+    (miniverl/served_policy.py).
     """
     layout = flat_layout(weights)
     return flat_digest(pack(weights, layout), layout)

@@ -5,7 +5,7 @@
 For the built-in student, a tiny trained model and a random-init model, with several random LoRA adapters,
 the learner (peft forward) and each backend (hf_reference: the peft model; hf_cached: its merged serving
 weights) compute the strict-sync probe; the max |gap| per case is what FP32_PROBE_TOLERANCE in
-miniverl/step/served_policy.py must sit above. Also: how far one random adapter moves the probe (what it must
+miniverl/served_policy.py must sit above. Also: how far one random adapter moves the probe (what it must
 sit below).
 """
 
@@ -51,7 +51,7 @@ def main() -> None:
     from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, load_adapter_state
     from miniverl.rollout.hf_cached import HFCachedBackend
     from miniverl.rollout.hf_reference import HFReferenceBackend
-    from miniverl.step.served_policy import draw_probe, max_gap
+    from miniverl.served_policy import draw_probe, max_gap
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)

@@ -59,3 +59,40 @@ def test_the_checks_catch_a_cycle_and_a_hub(tmp_path):
     assert g.cycles(modules, lazy=True) == [["miniverl.a", "miniverl.b"], ["miniverl.c", "miniverl.d"]]
     assert modules["miniverl.hub"].imports == {"miniverl.a", "miniverl.b", "miniverl.c", "miniverl.d"}
     assert g.fan_in(modules)["miniverl.a"] == 2
+
+
+# Packages that sit below the step: what they compute is read by step/ and cluster/, never the other way round at
+# import. The probe's helpers (served_policy.py) lived in step/ and pulled every rollout backend and the learner up
+# into it; they are a leaf of the package root now (issue 36).
+BELOW_THE_STEP = ("miniverl.rollout", "miniverl.models", "miniverl.objectives", "miniverl.data", "miniverl.rewards")
+ABOVE_THEM = ("miniverl.step", "miniverl.cluster", "miniverl.observe", "miniverl.main")
+
+
+def upward_imports(modules) -> list[str]:
+    """Module-level imports from a package below the step to one above it ('a -> b')."""
+
+    def under(name: str, packages: tuple[str, ...]) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in packages)
+
+    return sorted(
+        f"{m.name} -> {t}" for m in modules.values() if under(m.name, BELOW_THE_STEP) for t in m.eager
+        if under(t, ABOVE_THEM)
+    )  # fmt: skip
+
+
+def test_nothing_below_the_step_imports_the_step_or_above_it():
+    g = graph_module()
+    assert upward_imports(g.build_graph()) == []
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path):
+    g = graph_module()
+    root = tmp_path / "miniverl"
+    for package in ("rollout", "step"):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "step" / "probe.py").write_text("x = 1\n")
+    (root / "rollout" / "engine.py").write_text("from miniverl.step.probe import x\n")
+    (root / "rollout" / "lazy.py").write_text("def f():\n    from miniverl.step import probe\n")
+    assert upward_imports(g.build_graph(root)) == ["miniverl.rollout.engine -> miniverl.step.probe"]

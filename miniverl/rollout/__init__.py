@@ -27,7 +27,7 @@ class RolloutBackend(Protocol):
 
     Strict sync trusts no echo of the weights it was sent (miniverl/step/sync.py): after every load the
     backend digests the adapter buffers its serving path reads (`served_digest`), where it has such buffers;
-    and the controller compares `probe_logprobs` with the learner's on a probe (miniverl/step/served_policy.py)
+    and the controller compares `probe_logprobs` with the learner's on a probe (miniverl/served_policy.py)
     at the first refresh, periodically, and at every refresh of a backend without a served digest.
     """
 

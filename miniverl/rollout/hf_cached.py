@@ -31,7 +31,7 @@ from miniverl.rollout.decode_cache import DecodeCache
 from miniverl.rollout.decode_kernels import decode_attention
 from miniverl.rollout.hf_reference import left_pad
 from miniverl.rollout.sampling import SamplingParams, sample_next
-from miniverl.step.served_policy import probe_tolerance
+from miniverl.served_policy import probe_tolerance
 from miniverl.workers import CUDA_CAPTURE_LOCK
 
 # The strict-sync probe's last tokens go through the decode step itself (the CUDA graphs generate replays):

@@ -13,7 +13,7 @@ from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model, 
 from miniverl.policy import weights_digest
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams, sample_next
-from miniverl.step.served_policy import probe_tolerance
+from miniverl.served_policy import probe_tolerance
 
 
 def left_pad(seqs: list[list[int]], pad_id: int = 0, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ from miniverl.rollout.vllm_settings import (
     merged_weights,
     vllm_lora_rank,
 )
-from miniverl.step.served_policy import probe_tolerance
+from miniverl.served_policy import probe_tolerance
 
 
 def adapter_template(model_dir: str, lora: LoraSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -118,7 +118,7 @@ class VllmBackend:
 
         self.settings, self.lora, self.model_path = settings, lora, model_path
         self.scale = lora.alpha / lora.rank  # peft's plain-LoRA scaling, which vLLM applies too
-        # miniverl/step/served_policy.py's bound for the dtype. Measured for this engine: bf16 vLLM against bf16
+        # miniverl/served_policy.py's bound for the dtype. Measured for this engine: bf16 vLLM against bf16
         # HF of the same weights and adapter, at most 0.098 nats over ~1M sampled tokens
         # (docs/benchmarks/rollout-rl-sizes.md).
         self.probe_tolerance = probe_tolerance(dtype)

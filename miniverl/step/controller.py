@@ -92,7 +92,7 @@ class StrictSyncController:
         probe_every: int = PROBE_EVERY,
     ) -> None:
         """`probe`: the fixed token sequences every refresh is verified on; None draws them from the learner's
-        vocabulary at the first refresh (miniverl.step.served_policy.draw_probe). `routing`: several teachers
+        vocabulary at the first refresh (miniverl.served_policy.draw_probe). `routing`: several teachers
         (miniverl/setup/teachers.py): each step also logs metrics per source and teacher. `staleness`
         (trainer.staleness): 1 overlaps the next step's rollout with this step's update. `weight_sync`
         (resources.weight_sync): how the adapter reaches the replicas; `probe_every` (trainer.probe_every): how

@@ -11,7 +11,7 @@ A refresh is proven, each replica on its own, by what the replica computes, neve
   those buffers after the load (miniverl/policy.py, weights_digest), and the digest must be the one the learner
   published. Exact in any dtype and at any learning rate: a replica that kept, half-loaded or altered its
   adapter is caught at that refresh. O(adapter) work, on the device.
-- the probe (miniverl/step/served_policy.py): log-probs of a few sequences through the serving path against
+- the probe (miniverl/served_policy.py): log-probs of a few sequences through the serving path against
   the learner's. The gap test (within the backend's tolerance) proves what no adapter digest sees, the base
   model, dtype and arithmetic; the change test (when the learner's probe moved, the served one moved beyond
   the replica's own noise, measured once by probing the same weights twice) proves the adapter reached the
@@ -43,7 +43,7 @@ from miniverl.cluster.actors import call, fetch, settle, submit
 from miniverl.config import PROBE_EVERY, WEIGHT_SYNC
 from miniverl.errors import PolicyMismatchError
 from miniverl.policy import DIGEST_PREFIX, PolicyIdentity, ServedPolicy
-from miniverl.step.served_policy import check_changed, check_gap, max_gap
+from miniverl.served_policy import check_changed, check_gap, max_gap
 
 RECENT_ROWS = 2  # on-policy rows of the last training batch added to the probe (one short prefill more)
 TRIAL_SEED = 1  # the conformance gate's non-zero adapter (one per run; the same in every run)

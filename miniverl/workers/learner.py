@@ -37,7 +37,7 @@ from miniverl.objectives.sampler_check import (
     vote_sums,
 )
 from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
-from miniverl.step.served_policy import PROBE_TOKENS, draw_probe
+from miniverl.served_policy import PROBE_TOKENS, draw_probe
 from miniverl.workers import (
     CUDA_CAPTURE_LOCK,
     ProcessSettings,
@@ -202,7 +202,7 @@ class LearnerWorker:
         return gpu_uuid(self.device)
 
     def probe_sequences(self) -> list[list[int]]:
-        """The run's fixed strict-sync probe, drawn from this student's vocabulary (miniverl/step/served_policy.py)."""
+        """The run's fixed strict-sync probe, drawn from this student's vocabulary (miniverl/served_policy.py)."""
         cfg = self.model.get_base_model().config
         return draw_probe(cfg.vocab_size, getattr(cfg, "max_position_embeddings", PROBE_TOKENS))
 

@@ -11,8 +11,7 @@ from miniverl.objectives.gkd import GkdObjective
 from miniverl.policy import weights_digest
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.step.controller import StrictSyncController
-from miniverl.step.served_policy import (
+from miniverl.served_policy import (
     CHANGE_MARGIN,
     FP32_PROBE_TOLERANCE,
     HALF_PROBE_TOLERANCE,
@@ -22,6 +21,7 @@ from miniverl.step.served_policy import (
     draw_probe,
     probe_tolerance,
 )
+from miniverl.step.controller import StrictSyncController
 from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
