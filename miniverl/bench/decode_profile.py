@@ -239,17 +239,17 @@ def judge_rows(oracle, prompts: list[list[int]], n: int, out: list, rows: int, s
     sampled tokens under the model's own law (samples from that law average minus its entropy, whichever backend
     drew them), where the backend reported log-probs the mean |reported - oracle|, and with stop tokens the stop
     hazard those rows showed beside the one the law gives their positions (`stop_mass_mean`)."""
-    from miniverl.bench.oracle import sampled_logprobs, stop_mass
+    from miniverl.bench.oracle import teacher_forced
 
     groups = max(1, math.ceil(rows / n))
     judged_rows = out[: groups * n]
-    judged, reported = sampled_logprobs(oracle, prompts[:groups], n, judged_rows)
+    judged, reported, masses = teacher_forced(oracle, prompts[:groups], n, judged_rows, stop_ids)
     verdict = {"rows": groups * n, "tokens": judged.numel(), "logprob_mean": float(judged.mean())}
     if all(c.logprobs for c in judged_rows):
         verdict["gap_mean"] = float((reported - judged).abs().mean())
-    if stop_ids:
+    if masses is not None:
         verdict["stop_hazard"] = sum(c.finished for c in judged_rows) / max(1, judged.numel())
-        verdict["stop_mass_mean"] = float(stop_mass(oracle, prompts[:groups], n, judged_rows, stop_ids).mean())
+        verdict["stop_mass_mean"] = float(masses.mean())
     return verdict
 
 

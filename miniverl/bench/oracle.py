@@ -19,10 +19,17 @@ from miniverl.workers.rollout import to_rollout_batch
 ORACLE_CHUNK_ROWS = 8
 
 
-def _teacher_forced(oracle, prompts: list[list[int]], n: int, completions: list[Completion]):
-    """The rows in chunks of ORACLE_CHUNK_ROWS with the oracle's logits over their responses.
+@torch.no_grad()
+def teacher_forced(
+    oracle, prompts: list[list[int]], n: int, completions: list[Completion], stop_ids=()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One teacher-forced pass of the rows through the oracle, in chunks of ORACLE_CHUNK_ROWS: the oracle's log-prob
+    of every generated token, the one the backend reported (0 where it reported none), and with `stop_ids` the
+    probability the oracle's law (temperature 1, untruncated) gives the stop set at every generated position (its
+    mean is the stop hazard, stops per generated token, a backend sampling that law must show on these rows,
+    whatever their lengths; None without stop ids). Rows concatenated.
 
-    Yields (part, logits [b, Tr, V], mask [b, Tr] bool) on the oracle's device.
+    Shapes: -> ([tokens], [tokens], [tokens] or None) float32 on the CPU.
     """
     completions = [
         c if c.logprobs else Completion(c.token_ids, [0.0] * len(c.token_ids), c.finished) for c in completions
@@ -30,12 +37,20 @@ def _teacher_forced(oracle, prompts: list[list[int]], n: int, completions: list[
     uids = [str(i) for i in range(len(prompts))]
     batch = to_rollout_batch(PromptBatch(prompts, uids, [""] * len(prompts)), completions, n, version=0)
     device = next(oracle.model.parameters()).device
+    stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
+    judged, reported, masses = [], [], []
     for start in range(0, len(batch), ORACLE_CHUNK_ROWS):
         part = batch.rows(start, min(start + ORACLE_CHUNK_ROWS, len(batch)))
-        yield part, response_logits(oracle.model, part), part.response_mask.bool().to(device)
+        logits = response_logits(oracle.model, part)  # [b, Tr, V]
+        mask = part.response_mask.bool()
+        judged.append(token_logprobs(logits, part.responses.to(device)).cpu()[mask].float())
+        reported.append(part.rollout_log_probs[mask])
+        if stops.numel():
+            log_mass = torch.logsumexp(logits[..., stops].float(), -1) - torch.logsumexp(logits.float(), -1)
+            masses.append(log_mass.cpu()[mask].exp())
+    return torch.cat(judged), torch.cat(reported), torch.cat(masses) if masses else None
 
 
-@torch.no_grad()
 def sampled_logprobs(
     oracle, prompts: list[list[int]], n: int, completions: list[Completion]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,27 +59,16 @@ def sampled_logprobs(
 
     Shapes: -> ([tokens], [tokens]) float32 on the CPU.
     """
-    judged, reported = [], []
-    for part, logits, mask in _teacher_forced(oracle, prompts, n, completions):
-        judged.append(token_logprobs(logits, part.responses.to(logits.device))[mask].float().cpu())
-        reported.append(part.rollout_log_probs[mask.cpu()])
-    return torch.cat(judged), torch.cat(reported)
+    judged, reported, _ = teacher_forced(oracle, prompts, n, completions)
+    return judged, reported
 
 
-@torch.no_grad()
 def stop_mass(oracle, prompts: list[list[int]], n: int, completions: list[Completion], stop_ids) -> torch.Tensor:
-    """The probability the oracle's law (temperature 1, untruncated) gives the stop set at every generated
-    position: its mean is the stop hazard (stops per generated token) a backend sampling that law must show on
-    these rows, whatever their lengths.
+    """The law's stop probability at every generated position (teacher_forced's third part).
 
     Shapes: -> [tokens] float32 on the CPU.
     """
-    masses = []
-    for _, logits, mask in _teacher_forced(oracle, prompts, n, completions):
-        stops = torch.as_tensor(list(stop_ids), device=logits.device)
-        log_mass = torch.logsumexp(logits[..., stops].float(), -1) - torch.logsumexp(logits.float(), -1)
-        masses.append(log_mass[mask].exp().cpu())
-    return torch.cat(masses)
+    return teacher_forced(oracle, prompts, n, completions, stop_ids)[2]
 
 
 def logprob_gaps(oracle, prompts: list[list[int]], n: int, completions: list[Completion]) -> torch.Tensor:
