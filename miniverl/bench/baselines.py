@@ -39,7 +39,9 @@ class RawVllm:
         gpu_memory_utilization: float = 0.5,
         seeding: str = "none",
     ) -> None:
-        if seeding not in ("none", "row", "prompt"):
+        from miniverl.rollout.vllm import REQUEST_SEEDINGS
+
+        if seeding not in REQUEST_SEEDINGS:
             raise ValueError(f"raw_vllm seeding={seeding!r}: use none (vLLM's batched sampler), row or prompt")
         self.seeding = seeding
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine_process == "inprocess" else "1"

@@ -25,6 +25,7 @@ from miniverl.models.lora import LoraSettings
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import (
+    SEEDING,
     AdapterStore,
     VllmSettings,
     adapter_config,
@@ -53,6 +54,10 @@ def adapter_template(model_dir: str, lora: LoraSettings, dtype: torch.dtype) -> 
     return {k: torch.zeros(v.shape, dtype=dtype) for k, v in get_peft_model_state_dict(peft).items()}
 
 
+# How generate may seed its requests: the product's rollout.vllm.seeding values, and "none" for bench peers.
+REQUEST_SEEDINGS = (*SEEDING, "none")
+
+
 def sampling_requests(
     prompts: list[list[int]], params: SamplingParams, seeds: list[int], seeding: str, logprobs: bool = True
 ) -> tuple[list, list]:
@@ -71,8 +76,8 @@ def sampling_requests(
     n = params.n
     if len(seeds) != len(prompts) * n:
         raise ValueError(f"need one seed per completion ({len(prompts) * n}), got {len(seeds)}")
-    if seeding not in ("row", "prompt", "none"):
-        raise ValueError(f"seeding {seeding!r}: use row, prompt or none")
+    if seeding not in REQUEST_SEEDINGS:
+        raise ValueError(f"seeding {seeding!r}: use {', '.join(REQUEST_SEEDINGS[:-1])} or {REQUEST_SEEDINGS[-1]}")
 
     def sp(count: int, seed: int | None):
         return VllmSamplingParams(
