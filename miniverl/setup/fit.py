@@ -308,8 +308,7 @@ def _rollout(cfg, size: ModelSize, adapter: int, share: int, fraction: float) ->
             plan.problem = (
                 f"vLLM's weights ({human(weights)}), adapter and ~{ENGINE_OVERHEAD_GIB} GiB engine overhead leave"
                 f" {human(kv) if kv > 0 else 'nothing'} for the KV cache in a {human(share)} share; raise"
-                " resources.rollout.num_gpus, set"
-                " rollout.vllm.kv_cache_gib smaller"
+                " resources.rollout.num_gpus, set rollout.vllm.kv_cache_gib smaller"
                 + (" or quantize the student (model.student.quantization=nf4)" if spec.quantization == "none" else "")
             )
             plan.calibrated = True  # the engine refuses this itself at start (vllm_settings.memory_plan)
@@ -336,12 +335,15 @@ def _rollout(cfg, size: ModelSize, adapter: int, share: int, fraction: float) ->
         f" prefill {human(prefill)}"
     )
     if plan.peak_bytes > share:
+        fixes = [
+            "fewer rows (data.prompts_per_step, rollout.n)",
+            "shorter ones (data.max_prompt_length, rollout.max_new_tokens)",
+            "a larger resources.rollout.num_gpus",
+            *(["an NF4 student"] if spec.quantization == "none" else []),
+        ]
         plan.problem = (
             f"the {r.backend} rollout's weights, adapter copy, decode cache, sampler logits and prefill come to"
-            f" {human(plan.peak_bytes)}, over its {human(share)} share; fewer rows (data.prompts_per_step,"
-            " rollout.n), shorter ones (data.max_prompt_length, rollout.max_new_tokens)"
-            + (", a larger resources.rollout.num_gpus or an NF4 student" if spec.quantization == "none" else "")
-            + (" or a larger resources.rollout.num_gpus" if spec.quantization != "none" else "")
+            f" {human(plan.peak_bytes)}, over its {human(share)} share; {', '.join(fixes[:-1])} or {fixes[-1]}"
         )
     return plan
 
