@@ -98,11 +98,11 @@ def real_shape(name: str, max_positions: int, seed: int = 0) -> ModelShape:
     return ModelShape(**(small | REAL_SHAPES[name]), max_position_embeddings=max_positions, init_seed=seed)
 
 
-def build_random_model(shape: ModelShape, dtype: torch.dtype, device: str, target: Path) -> Path:
-    """Save a random-init Qwen2 decoder of `shape` to `target` (config.json + safetensors) and return it."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def qwen2_config(shape: ModelShape):
+    """The transformers Qwen2Config of `shape` (what build_random_model saves; the fit planner's tests plan from it)."""
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(
+    return Qwen2Config(
         hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads,
@@ -112,6 +112,13 @@ def build_random_model(shape: ModelShape, dtype: torch.dtype, device: str, targe
         tie_word_embeddings=shape.tie_word_embeddings,
         max_position_embeddings=shape.max_position_embeddings,
     )
+
+
+def build_random_model(shape: ModelShape, dtype: torch.dtype, device: str, target: Path) -> Path:
+    """Save a random-init Qwen2 decoder of `shape` to `target` (config.json + safetensors) and return it."""
+    from transformers import Qwen2ForCausalLM
+
+    config = qwen2_config(shape)
     torch.manual_seed(shape.init_seed)
     with torch.device(device):  # initializing 0.5B parameters on the GPU takes seconds, not a minute
         model = Qwen2ForCausalLM(config)

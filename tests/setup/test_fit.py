@@ -17,32 +17,18 @@ from miniverl.setup.fit import NF4_BYTES_PER_PARAM, ModelSize, card_bytes, model
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
-QWEN = dict(vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096, num_key_value_heads=2)
-SHAPES = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864, **QWEN),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, intermediate_size=8960, **QWEN),
-    "7b": dict(
-        QWEN,
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        intermediate_size=18944,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
-}
+SHAPES = ("0.5b", "1.5b", "7b")  # bench/workload.py REAL_SHAPES, the random models the GPU runs are measured on
 
 
 @pytest.fixture(scope="module")
 def qwen_configs(tmp_path_factory) -> dict[str, Path]:
     """config.json alone of the Qwen2.5-0.5B, -1.5B and -7B shapes: the plan counts their parameters on the meta
     device."""
-    from transformers import Qwen2Config
+    from miniverl.bench.workload import qwen2_config, real_shape
 
     root = tmp_path_factory.mktemp("shapes")
-    for name, shape in SHAPES.items():
-        Qwen2Config(**shape).save_pretrained(root / name)
+    for name in SHAPES:
+        qwen2_config(real_shape(f"qwen2.5-{name}", 4096)).save_pretrained(root / name)
     return {name: root / name for name in SHAPES}
 
 
