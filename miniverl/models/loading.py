@@ -6,6 +6,7 @@ use); anything else goes through the same `from_pretrained` path a user's checkp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,6 +67,42 @@ def checkpoint_numel(model_dir: str) -> int:
                     n *= d
                 numel += n
     return numel
+
+
+# bitsandbytes NF4 with double quantization: 4-bit codes, one 8-bit absmax per block of 64, one fp32 constant per
+# 256 of those blocks. An estimate (the fit planner's and vLLM's rollout check's), not measured per model.
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A model's size without its weights: every parameter, the ones NF4 quantizes (the decoder's linear layers,
+    not the LM head), and its transformers config. The fit planner and vLLM's memory check both size weights here."""
+
+    numel: int
+    linear_numel: int
+    config: object
+
+    def weight_bytes(self, quantization: str, dtype_bytes: int) -> int:
+        if quantization == "nf4":
+            return int(self.linear_numel * NF4_BYTES_PER_PARAM + (self.numel - self.linear_numel) * 2)
+        return self.numel * dtype_bytes
+
+
+def model_size(path: str, config) -> ModelSize:
+    """The model at `path` (its transformers `config`): parameters from the safetensors headers where there are
+    any, else counted on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"
+    )
+    numel = checkpoint_numel(path) or sum(p.numel() for p in model.parameters())
+    return ModelSize(numel, linear, config)
 
 
 def torch_dtype(name: str, device: str) -> torch.dtype:

@@ -31,9 +31,9 @@ from miniverl.rollout.vllm_settings import (
     adapter_config,
     base_linear_weights,
     check_settings,
-    checkpoint_bytes,
     memory_plan,
     merged_weights,
+    served_weight_bytes,
     vllm_lora_rank,
 )
 from miniverl.served_policy import probe_tolerance
@@ -132,7 +132,9 @@ class VllmBackend:
         self.asleep = False
         self._weights = adapter_template(model_path, lora, dtype)
         total = torch.cuda.get_device_properties(0).total_memory
-        utilization, kv_bytes = memory_plan(settings, total, checkpoint_bytes(model_path, dtype))
+        weights = served_weight_bytes(model_path, dtype, settings.quantization)
+        adapter = sum(t.numel() for t in self._weights.values()) * dtype.itemsize
+        utilization, kv_bytes = memory_plan(settings, total, weights, adapter)
         kwargs = {
             "model": model_path,
             "skip_tokenizer_init": True,

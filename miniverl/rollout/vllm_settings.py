@@ -95,35 +95,39 @@ def check_settings(s: VllmSettings) -> None:
         raise ConfigError(f"rollout.vllm.kv_cache_gib={s.kv_cache_gib}: use a positive size or null (derived)")
 
 
-def checkpoint_bytes(model_dir: str, dtype: torch.dtype) -> int:
-    """Bytes of the model's weights in `dtype`, read from the safetensors headers (no weights loaded)."""
-    from miniverl.models.loading import checkpoint_numel
+def served_weight_bytes(model_dir: str, dtype: torch.dtype, quantization: str) -> int:
+    """Bytes of the base model the engine holds: its safetensors headers' parameters (no weights loaded) in
+    `dtype`, or NF4-sized linear layers when the student is served 4-bit (the fit planner's sizing,
+    models/loading.py ModelSize)."""
+    from miniverl.models.loading import checkpoint_numel, load_model_config, model_size
 
-    numel = checkpoint_numel(model_dir)
-    if not numel:
+    if not checkpoint_numel(model_dir):
         raise ConfigError(f"{model_dir!r} has no *.safetensors weights; rollout=vllm loads safetensors checkpoints")
-    return numel * torch.finfo(dtype).bits // 8
+    config = load_model_config(model_dir, "model.student.path", "pass a saved model directory")
+    return model_size(model_dir, config).weight_bytes(quantization, torch.finfo(dtype).bits // 8)
 
 
-def memory_plan(s: VllmSettings, total_bytes: int, weight_bytes: int) -> tuple[float, int | None]:
+def memory_plan(s: VllmSettings, total_bytes: int, weight_bytes: int, adapter_bytes: int = 0) -> tuple[float, int | None]:
     """(gpu_memory_utilization, kv_cache_memory_bytes or None) for the engine.
 
     vLLM's gpu_memory_utilization is a fraction of the *whole* device, and vLLM refuses to start when less
     than that is free (vllm/v1/worker/utils.py request_memory). Without a cap the actor's Ray share is that
     fraction and vLLM profiles the KV size itself. Under the 16 GB emulation cap the utilization becomes
     cap / device (so the free-memory check asks for what the cap allows) and the KV size is explicit:
-    cap - weights - ENGINE_OVERHEAD_GIB, or rollout.vllm.kv_cache_gib.
+    cap - weights - adapter - ENGINE_OVERHEAD_GIB (what the fit planner plans: setup/fit.py), or
+    rollout.vllm.kv_cache_gib.
     """
     explicit = None if s.kv_cache_gib is None else int(s.kv_cache_gib * 2**30)
     if s.gpu_cap_gib is None:
         return s.gpu_share, explicit
     cap = int(s.gpu_cap_gib * 2**30)
-    kv = explicit if explicit is not None else cap - weight_bytes - int(ENGINE_OVERHEAD_GIB * 2**30)
-    if kv <= 0 or kv + weight_bytes > cap:
+    held = weight_bytes + adapter_bytes
+    kv = explicit if explicit is not None else cap - held - int(ENGINE_OVERHEAD_GIB * 2**30)
+    if kv <= 0 or kv + held > cap:
         raise ConfigError(
             f"the vLLM rollout actor's cap is {s.gpu_cap_gib:.2f} GiB (resources.rollout.num_gpus={s.gpu_share:g} x"
-            f" resources.emulate_gpu_gib), the student's weights take {weight_bytes / 2**30:.2f} GiB and the engine"
-            f" needs ~{ENGINE_OVERHEAD_GIB} GiB besides, leaving {kv / 2**30:.2f} GiB for the KV cache; raise"
+            f" resources.emulate_gpu_gib), the student's weights and adapter take {held / 2**30:.2f} GiB and the"
+            f" engine needs ~{ENGINE_OVERHEAD_GIB} GiB besides, leaving {kv / 2**30:.2f} GiB for the KV cache; raise"
             " resources.rollout.num_gpus or set rollout.vllm.kv_cache_gib smaller"
         )
     return min(1.0, cap / total_bytes), kv

@@ -11,7 +11,7 @@ as the actors cap themselves: workers/__init__.py emulated_cap_gib):
   memory_plan); the HF backends hold the weights, a bf16 copy of the adapter, the decode cache of every row of the
   step at full length (data.max_prompt_length + rollout.max_new_tokens: the longest a step can ask for) and the
   sampler's fp32 logits and the prefill's activations, calibrated on hf_cached (ROLLOUT_FIXED_BYTES).
-NF4 weights are estimated (NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16 bits). The learner
+NF4 weights are estimated (models/loading.py NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16 bits). The learner
 and scorer models are calibrated on the GPU (models/sizing.py); the rollout's model is fitted to five H200 cells and
 not yet checked on shapes outside them, and the NF4 estimate not at all, so a plan they put over its share is
 reported, not refused.
@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 
 from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
+from miniverl.models.loading import ModelSize, model_size
 from miniverl.models.memory import human
 
-# bitsandbytes NF4 with double quantization: 4-bit codes, one 8-bit absmax per block of 64, one fp32 constant per
-# 256 of those blocks.
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 # The HF rollout (hf_cached) beside its weights, adapter and decode cache, at its peak (the first decode step after
 # the prefill): per row the sampler's fp32 [V] logits (ROLLOUT_LOGIT_COPIES of them), per prompt the prefill's
 # transient activations (each prompt token's MLP and hidden-size intermediates, PREFILL_TOKEN_BYTES_PER_*; each
@@ -47,40 +45,6 @@ PREFILL_SCORE_COPIES = 1.6
 ROLLOUT_FIXED_BYTES = int(0.30 * 2**30)
 ADAPTER_COPY_BYTES = 2  # the rollout's copy of the adapter, in the base's 16-bit dtype
 KV_BYTES = 2  # keys and values in the model's 16-bit dtype
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """What the plan needs of one model: every parameter, the ones NF4 would quantize (the decoder's linear
-    layers, not the LM head), and its transformers config."""
-
-    numel: int
-    linear_numel: int
-    config: object
-
-    def weight_bytes(self, quantization: str, dtype_bytes: int) -> int:
-        if quantization == "nf4":
-            return int(self.linear_numel * NF4_BYTES_PER_PARAM + (self.numel - self.linear_numel) * 2)
-        return self.numel * dtype_bytes
-
-
-def model_size(path: str, config) -> ModelSize:
-    """The model at `path` (its transformers `config`): parameters from the safetensors headers where there are
-    any, else counted on the meta device."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from miniverl.models.loading import checkpoint_numel
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    linear = sum(
-        m.weight.numel()
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"
-    )
-    numel = checkpoint_numel(path) or sum(p.numel() for p in model.parameters())
-    return ModelSize(numel, linear, config)
 
 
 @dataclass

@@ -22,10 +22,10 @@ from miniverl.rollout.vllm_settings import (
     adapter_config,
     base_linear_weights,
     check_settings,
-    checkpoint_bytes,
     memory_plan,
     merged_weights,
     require_vllm,
+    served_weight_bytes,
     settings_from_config,
     vllm_lora_rank,
 )
@@ -95,8 +95,8 @@ def test_memory_plan_under_a_cap_gives_an_explicit_kv_budget():
 
 
 def test_memory_plan_refuses_a_cap_the_weights_do_not_fit_with_the_numbers():
-    with pytest.raises(ConfigError, match=r"cap is 1.60 GiB.*weights take 1.00 GiB.*resources.rollout.num_gpus"):
-        memory_plan(settings(gpu_share=0.1, gpu_cap_gib=1.6), 140 * GIB, GIB)
+    with pytest.raises(ConfigError, match=r"cap is 1.60 GiB.*weights and adapter take 1.25 GiB.*resources.rollout.num_gpus"):
+        memory_plan(settings(gpu_share=0.1, gpu_cap_gib=1.6), 140 * GIB, GIB, GIB // 4)
     with pytest.raises(ConfigError, match="kv_cache_gib smaller"):
         memory_plan(settings(gpu_cap_gib=6.0, kv_cache_gib=5.5), 140 * GIB, GIB)
 
@@ -147,15 +147,24 @@ def test_merged_weights_equal_peft_merge(random_model_dir):
         torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6)
 
 
-def test_checkpoint_bytes_reads_headers(random_model_dir):
-    """bf16 serving bytes of every tensor in the checkpoint, whatever dtype it was saved in (fp32 here)."""
+def test_served_weight_bytes_read_headers_and_size_an_nf4_student_in_four_bits(random_model_dir):
+    """bf16 serving bytes of every tensor in the checkpoint, whatever dtype it was saved in (fp32 here); an NF4
+    student's linear layers in NF4 (the 7B recipe's vLLM rollout was refused on the GPU when its 1.5B NF4 student was
+    sized in bf16: 2.88 GiB instead of ~1.1)."""
     from safetensors.torch import load_file
+
+    from miniverl.models.loading import NF4_BYTES_PER_PARAM
 
     tensors = load_file(str(next(Path(random_model_dir).glob("*.safetensors"))))
     assert all(t.dtype == torch.float32 for t in tensors.values())
-    assert checkpoint_bytes(str(random_model_dir), torch.bfloat16) == 2 * sum(t.numel() for t in tensors.values())
+    numel = sum(t.numel() for t in tensors.values())
+    assert served_weight_bytes(str(random_model_dir), torch.bfloat16, "none") == 2 * numel
+    linear = sum(t.numel() for k, t in tensors.items() if k.endswith("proj.weight"))
+    assert served_weight_bytes(str(random_model_dir), torch.bfloat16, "nf4") == int(
+        linear * NF4_BYTES_PER_PARAM + 2 * (numel - linear)
+    )
     with pytest.raises(ConfigError, match="no \\*.safetensors"):
-        checkpoint_bytes(str(Path(random_model_dir).parent), torch.bfloat16)
+        served_weight_bytes(str(Path(random_model_dir).parent), torch.bfloat16, "none")
 
 
 def test_nf4_student_is_served_quantized_and_never_merged():

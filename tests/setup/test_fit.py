@@ -13,7 +13,8 @@ from miniverl.config import MiniVerlConfig, ModelSpec
 from miniverl.errors import ConfigError
 from miniverl.fit import ERROR_EXIT_CODE, NO_FIT_EXIT_CODE, main
 from miniverl.objectives import build_objective
-from miniverl.setup.fit import NF4_BYTES_PER_PARAM, ModelSize, card_bytes, model_size, plan_fit, step_rows
+from miniverl.models.loading import NF4_BYTES_PER_PARAM, ModelSize, model_size
+from miniverl.setup.fit import card_bytes, plan_fit, step_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -115,6 +116,32 @@ def test_nf4_weights_are_four_bits_for_the_decoders_linear_layers_and_sixteen_fo
     cfg.model.teacher = ModelSpec(path="x", quantization="nf4")
     quantized = plan(cfg, qwen_configs).actors[1]
     assert quantized.weight_bytes < nf4.actors[1].weight_bytes / 2 and not quantized.calibrated
+
+
+def test_the_7b_recipes_vllm_rollout_gets_from_the_engine_the_kv_cache_the_plan_gives_it(qwen_configs):
+    """gkd_4080_7b's first GPU run was refused by the engine's own check (its NF4 1.5B student sized in bf16: 2.88
+    GiB) while the plan said it fits: the engine (rollout/vllm_settings.py memory_plan) and the plan size the same
+    weights and adapter, so they derive the same KV cache."""
+    from transformers import AutoConfig
+
+    from miniverl.rollout.vllm_settings import ENGINE_OVERHEAD_GIB, memory_plan, settings_from_config
+    from miniverl.setup.preflight import adapter_params
+    from miniverl.workers import emulated_cap_gib
+
+    cfg = recipe(rollout__backend="vllm")
+    cfg.model.student = ModelSpec(path="x", quantization="nf4")
+    cfg.model.teacher = ModelSpec(path="y", quantization="nf4")
+    cfg.resources.rollout.num_gpus, cfg.resources.scorer.num_gpus, cfg.resources.learner.num_gpus = 0.27, 0.48, 0.25
+    rollout = plan(cfg, qwen_configs, student="1.5b", teacher="7b").actors[2]
+    assert rollout.problem is None, rollout.problem
+    size = model_size(str(qwen_configs["1.5b"]), AutoConfig.from_pretrained(qwen_configs["1.5b"]))
+    assert rollout.weight_bytes == size.weight_bytes("nf4", 2)
+    adapter = adapter_params(size.config, cfg.model.lora) * 2
+    engine = settings_from_config(cfg, 0.27, emulated_cap_gib(16, 0.27, "resources.rollout.num_gpus"))
+    _, kv = memory_plan(engine, 140 * GIB, size.weight_bytes("nf4", 2), adapter)
+    assert kv + rollout.weight_bytes + adapter + int(ENGINE_OVERHEAD_GIB * GIB) == rollout.peak_bytes
+    with pytest.raises(ConfigError, match="leaving -0.7"):  # the bf16 sizing the engine used before
+        memory_plan(engine, 140 * GIB, size.weight_bytes("none", 2), adapter)
 
 
 def test_without_a_card_the_plan_asks_for_one():
