@@ -107,7 +107,9 @@ def served_weight_bytes(model_dir: str, dtype: torch.dtype, quantization: str) -
     return model_size(model_dir, config).weight_bytes(quantization, torch.finfo(dtype).bits // 8)
 
 
-def memory_plan(s: VllmSettings, total_bytes: int, weight_bytes: int, adapter_bytes: int = 0) -> tuple[float, int | None]:
+def memory_plan(
+    s: VllmSettings, total_bytes: int, weight_bytes: int, adapter_bytes: int = 0
+) -> tuple[float, int | None]:
     """(gpu_memory_utilization, kv_cache_memory_bytes or None) for the engine.
 
     vLLM's gpu_memory_utilization is a fraction of the *whole* device, and vLLM refuses to start when less

@@ -11,10 +11,10 @@ as the actors cap themselves: workers/__init__.py emulated_cap_gib):
   memory_plan); the HF backends hold the weights, a bf16 copy of the adapter, the decode cache of every row of the
   step at full length (data.max_prompt_length + rollout.max_new_tokens: the longest a step can ask for) and the
   sampler's fp32 logits and the prefill's activations, calibrated on hf_cached (ROLLOUT_FIXED_BYTES).
-NF4 weights are estimated (models/loading.py NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16 bits). The learner
-and scorer models are calibrated on the GPU (models/sizing.py); the rollout's model is fitted to five H200 cells and
-not yet checked on shapes outside them, and the NF4 estimate not at all, so a plan they put over its share is
-reported, not refused.
+NF4 weights are estimated (models/loading.py NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16
+bits). The learner and scorer models are calibrated on the GPU (models/sizing.py); the rollout's model is fitted to
+five H200 cells and not yet checked on shapes outside them, and the NF4 estimate not at all, so a plan they put over
+its share is reported, not refused.
 
 `python -m miniverl.fit` prints the plan; every GPU run logs the same lines before Ray starts and refuses what the
 calibrated models say cannot fit (setup/prepare.py).

@@ -95,7 +95,9 @@ def test_memory_plan_under_a_cap_gives_an_explicit_kv_budget():
 
 
 def test_memory_plan_refuses_a_cap_the_weights_do_not_fit_with_the_numbers():
-    with pytest.raises(ConfigError, match=r"cap is 1.60 GiB.*weights and adapter take 1.25 GiB.*resources.rollout.num_gpus"):
+    with pytest.raises(
+        ConfigError, match=r"cap is 1.60 GiB.*weights and adapter take 1.25 GiB.*resources.rollout.num_gpus"
+    ):
         memory_plan(settings(gpu_share=0.1, gpu_cap_gib=1.6), 140 * GIB, GIB, GIB // 4)
     with pytest.raises(ConfigError, match="kv_cache_gib smaller"):
         memory_plan(settings(gpu_cap_gib=6.0, kv_cache_gib=5.5), 140 * GIB, GIB)

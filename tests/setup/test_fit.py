@@ -12,8 +12,8 @@ import pytest
 from miniverl.config import MiniVerlConfig, ModelSpec
 from miniverl.errors import ConfigError
 from miniverl.fit import ERROR_EXIT_CODE, NO_FIT_EXIT_CODE, main
-from miniverl.objectives import build_objective
 from miniverl.models.loading import NF4_BYTES_PER_PARAM, ModelSize, model_size
+from miniverl.objectives import build_objective
 from miniverl.setup.fit import card_bytes, plan_fit, step_rows
 
 ROOT = Path(__file__).resolve().parents[2]
