@@ -100,6 +100,9 @@ class VllmRolloutConfig:
     seeding: str = "row"  # row: one seed per sampled row (the project's rule) | prompt: one seed per prompt, n samples
     max_num_seqs: int = 0  # rows decoded at once; 0 = the largest rollout batch of the run
     cudagraph_capture_size: int = 0  # largest decode batch with a CUDA graph; 0 = max_num_seqs
+    # prompt tokens one engine step prefills (chunked prefill); 0 = vLLM's default (16,384). Its activations are not
+    # in the engine's fixed overhead: a 1.5B student's MLP alone takes ~0.3 GiB per 16k-token chunk
+    max_num_batched_tokens: int = 0
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
     sleep_between_steps: bool = False  # sleep(level=1) after generating: weights to host memory, KV cache freed

@@ -200,6 +200,7 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
         settings = VllmSettings(
             max_num_seqs=rows,
             cudagraph_capture_size=capture,
+            max_num_batched_tokens=product.max_num_batched_tokens,
             max_model_len=context,
             gpu_cap_gib=None,
             kv_cache_gib=product.kv_cache_gib,

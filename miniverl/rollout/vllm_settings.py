@@ -40,6 +40,7 @@ class VllmSettings:
     seeding: str  # row: one request (and seed) per sampled row; prompt: one request with n samples per prompt
     max_num_seqs: int  # rows the engine decodes at once
     cudagraph_capture_size: int  # largest decode batch captured as a CUDA graph
+    max_num_batched_tokens: int  # tokens one engine step prefills; 0 = vLLM's default
     max_model_len: int  # prompt + response tokens of the longest row
     enable_prefix_caching: bool
     async_scheduling: bool
@@ -91,6 +92,12 @@ def check_settings(s: VllmSettings) -> None:
             " rollout.vllm.engine_process=inprocess"
         )
     check_quantized_rollout(s.quantization, "vllm", s.refresh)  # nf4 is never merged (re-quantized)
+    if s.max_num_batched_tokens and s.max_num_batched_tokens < s.max_num_seqs:
+        raise ConfigError(
+            f"rollout.vllm.max_num_batched_tokens={s.max_num_batched_tokens} is below the {s.max_num_seqs} rows the"
+            f" engine decodes at once (rollout.vllm.max_num_seqs, or the step's rows): vLLM needs a step to hold one"
+            f" token of each; raise it to at least {s.max_num_seqs}, or 0 for vLLM's default"
+        )
     if s.kv_cache_gib is not None and s.kv_cache_gib <= 0:
         raise ConfigError(f"rollout.vllm.kv_cache_gib={s.kv_cache_gib}: use a positive size or null (derived)")
 
@@ -237,6 +244,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> Vl
         seeding=v.seeding,
         max_num_seqs=max_num_seqs,
         cudagraph_capture_size=v.cudagraph_capture_size or max_num_seqs,
+        max_num_batched_tokens=v.max_num_batched_tokens,
         max_model_len=d.max_prompt_length + r.max_new_tokens,
         enable_prefix_caching=v.enable_prefix_caching,
         async_scheduling=v.async_scheduling,

@@ -46,6 +46,7 @@ def settings(refresh: str, **kw) -> VllmSettings:
         seeding="row",
         max_num_seqs=64,
         cudagraph_capture_size=64,
+        max_num_batched_tokens=0,
         max_model_len=256,
         enable_prefix_caching=True,
         async_scheduling=False,

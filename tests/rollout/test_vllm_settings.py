@@ -65,6 +65,7 @@ def test_settings_from_config_size_the_engine_for_the_run():
         ("engine_process", "thread", "rollout.vllm.engine_process"),
         ("seeding", "batch", "rollout.vllm.seeding"),
         ("kv_cache_gib", 0.0, "rollout.vllm.kv_cache_gib"),
+        ("max_num_batched_tokens", 8, r"rollout.vllm.max_num_batched_tokens=8 is below the \d+ rows"),
     ],
 )
 def test_bad_settings_name_the_key(field, value, names):
