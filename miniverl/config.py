@@ -206,9 +206,14 @@ class TrainerConfig:
     max_tokens_per_micro_batch: int = 0
     # Response tokens whose [tokens, V] logits exist at once in the learner (and the scorer): the LM head and
     # the loss run fused, chunk by chunk, forward and backward (models/fused_head.py), so no [rows, Tr, V]
-    # tensor exists. 0 = a whole micro-batch's tokens at once (fine for tiny vocabularies).
-    logprob_chunk_tokens: int = 0
-    gradient_checkpointing: bool = False  # recompute decoder activations in backward (less memory, ~30% slower)
+    # tensor exists. 0 = a whole micro-batch's tokens at once (fine for tiny vocabularies). null = chosen before
+    # Ray: 0 on the CPU and for vocabularies under 32k; on a GPU the largest of 1024/512/256/128 with which the
+    # learner and the scorer fit their shares (setup/fit.py choose_layout; the run prints the choice and why).
+    logprob_chunk_tokens: int | None = None
+    # Recompute decoder activations in backward (less memory, ~30% more compute per token). null = chosen before
+    # Ray: off on the CPU; on a GPU on when without it the learner's micro-batches would be short (under 16k tokens
+    # and the step's), so the few large micro-batches it allows are faster than many small ones.
+    gradient_checkpointing: bool | None = None
     # Each decoder layer of the learner through torch.compile (miniverl/models/compiled.py): about half the kernel
     # launches of an update whose time is launches and Python; the first update compiles (about 75 s at 0.5B). On an
     # H200: 1.68x the eager learner's tokens/s (diag13a), update 1.97 s against 3.71 in the 12 GiB recipe, where
@@ -506,9 +511,9 @@ def validate(cfg: MiniVerlConfig) -> None:
     check_quantized_rollout(cfg.model.student.quantization, r.backend, r.vllm.refresh)
     check_teacher_routes(cfg.model, ModelSpec(path="builtin:teacher"))
     _require(
-        t.logprob_chunk_tokens >= 0,
-        f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens}: use 0 (a micro-batch at once) or a token count"
-        " such as 256",
+        t.logprob_chunk_tokens is None or t.logprob_chunk_tokens >= 0,
+        f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens}: use 0 (a micro-batch at once), a token count"
+        " such as 256, or null (chosen from the model and the memory share)",
     )
     longest = d.max_prompt_length + r.max_new_tokens
     _require(

@@ -151,7 +151,10 @@ def test_validate_names_the_problem_and_the_fix(overrides, message):
 
 
 def test_prepare_accepts_good_models(student_dir, teacher_dir):
-    setup = prepare(with_models(student_dir, teacher_dir), log=lambda *_: None)
+    cfg = with_models(student_dir, teacher_dir)
+    assert (cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing) == (None, None)  # chosen below
+    setup = prepare(cfg, log=lambda *_: None)
+    assert (cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing) == (0, False)  # the CPU's choice
     assert setup.stop_token_ids == (2,) and setup.vocab_size == 43
     assert setup.prompts.batch(1, 4).prompt_ids == setup.prompts.batch(1, 4).prompt_ids
     assert setup.eval_batch.data_source[0] == "reverse"

@@ -72,6 +72,10 @@ class FitPlan:
     context_bytes: int
     contexts: int
     problems: list[str] = field(default_factory=list)  # the card's own (shares over the whole card)
+    # trainer.logprob_chunk_tokens and trainer.gradient_checkpointing as planned (chosen where the config left them
+    # null), and one line per chosen value saying why
+    layout: dict = field(default_factory=dict)
+    layout_lines: list[str] = field(default_factory=list)
 
     @property
     def device_peak_bytes(self) -> int:
@@ -88,7 +92,7 @@ class FitPlan:
         return [f"{a.role}: {a.problem}" for a in self.actors if a.problem and not a.calibrated]
 
     def lines(self) -> list[str]:
-        out = [f"memory plan for a {human(self.card_bytes)} card ({self.card_source}):"]
+        out = [f"memory plan for a {human(self.card_bytes)} card ({self.card_source}):", *self.layout_lines]
         for a in self.actors:
             mark = "" if a.problem is None else ("  DOES NOT FIT" if a.calibrated else "  over its share (estimate)")
             out.append(
@@ -148,6 +152,7 @@ def plan_fit(
         return int((total / 2**30 * fractions[role] - CUDA_CONTEXT_GIB) * 2**30)  # as emulated_cap_gib rounds
 
     adapter = adapter_params(sizes["student"].config, cfg.model.lora)  # a meta-device build: once
+    cfg, layout, layout_lines = choose_layout(cfg, objective, sizes, adapter, vocab, share, fractions, kernels)
     actors = [
         _learner(cfg, objective, sizes["student"], adapter, vocab, share("learner"), fractions["learner"], kernels),
         _scorer(
@@ -170,7 +175,7 @@ def plan_fit(
             a.calibrated = True
     contexts = 1 if res.colocate else len(actors)
     context = COLOCATED_CONTEXT_GIB if res.colocate else CUDA_CONTEXT_GIB
-    return FitPlan(total, source, actors, int(contexts * context * 2**30), contexts, problems)
+    return FitPlan(total, source, actors, int(contexts * context * 2**30), contexts, problems, layout, layout_lines)
 
 
 def step_rows(cfg: MiniVerlConfig) -> int:
@@ -178,16 +183,104 @@ def step_rows(cfg: MiniVerlConfig) -> int:
     return max(cfg.data.prompts_per_step * cfg.rollout.n // max(cfg.resources.gpus or 1, 1), 1)
 
 
+# The layout a run gets where trainer.logprob_chunk_tokens or trainer.gradient_checkpointing is null (issue 34: a user
+# who did not copy the 4080 recipe got 917-token micro-batches, no chunking, and a learner ~5x slower per token):
+# - LM-head chunks: none below SMALL_VOCAB (a micro-batch's logits at once are cheap there, as on the built-in models'
+#   40-token vocabulary); above it the largest of AUTO_CHUNKS with which the learner and the scorer both fit (1,024
+#   tokens was the fastest chunk measured: docs/benchmarks/learner-throughput.md diag10 and confirm3);
+# - gradient checkpointing: on when it lets the learner's micro-batches grow and they are short without it (under
+#   CHECKPOINT_FREE_TOKENS or the step's tokens). Per token it recomputes the forward (~30%), but a micro-batch costs
+#   far more when small: 802-token micro-batches without it trained 2.7k tokens/s where 20,072-token ones with it
+#   trained 21k (diag6 vs diag5); from 16k to 32k tokens a micro-batch gained only 4% (diag2).
+SMALL_VOCAB = 32768
+AUTO_CHUNKS = (1024, 512, 256, 128)
+CHECKPOINT_FREE_TOKENS = 16384
+
+
+def _learner_shape(cfg, size: ModelSize, adapter: int, vocab: int):
+    from miniverl.models.loading import torch_dtype
+    from miniverl.models.sizing import model_shape
+
+    spec = cfg.model.student
+    weights = size.weight_bytes(spec.quantization, torch_dtype(spec.dtype, "cuda").itemsize)
+    return model_shape(size.config, vocab, weights, adapter, quantized=spec.quantization != "none")
+
+
+def _checkpointing_pays(cfg, objective, shape, share: int, chunk: int, kernels: bool) -> tuple[bool, str]:
+    """Whether the learner should recompute activations, and why (a line's tail)."""
+    from miniverl.models.sizing import fit_tokens
+
+    closed = objective.closed_form_head and kernels
+    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    fits = {}
+    for on in (False, True):
+        try:
+            fits[on] = fit_tokens(shape, share, chunk, on, longest_row, closed)
+        except ConfigError:
+            fits[on] = 0
+    enough = min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
+    def up_to(tokens: int) -> str:
+        return f"up to {tokens:,} tokens" if tokens else "not one row"
+
+    sizes = f"micro-batches of {up_to(fits[False])} without it, {up_to(fits[True])} with it"
+    if fits[False] >= enough or fits[False] >= fits[True]:
+        return False, f"{sizes}: enough without"
+    return True, f"{sizes}: short without"
+
+
+def choose_layout(
+    cfg, objective, sizes: dict[str, ModelSize], adapter: int, vocab: int, share, fractions: dict, kernels: bool
+):
+    """`cfg` with trainer.logprob_chunk_tokens and trainer.gradient_checkpointing set where they are null (the
+    rules above), the chosen values, and a line for each value chosen. `share(role)`: an actor's share in bytes."""
+    import dataclasses
+
+    from miniverl.setup.teachers import teacher_specs
+
+    t = cfg.trainer
+    if t.logprob_chunk_tokens is not None and t.gradient_checkpointing is not None:
+        return cfg, {}, []
+    shape = _learner_shape(cfg, sizes["student"], adapter, vocab)
+    if t.logprob_chunk_tokens is not None:
+        chunks = [t.logprob_chunk_tokens]
+    else:
+        chunks = [0] if vocab < SMALL_VOCAB else list(AUTO_CHUNKS)
+    teachers = {r: sizes[r] for r in teacher_specs(cfg.model)}
+    for chunk in chunks:  # the largest chunk with which both fit; else the smallest (its plan says what does not)
+        checkpointing, why = t.gradient_checkpointing, None
+        if checkpointing is None:
+            checkpointing, why = _checkpointing_pays(cfg, objective, shape, share("learner"), chunk, kernels)
+        trial = dataclasses.replace(
+            cfg, trainer=dataclasses.replace(t, logprob_chunk_tokens=chunk, gradient_checkpointing=checkpointing)
+        )
+        learner = _learner(trial, objective, sizes["student"], adapter, vocab, share("learner"), 1, kernels)
+        scorer = _scorer(trial, objective, teachers, vocab, share("scorer"), fractions["scorer"], kernels)
+        if learner.problem is None and scorer.problem is None:
+            break
+    layout, lines = {}, []
+    if t.logprob_chunk_tokens is None:
+        layout["logprob_chunk_tokens"] = chunk
+        reason = (
+            f"a {vocab:,}-token vocabulary's logits are small"
+            if vocab < SMALL_VOCAB
+            else f"the largest of {', '.join(map(str, AUTO_CHUNKS))} with which the learner and the scorer fit"
+        )
+        lines.append(f"  trainer.logprob_chunk_tokens={chunk} (chosen: {reason})")
+    if t.gradient_checkpointing is None:
+        layout["gradient_checkpointing"] = checkpointing
+        lines.append(f"  trainer.gradient_checkpointing={str(checkpointing).lower()} (chosen: {why})")
+    return trial, layout, lines
+
+
 def _learner(
     cfg, objective, size: ModelSize, adapter: int, vocab: int, share: int, fraction: float, kernels: bool
 ) -> ActorPlan:
     """`adapter`: the LoRA adapter's parameters (setup/preflight.py adapter_params)."""
-    from miniverl.models.loading import torch_dtype
-    from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes, model_shape
+    from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes
 
     spec, t = cfg.model.student, cfg.trainer
-    weights = size.weight_bytes(spec.quantization, torch_dtype(spec.dtype, "cuda").itemsize)
-    shape = model_shape(size.config, vocab, weights, adapter, quantized=spec.quantization != "none")
+    shape = _learner_shape(cfg, size, adapter, vocab)
+    weights = shape.weight_bytes
     closed = objective.closed_form_head and kernels
     longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     step_tokens = step_rows(cfg) * longest_row

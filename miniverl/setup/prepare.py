@@ -148,6 +148,23 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
         vocab_size = shared_vocab_size(v_student, configs[role].vocab_size, len(student_tok))
     t, r = cfg.trainer, cfg.rollout
     objective = build_objective(cfg.objective)
+    # What `python -m miniverl.fit` prints, before any actor starts: shares known from the config (emulated card or
+    # the visible GPU), a student or teacher its learner or scorer share cannot hold refused with the arithmetic the
+    # actor would print after loading (a 12 GiB card left the 1.5B bf16 teacher no room, and the scorer said so only
+    # after Ray had started and the student had loaded: docs/benchmarks/staleness-gpu.md, session 8). The plan also
+    # chooses the LM-head chunk and gradient checkpointing where the config leaves them null (setup/fit.py
+    # choose_layout); on the CPU they are off (the built-in models' logits are small, and time, not memory, binds).
+    if device == "cuda":
+        plan = card_plan(cfg, objective, paths, configs, vocab_size, kernels_available())  # as the actors decide
+        for line in plan.lines():
+            log(f"[miniverl] {line}")
+        if plan.refusals:
+            raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
+        for key, value in plan.layout.items():
+            setattr(t, key, value)
+    else:
+        t.logprob_chunk_tokens = 0 if t.logprob_chunk_tokens is None else t.logprob_chunk_tokens
+        t.gradient_checkpointing = bool(t.gradient_checkpointing)
     check_vocab_memory(
         cfg.data.prompts_per_step * r.n,
         r.max_new_tokens,
@@ -159,16 +176,6 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
         t.max_tokens_per_micro_batch,
         objective.closed_form_head,
     )
-    # What `python -m miniverl.fit` prints, before any actor starts: shares known from the config (emulated card or
-    # the visible GPU), a student or teacher its learner or scorer share cannot hold refused with the arithmetic the
-    # actor would print after loading (a 12 GiB card left the 1.5B bf16 teacher no room, and the scorer said so only
-    # after Ray had started and the student had loaded: docs/benchmarks/staleness-gpu.md, session 8)
-    if device == "cuda":
-        plan = card_plan(cfg, objective, paths, configs, vocab_size, kernels_available())  # as the actors decide
-        for line in plan.lines():
-            log(f"[miniverl] {line}")
-        if plan.refusals:
-            raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
     stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)

@@ -144,6 +144,61 @@ def test_the_7b_recipes_vllm_rollout_gets_from_the_engine_the_kv_cache_the_plan_
         memory_plan(engine, 140 * GIB, size.weight_bytes("none", 2), adapter)
 
 
+def test_a_null_chunk_and_checkpointing_get_the_4080_recipes_hand_set_layout(qwen_configs):
+    """Issue 34: the fast settings are the default. With trainer.logprob_chunk_tokens and
+    trainer.gradient_checkpointing null, the recipe's shape and shares plan what gkd_4080.yaml sets by hand."""
+    hand = plan(recipe(), qwen_configs)
+    cfg = recipe()
+    cfg.trainer.logprob_chunk_tokens = cfg.trainer.gradient_checkpointing = None
+    chosen = plan(cfg, qwen_configs)
+    assert chosen.layout == {"logprob_chunk_tokens": 1024, "gradient_checkpointing": True} and not hand.layout
+    assert (
+        chosen.actors[0].choice
+        == hand.actors[0].choice
+        == "micro-batches of up to 17,322 tokens (the step: 212,992 at most)"
+    )
+    assert chosen.lines()[1:3] == [
+        "  trainer.logprob_chunk_tokens=1024 (chosen: the largest of 1024, 512, 256, 128 with which the learner and the"
+        " scorer fit)",
+        "  trainer.gradient_checkpointing=true (chosen: micro-batches of up to 846 tokens without it, up to 17,322"
+        " tokens with it: short without)",
+    ]
+    assert chosen.lines()[3:] == hand.lines()[1:]  # the same plan otherwise
+    assert (cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing) == (None, None)  # not written here
+
+
+def test_a_user_run_without_the_recipe_gets_micro_batches_twenty_times_longer(qwen_configs):
+    """The issue's measurement: a 0.5B-shape model at 16 x 1 x 256 (r16) under the default shares sized the learner to
+    917-token micro-batches with no LM-head chunking (update 0.96 s for 4k tokens against the recipe's 8k in 0.35 s).
+    Chosen, the step's 4,608 tokens are one micro-batch."""
+    cfg = MiniVerlConfig()
+    cfg.resources.emulate_gpu_gib, cfg.rollout.backend = 16, "hf_cached"
+    cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens, cfg.model.lora.rank = 16, 1, 256, 16
+    chosen = plan(cfg, qwen_configs)
+    assert chosen.layout["gradient_checkpointing"] is True and chosen.layout["logprob_chunk_tokens"] in (512, 1024)
+    assert chosen.actors[0].choice == "micro-batches of up to 18,786 tokens (the step: 4,608 at most)"
+    assert not chosen.refusals and not chosen.warnings
+    cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing = 0, False  # the old defaults, set by hand
+    assert plan(cfg, qwen_configs).actors[0].choice.startswith("micro-batches of up to 917 tokens")
+
+
+def test_a_small_vocabulary_is_not_chunked_and_a_large_share_is_not_checkpointed(qwen_configs):
+    from transformers import AutoConfig
+
+    cfg = recipe(data__prompts_per_step=4, rollout__n=1, rollout__max_new_tokens=64, data__max_prompt_length=64)
+    cfg.trainer.logprob_chunk_tokens = cfg.trainer.gradient_checkpointing = None
+    cfg.resources.emulate_gpu_gib = 80
+    sizes = {r: model_size(str(qwen_configs[n]), AutoConfig.from_pretrained(qwen_configs[n])) for r, n in
+             (("student", "0.5b"), ("teacher", "1.5b"))}  # fmt: skip
+    small = plan_fit(cfg, build_objective(cfg.objective), sizes, 4096, card_bytes(cfg, None))
+    assert small.layout == {"logprob_chunk_tokens": 0, "gradient_checkpointing": False}
+    assert "a 4,096-token vocabulary's logits are small" in small.lines()[1]
+    assert small.lines()[2].endswith(": enough without)")  # 4 rows of 128 tokens fit without recomputing
+    cfg.trainer.gradient_checkpointing = True  # a value set by the user is kept and not reported as chosen
+    kept = plan_fit(cfg, build_objective(cfg.objective), sizes, 4096, card_bytes(cfg, None))
+    assert kept.layout == {"logprob_chunk_tokens": 0} and len(kept.layout_lines) == 1
+
+
 def test_without_a_card_the_plan_asks_for_one():
     with pytest.raises(ConfigError, match=r"no card to plan for: .* resources.emulate_gpu_gib=16"):
         card_bytes(MiniVerlConfig(), None)
