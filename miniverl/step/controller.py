@@ -17,6 +17,7 @@ gradients. With one replica of each, every shard is the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class InFlight:
     windows: list[Any]
     identity: PolicyIdentity
     uid: list[str]
+    score: Any = None  # its teacher scores' handle, submitted behind it (score_behind)
 
 
 def overlap_seconds(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -150,6 +152,18 @@ class StrictSyncController:
             )
         return rollouts, span(fetch(flight.windows))
 
+    def score_behind(self, flight: InFlight) -> InFlight:
+        """`flight` with its teacher scores submitted behind it: the scorer takes the rollout by reference and
+        starts when it ends, so one behind (trainer.staleness=1) the next step's scoring runs beside this step's
+        update as its rollout does, instead of after it (the one-behind runs of docs/benchmarks/decode-profile.md
+        spent score + update in series: 1.54 + 3.19 s of a 4.85 s step). The teacher's scores do not depend on
+        the policy, so scoring early changes no number. One rollout replica and one scorer only: with several,
+        each replica's rows come padded to their own width, and the learner is handed rows of the stacked batch."""
+        if len(self.rollouts) != 1 or len(self.scorers) != 1 or len(flight.parts) != 1:
+            return flight
+        handle = submit(self.scorers[0], "score", flight.parts[0], self.teacher_support_k, self.loss_temperature)
+        return dataclasses.replace(flight, score=handle)
+
     def sample(self, prompts: PromptBatch, params: SamplingParams, identity: PolicyIdentity) -> RolloutBatch:
         return self.collect(self.submit_sample(prompts, params, identity))[0]
 
@@ -227,8 +241,13 @@ class StrictSyncController:
         identity = self.ensure_served()  # the learner's current version (a no-op in strict sync: proven above)
         lap("refresh")
         if self.staleness and upcoming is not None:
-            self.in_flight = self.submit_sample(*upcoming, identity)
-        scores = self.score(rollouts, self.teacher_support_k)  # handles; the learner fetches them
+            self.in_flight = self.score_behind(self.submit_sample(*upcoming, identity))
+        # handles; the learner fetches them. A rollout that was in flight was scored as soon as it ended, beside
+        # the last update
+        if flight.score is None:
+            scores = self.score(rollouts, self.teacher_support_k)
+        else:
+            scores = [(flight.score, 0, len(rollouts.uid))]
         rewards = self.reward_fn(rollouts)
         # The update cannot start before its scores exist (Ray resolves them first), so waiting here costs a
         # round trip and keeps time/score the teacher's and time/update the learner's (the 4080 recipe's run 3

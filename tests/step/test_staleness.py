@@ -111,6 +111,39 @@ def test_a_stale_run_trains_each_step_on_the_previous_versions_rollout(stale):
     assert steps[0]["policy_drift_mean"] == pytest.approx(steps[0]["sampler_gap_mean"])
 
 
+def test_one_behind_the_next_rollout_is_scored_behind_it_and_the_numbers_do_not_change(parts, student_dir, monkeypatch):
+    """The in-flight rollout's teacher scores are submitted with it (the scorer takes the rollout by reference and
+    starts when it ends, beside the update) and the next step trains on them: the same numbers as scoring it after
+    the rollout is collected, since the teacher does not depend on the policy."""
+    tok, prompts, _, scorer = parts
+    runs = {}
+    for name in ("behind", "after"):
+        if name == "after":
+            monkeypatch.setattr(StrictSyncController, "score_behind", lambda self, flight: flight)
+        lrn = learner(student_dir, 1, lr=1e-2)
+        ctl = controller(
+            (tok, prompts, lrn, RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU), scorer)
+        )
+        runs[name] = []
+        for k in range(3):
+            runs[name].append(ctl.step(prompts, params(k), (prompts, params(k + 1)) if k < 2 else None))
+            if k < 2:
+                assert (ctl.in_flight.score is not None) == (name == "behind")
+    for a, b in zip(runs["behind"], runs["after"], strict=True):
+        for key in ("loss", "reverse_kl", "grad_norm", "policy_version", "staleness", "sampler_gap_mean"):
+            assert a[key] == b[key], key
+
+
+def test_with_two_scorers_the_rollout_in_flight_is_scored_after_it(stale):
+    """Several replicas pad their rows to their own widths, while the learner gets rows of the stacked batch: the
+    scores behind a flight are for one rollout replica and one scorer only."""
+    tok, prompts, lrn, rollout, scorer = stale
+    ctl = StrictSyncController(rollout, [scorer, scorer], lrn, ExactMatchReward(tok), 0, 1.0, staleness=1)
+    ctl.step(prompts, params(0), (prompts, params(1)))
+    assert ctl.in_flight is not None and ctl.in_flight.score is None
+    assert ctl.step(prompts, params(1))["staleness"] == 1
+
+
 def test_strict_sync_logs_no_lag_and_no_drift(parts, student_dir):
     tok, prompts, lrn, scorer = parts
     rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
