@@ -167,10 +167,13 @@ class StrictSyncController:
     def sample(self, prompts: PromptBatch, params: SamplingParams, identity: PolicyIdentity) -> RolloutBatch:
         return self.collect(self.submit_sample(prompts, params, identity))[0]
 
-    def score(self, rollouts: RolloutBatch, support_k: int | None) -> list[tuple[Any, int, int]]:
+    def score(self, rollouts: RolloutBatch, support_k: int | None, source: Any = None) -> list[tuple[Any, int, int]]:
         """The teacher's scores of `rollouts`, one part per scorer replica: (handle, first row, end row).
         A handle is a Ray ref (a value in-process): the scores go from scorer to learner, never through
-        the driver (at the 4080 recipe they are most of a step's bytes)."""
+        the driver (at the 4080 recipe they are most of a step's bytes). `source`: the batch's own handle from
+        its one rollout replica, which one scorer takes by reference instead of the driver's copy."""
+        if source is not None and len(self.scorers) == 1:
+            return [(submit(self.scorers[0], "score", source, support_k, self.loss_temperature), 0, len(rollouts.uid))]
         shards = [(a, b) for a, b in group_bounds(rollouts.uid, len(self.scorers)) if b > a]
         return [
             (submit(scorer, "score", rollouts.rows(a, b), support_k, self.loss_temperature), a, b)
@@ -183,12 +186,14 @@ class StrictSyncController:
         return concat_scores(fetch([handle for handle, _, _ in parts]))
 
     def update(
-        self, rollouts: RolloutBatch, parts: list[tuple[Any, int, int]], rewards: torch.Tensor
+        self, rollouts: RolloutBatch, parts: list[tuple[Any, int, int]], rewards: torch.Tensor, source: Any = None
     ) -> dict[str, float]:
         """Every learner rank takes one shard of whole groups (possibly empty) and the step's token count.
         A rank whose rows one scorer replica scored gets that replica's scores by reference; otherwise
-        (different replica counts) the driver fetches and slices them."""
+        (different replica counts) the driver fetches and slices them. `source`: the batch's own handle from its
+        one rollout replica, which one learner takes by reference instead of the driver's copy."""
         tokens = int(rollouts.response_mask.sum())
+        by_reference = source is not None and len(self.learners) == 1  # then the one shard is the whole batch
         shards = group_bounds(rollouts.uid, len(self.learners))
         by_rows = {(a, b): handle for handle, a, b in parts}
         whole: list[TeacherScores] = []
@@ -198,7 +203,7 @@ class StrictSyncController:
             if scores is None:
                 whole = whole or [self.fetch_scores(parts)]
                 scores = whole[0].rows(a, b)
-            args.append((rollouts.rows(a, b), scores, rewards[a:b], tokens))
+            args.append((source if by_reference else rollouts.rows(a, b), scores, rewards[a:b], tokens))
         metrics = combine_rank_metrics(call_all(self.learners, "update", args))
         if not metrics["skipped_step"]:  # a skipped (non-finite) step leaves the policy and its version as they were
             self.sync.learner_updated()
@@ -244,8 +249,9 @@ class StrictSyncController:
             self.in_flight = self.score_behind(self.submit_sample(*upcoming, identity))
         # handles; the learner fetches them. A rollout that was in flight was scored as soon as it ended, beside
         # the last update
+        source = flight.parts[0] if len(flight.parts) == 1 else None  # one replica's batch, by reference
         if flight.score is None:
-            scores = self.score(rollouts, self.teacher_support_k)
+            scores = self.score(rollouts, self.teacher_support_k, source)
         else:
             scores = [(flight.score, 0, len(rollouts.uid))]
         rewards = self.reward_fn(rollouts)
@@ -254,7 +260,7 @@ class StrictSyncController:
         # logged score 0.13 s and update 7.18 s when the wait was inside the update).
         settle([handle for handle, _, _ in scores])
         lap("score")
-        metrics = self.update(rollouts, scores, rewards)
+        metrics = self.update(rollouts, scores, rewards, source)
         overlap = overlap_seconds(generated, self._last_update)  # this step's rollout against the last update
         self._last_update = span(fetch([submit(learner, "busy_window") for learner in self.learners]))
         lap("update")

@@ -191,3 +191,27 @@ def test_row_slices_are_not_validated_again(parts, student_dir, monkeypatch):
     part, part_scores = batch.rows(1, 3), scores.rows(1, 3)
     assert calls == [] and len(part) == 2 and torch.equal(part.responses, batch.responses[1:3])
     assert part.uid == batch.uid[1:3] and torch.equal(part_scores.teacher_topk_ids, scores.teacher_topk_ids[1:3])
+
+
+def test_one_replicas_batch_goes_to_the_scorer_and_the_learner_by_reference(parts, student_dir, monkeypatch):
+    """Issue 36, refs not copies: with one rollout replica, one scorer and one learner, the batch the replica
+    returned (a Ray ref through Ray) is what the scorer and the learner receive, not the driver's stacked copy; with
+    two scorers each gets its rows of the driver's batch."""
+    tok, prompts, learner, scorer = parts
+    rollout = RolloutWorker("hf_reference", str(student_dir), LORA, "float32", CPU)
+    seen: dict[str, list] = {"generate": [], "score": [], "update": []}
+    for obj, name in ((rollout, "generate"), (scorer, "score"), (learner, "update")):
+        method = getattr(type(obj), name)
+
+        def spy(self, batch, *args, _method=method, _name=name):
+            out = _method(self, batch, *args)
+            seen[_name].append(out if _name == "generate" else batch)
+            return out
+
+        monkeypatch.setattr(type(obj), name, spy)
+    make_controller(rollout, parts).step(prompts, PARAMS)
+    assert seen["score"][0] is seen["generate"][0] and seen["update"][0] is seen["generate"][0]
+    two = StrictSyncController(rollout, [scorer, scorer], learner, ExactMatchReward(tok), 0, 1.0)
+    two.step(prompts, PARAMS)
+    assert len(seen["score"]) == 3 and all(batch is not seen["generate"][1] for batch in seen["score"][1:])
+    assert seen["update"][1] is seen["generate"][1]  # one learner still takes the replica's batch
