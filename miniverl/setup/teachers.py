@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.errors import ConfigError, MiniVerlError
-from miniverl.objectives.aggregation import masked_mean
 
 SINGLE_TEACHER_ROLE = "teacher"  # setup.paths key of model.teacher; named teachers are "teachers.<name>"
 
@@ -126,28 +125,52 @@ def check_sources_routed(routing: TeacherRouting | None, sources: list[str]) -> 
             raise ConfigError(str(e)) from None
 
 
-def source_metrics(
+def source_kl_sums(
     data_source: list[str],
     routing: TeacherRouting,
     response_mask: torch.Tensor,
     rollout_log_probs: torch.Tensor,
     teacher_log_probs: torch.Tensor,
+) -> dict[str, tuple[float, float]]:
+    """Per data_source and per teacher: the k1 log-ratio of the sampled tokens summed over their response tokens,
+    and the token count, keyed `by_source/<source>` and `by_teacher/<name>`. Computed where the scores are (the
+    scorer: workers/teachers.py `source_kl`), so the driver fetches these numbers, not the scores. Sums, not means,
+    so the parts of several scorer replicas add up. Shapes: response_mask, rollout_log_probs,
+    teacher_log_probs [B, Tr]."""
+    mask = response_mask.to(rollout_log_probs.dtype)
+    k1 = (rollout_log_probs - teacher_log_probs) * mask  # [B, Tr]
+    out: dict[str, tuple[float, float]] = {}
+
+    def add(key: str, rows: list[int]) -> None:
+        idx = torch.tensor(rows, dtype=torch.long)
+        out[key] = (float(k1[idx].sum()), float(mask[idx].sum()))
+
+    for source in sorted(set(data_source)):
+        add(f"by_source/{source}", [i for i, s in enumerate(data_source) if s == source])
+    for name, rows in sorted(routing.split(data_source).items()):
+        add(f"by_teacher/{name}", rows)
+    return out
+
+
+def source_metrics(
+    data_source: list[str],
+    routing: TeacherRouting,
+    kl_sums: list[dict[str, tuple[float, float]]],
     rewards: torch.Tensor,
 ) -> dict[str, float]:
     """Per data_source and per teacher: the k1 reverse KL of the sampled tokens, accuracy, rows.
 
-    Keys `by_source/<source>/{reverse_kl,accuracy,rows}` and `by_teacher/<name>/{...}`. Shapes: response_mask,
-    rollout_log_probs, teacher_log_probs [B, Tr]; rewards [B]. The KL is the controller's reverse_kl
-    restricted to those rows (tokens of the rows pooled, as the overall value).
+    Keys `by_source/<source>/{reverse_kl,accuracy,rows}` and `by_teacher/<name>/{...}`. `kl_sums`: source_kl_sums
+    of each scored part of the batch (added up here); rewards [B]. The KL is the controller's reverse_kl restricted
+    to those rows (tokens of the rows pooled, as the overall value; 0 for rows without response tokens).
     """
-    mask = response_mask.float()
-    k1 = rollout_log_probs - teacher_log_probs  # [B, Tr]
     out: dict[str, float] = {}
 
     def add(prefix: str, rows: list[int]) -> None:
-        idx = torch.tensor(rows, dtype=torch.long)
-        out[f"{prefix}/reverse_kl"] = float(masked_mean(k1[idx], mask[idx]))
-        out[f"{prefix}/accuracy"] = float((rewards[idx] > 0.5).float().mean())
+        total = sum(part[prefix][0] for part in kl_sums if prefix in part)
+        tokens = sum(part[prefix][1] for part in kl_sums if prefix in part)
+        out[f"{prefix}/reverse_kl"] = total / max(tokens, 1.0)
+        out[f"{prefix}/accuracy"] = float((rewards[torch.tensor(rows, dtype=torch.long)] > 0.5).float().mean())
         out[f"{prefix}/rows"] = float(len(rows))
 
     for source in sorted(set(data_source)):

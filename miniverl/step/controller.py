@@ -267,7 +267,7 @@ class StrictSyncController:
         return {
             **metrics,  # reverse_kl among them: the learner holds the teacher's log-probs
             **rollout_metrics(rollouts, rewards),
-            **self.routed_metrics(rollouts, scores, rewards),
+            **self.routed_metrics(rollouts, scores, rewards, source),
             **self.last_probe,
             "policy_version": rollouts.policy_version,
             "staleness": identity.version - rollouts.policy_version,
@@ -278,21 +278,19 @@ class StrictSyncController:
         }
 
     def routed_metrics(
-        self, rollouts: RolloutBatch, parts: list[tuple[Any, int, int]], rewards: torch.Tensor
+        self, rollouts: RolloutBatch, parts: list[tuple[Any, int, int]], rewards: torch.Tensor, source: Any = None
     ) -> dict[str, float]:
-        """Per source and teacher (several teachers only): the driver fetches the scores for these, so with
-        several teachers the scores move twice (the learner's copy still goes by reference)."""
+        """Per source and teacher (several teachers only). The scorer that made each part of the scores sums their
+        k1 per source and teacher (workers/teachers.py source_kl) and the driver fetches only those sums (the scores
+        go to the learner by reference and nowhere else); accuracy and row counts come from the driver's rewards.
+        `source`: the batch's own handle from its one rollout replica, as in `score`."""
         if self.routing is None:
             return {}
-        scores = self.fetch_scores(parts)
-        return source_metrics(
-            rollouts.data_source,
-            self.routing,
-            rollouts.response_mask,
-            rollouts.rollout_log_probs,
-            scores.teacher_log_probs,
-            rewards,
-        )
+        calls = []
+        for scorer, (handle, a, b) in zip(self.scorers, parts):  # parts[i] was scored by scorers[i]
+            whole = source is not None and (a, b) == (0, len(rollouts.uid))
+            calls.append(submit(scorer, "source_kl", source if whole else rollouts.rows(a, b), handle))
+        return source_metrics(rollouts.data_source, self.routing, fetch(calls), rewards)
 
 
 def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -81,6 +81,16 @@ class TeachersScorerWorker:
             return scores
         return take_scores(scores, torch.tensor(order).argsort())
 
+    def source_kl(self, batch: RolloutBatch, scores: TeacherScores) -> dict[str, tuple[float, float]]:
+        """The k1 sums per data_source and per teacher of `batch` under `scores` (setup/teachers.py
+        source_kl_sums): the per-source metrics' share that needs the teacher's log-probs, computed here, where
+        the scores were made, so the driver fetches a few numbers instead of the scores with their top-K support."""
+        from miniverl.setup.teachers import source_kl_sums
+
+        return source_kl_sums(
+            batch.data_source, self.routing, batch.response_mask, batch.rollout_log_probs, scores.teacher_log_probs
+        )
+
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)
 

@@ -11,7 +11,13 @@ import torch
 from miniverl.batches import RolloutBatch
 from miniverl.config import validate
 from miniverl.errors import ConfigError
-from miniverl.setup.teachers import RoutingError, TeacherRouting, check_sources_routed, source_metrics
+from miniverl.setup.teachers import (
+    RoutingError,
+    TeacherRouting,
+    check_sources_routed,
+    source_kl_sums,
+    source_metrics,
+)
 from miniverl.workers.scorer import ScorerWorker
 from miniverl.workers.teachers import TeacherLoad, TeachersScorerWorker
 from tests.step.test_controller import CPU
@@ -171,12 +177,23 @@ def test_source_metrics_by_hand():
     rollout = torch.tensor([[-1.0, -1.0], [-2.0, 0.0], [-0.5, -0.5]])
     teacher = torch.tensor([[-2.0, -3.0], [-1.0, 0.0], [-0.5, -1.5]])
     rewards = torch.tensor([1.0, 0.0, 1.0])
-    m = source_metrics(["a", "b", "a"], TeacherRouting({"a": "t1"}, "t2"), mask, rollout, teacher, rewards)
+    routing, sources = TeacherRouting({"a": "t1"}, "t2"), ["a", "b", "a"]
+    sums = source_kl_sums(sources, routing, mask, rollout, teacher)
+    assert sums["by_source/a"] == (1 + 2 + 0 + 1, 4) and sums["by_teacher/t2"] == (-1, 1)
+    m = source_metrics(sources, routing, [sums], rewards)
     assert m["by_source/a/reverse_kl"] == pytest.approx((1 + 2 + 0 + 1) / 4)
     assert m["by_source/b/reverse_kl"] == pytest.approx(-1.0)
     assert m["by_source/a/accuracy"] == 1.0 and m["by_source/b/accuracy"] == 0.0
     assert m["by_source/a/rows"] == 2 and m["by_source/b/rows"] == 1
     assert m["by_teacher/t1/reverse_kl"] == m["by_source/a/reverse_kl"] and m["by_teacher/t2/rows"] == 1
+    # two scorer replicas' parts (rows 0-1 and row 2) add up to the same metrics
+    halves = [
+        source_kl_sums(sources[:2], routing, mask[:2], rollout[:2], teacher[:2]),
+        source_kl_sums(sources[2:], routing, mask[2:], rollout[2:], teacher[2:]),
+    ]
+    assert source_metrics(sources, routing, halves, rewards) == m
+    empty = source_kl_sums(["a"], routing, torch.zeros(1, 2), rollout[:1], teacher[:1])
+    assert source_metrics(["a"], routing, [empty], rewards[:1])["by_source/a/reverse_kl"] == 0.0  # no tokens
 
 
 def _numbers(run_dir) -> list[dict]:
@@ -237,6 +254,8 @@ def test_one_named_teacher_trains_like_the_single_teacher_config_and_two_teacher
         for what in ("reverse_kl", "accuracy", "rows")
     }
     assert summaries["named"]["end_reverse_kl"] == summaries["single"]["end_reverse_kl"]
+    for row in named[1:]:  # one teacher, one source: the scorer's per-source sums give the step's reverse KL
+        assert row["by_source/reverse/reverse_kl"] == pytest.approx(row["reverse_kl"], rel=1e-4, abs=1e-6)
     assert summaries["named"]["teachers"] == {"only": str(teacher_dir)}
     two = _numbers(tmp_path / "two")
     assert two[1]["by_source/reverse/rows"] == two[1]["by_source/sort/rows"] == 4  # 2 prompts x n=2 each
