@@ -38,20 +38,14 @@ from miniverl.objectives.sampler_check import (
 )
 from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
 from miniverl.served_policy import PROBE_TOKENS, draw_probe
-from miniverl.workers import (
-    CUDA_CAPTURE_LOCK,
-    ProcessSettings,
-    gpu_uuid,
-    memory_report,
-    memory_share_bytes,
-    setup_process,
-)
+from miniverl.workers import ProcessSettings, gpu_uuid, memory_report, setup_process
+from miniverl.workers.token_budget import learner_shape, shrink_after_oom, size_micro_batches
 
 if TYPE_CHECKING:
     from miniverl.objectives.interface import Objective
 
-# How much an out-of-memory update lowers the token budget before it is redone (LearnerWorker._shrink_after_oom).
-OOM_SHRINK = 0.75
+# Callers import these from here; they live in the learner's helper modules.
+__all__ = ["LearnerWorker", "NonFiniteError", "StaleBatchError", "learner_shape"]
 
 
 class NonFiniteError(MiniVerlError):
@@ -135,7 +129,15 @@ class LearnerWorker:
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens_per_micro_batch
         if self.device == "cuda":
-            self.max_tokens = self._size_micro_batches(process, gradient_checkpointing, max_row_tokens)
+            self.max_tokens = size_micro_batches(
+                self.model,
+                process,
+                self.max_tokens,
+                self.chunk_tokens,
+                gradient_checkpointing,
+                max_row_tokens,
+                objective.closed_form_head,
+            )
         self.version = 0  # number of optimizer steps taken; the policy after k updates is version k
         self.published: PolicyIdentity | None = None
         self.on_nonfinite = on_nonfinite  # skip | stop (trainer.on_nonfinite)
@@ -376,35 +378,11 @@ class LearnerWorker:
 
     def _shrink_after_oom(self, batch: RolloutBatch, error: str) -> None:
         """After an out-of-memory error inside the micro-batches (nothing applied yet): drop the step's partial
-        gradients, give the cache back and lower the token budget by OOM_SHRINK for this and every later step,
-        saying so. The memory model sizes the budget from measured peaks, but the caching allocator's fragmentation
-        depends on what ran before (the 4080 recipe's first update went out of memory at 3.3 GiB allocated with
-        0.76 GiB reserved in holes, docs/benchmarks/qlora-4080.md). Raises when the budget cannot shrink: fixed
-        rows (no token budget), several ranks (the others would wait in the gradient sum), or below the longest row."""
+        gradients and redo at a lower token budget, kept for every later step (workers/token_budget.py)."""
         self.optimizer.zero_grad(set_to_none=True)
-        longest = max(row_lengths(batch))
-        smaller = int(self.max_tokens * OOM_SHRINK)
-        if self.max_tokens <= 0 or self.world_size > 1 or smaller < longest:
-            why = f"the longest row has {longest} tokens"
-            if self.max_tokens <= 0:
-                why = "micro-batches are counted in rows (trainer.micro_batch_size), not tokens"
-            elif self.world_size > 1:
-                why = "several ranks: the others would wait in the gradient sum"
-            raise MiniVerlError(
-                f"the learner ran out of GPU memory in its update at micro-batches of {self.max_tokens} tokens and"
-                f" cannot shrink them ({why}); the update was not applied. Give the learner a larger"
-                f" resources.learner.num_gpus share, lower trainer.max_tokens_per_micro_batch or"
-                f" trainer.logprob_chunk_tokens, or shorten rollout.max_new_tokens. CUDA said: {error[:300]}"
-            )
-        if self.device == "cuda":
-            with CUDA_CAPTURE_LOCK:  # not while a colocated rollout captures a CUDA graph (torch asserts)
-                torch.cuda.empty_cache()
-        print(
-            f"learner: out of GPU memory at micro-batches of {self.max_tokens} tokens; redoing this update at"
-            f" {smaller} tokens, kept for the rest of the run",
-            flush=True,
+        self.max_tokens = shrink_after_oom(
+            self.max_tokens, self.world_size, max(row_lengths(batch)), error, self.device
         )
-        self.max_tokens = smaller
 
     def _row_weights(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Each row's loss weight by its data_source (trainer.loss_weight_by_source, 1 when not named); None
@@ -536,29 +514,6 @@ class LearnerWorker:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
-    def _size_micro_batches(self, process: ProcessSettings, checkpointing: bool, longest_row: int) -> int:
-        """The token budget per micro-batch on a GPU: checked against the memory share when set, else the largest
-        the share holds by the calibrated peak model (models/sizing.py); the choice is printed with its numbers."""
-        from miniverl.models.memory import human
-        from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes
-        from miniverl.models.vocab_kernels import kernels_available
-
-        shape = learner_shape(self.model)
-        share = memory_share_bytes(process)
-        # the chunk holds only bf16 logits on the closed-form path with the Triton passes (models/sizing.py)
-        closed = self.objective.closed_form_head and kernels_available()
-        if self.max_tokens:
-            check_token_budget(shape, share, self.max_tokens, self.chunk_tokens, checkpointing, closed)
-            return self.max_tokens
-        tokens = fit_tokens(shape, share, self.chunk_tokens, checkpointing, max(longest_row, 1), closed)
-        peak = learner_peak_bytes(shape, tokens, self.chunk_tokens, checkpointing, closed)
-        print(
-            f"learner: micro-batches of up to {tokens} tokens (trainer.max_tokens_per_micro_batch=0), modelled peak"
-            f" {human(peak)} of a {human(share)} share",
-            flush=True,
-        )
-        return tokens
-
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference policy is the student with its adapter disabled. Shapes: -> [B, Tr] (CPU)."""
         with self.model.disable_adapter():
@@ -633,13 +588,3 @@ class LearnerWorker:
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)
-
-
-def learner_shape(model):
-    """The peak-memory model's view of a loaded peft student (models/sizing.py)."""
-    from miniverl.models.sizing import model_shape
-
-    config = model.get_base_model().config
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return model_shape(config, config.vocab_size, frozen, trainable)
