@@ -417,8 +417,8 @@ class LearnerWorker:
         else:
             with self._adapter(previous):
                 before = self.sampled_logprobs(part)
-        # VERSION_TESTS' order
-        return version_test_sums(part.rollout_log_probs, recomputed[rows], part.response_mask, (before, base))
+        olders = (before, base)  # VERSION_TESTS' order
+        return version_test_sums(part.rollout_log_probs, recomputed[rows], part.response_mask, olders)
 
     def _check_sampler_gap(
         self, gap_abs: float, gap_max: float, gap_tail: int, votes: list[float], num_tokens: int, version: int
