@@ -1,4 +1,8 @@
-"""LearnerWorker: the student with a LoRA adapter, AdamW and the objective; publishes and checkpoints."""
+"""LearnerWorker: the student with a LoRA adapter, AdamW and the objective; publishes, updates and checkpoints.
+
+What it checks of a batch before a step lives in workers/batch_checks.py (the lag, the sampler-gap and version-test
+sums), its micro-batch token budget in workers/token_budget.py (sizing, the shrink after an out-of-memory update).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import torch
 
 from miniverl.batches import RolloutBatch, TeacherScores
 from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
-from miniverl.errors import MiniVerlError, PolicyMismatchError
+from miniverl.errors import MiniVerlError
 from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
 from miniverl.models.lora import (
@@ -28,47 +32,29 @@ from miniverl.models.lora import (
 )
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
-from miniverl.objectives.sampler_check import (
-    VERSION_TESTS,
-    SamplerGapError,
-    judge_step,
-    version_test_rows,
-    version_votes,
-    vote_sums,
-)
+from miniverl.objectives.sampler_check import VERSION_TESTS, SamplerGapError, judge_step, version_test_rows
 from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
 from miniverl.served_policy import PROBE_TOKENS, draw_probe
-from miniverl.workers import (
-    CUDA_CAPTURE_LOCK,
-    ProcessSettings,
-    gpu_uuid,
-    memory_report,
-    memory_share_bytes,
-    setup_process,
+from miniverl.workers import ProcessSettings, gpu_uuid, memory_report, setup_process
+from miniverl.workers.batch_checks import (
+    StaleBatchError,
+    check_lag,
+    gap_sums,
+    lag_metrics,
+    sum_over_ranks,
+    version_test_sums,
 )
+from miniverl.workers.token_budget import learner_shape, shrink_after_oom, size_micro_batches
 
 if TYPE_CHECKING:
     from miniverl.objectives.interface import Objective
 
-# How much an out-of-memory update lowers the token budget before it is redone (LearnerWorker._shrink_after_oom).
-OOM_SHRINK = 0.75
+# Callers import these from here; they live in the learner's helper modules.
+__all__ = ["LearnerWorker", "NonFiniteError", "StaleBatchError", "learner_shape"]
 
 
 class NonFiniteError(MiniVerlError):
     """A NaN or inf loss, gradient or weight; nothing poisoned was applied, published or saved."""
-
-
-class StaleBatchError(PolicyMismatchError):
-    """A batch sampled by a policy more versions behind the learner than trainer.staleness allows (or ahead
-    of it, or by a version this learner never published)."""
-
-    def __init__(self, message: str, batch_version: int, learner_version: int, staleness: int) -> None:
-        super().__init__(message)
-        self.batch_version, self.learner_version, self.staleness = batch_version, learner_version, staleness
-
-    @property
-    def lag(self) -> int:
-        return self.learner_version - self.batch_version
 
 
 class LearnerWorker:
@@ -135,7 +121,15 @@ class LearnerWorker:
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens_per_micro_batch
         if self.device == "cuda":
-            self.max_tokens = self._size_micro_batches(process, gradient_checkpointing, max_row_tokens)
+            self.max_tokens = size_micro_batches(
+                self.model,
+                process,
+                self.max_tokens,
+                self.chunk_tokens,
+                gradient_checkpointing,
+                max_row_tokens,
+                objective.closed_form_head,
+            )
         self.version = 0  # number of optimizer steps taken; the policy after k updates is version k
         self.published: PolicyIdentity | None = None
         self.on_nonfinite = on_nonfinite  # skip | stop (trainer.on_nonfinite)
@@ -267,7 +261,7 @@ class LearnerWorker:
         ratio stays against the sampler's; the step's `reverse_kl` is importance-weighted to the current policy.
         """
         start = time.time()
-        lag = self._check_lag(batch)
+        lag = check_lag(self.version, self.published, batch.policy_version, self.staleness, self.behaviour)
         if scores.teacher_log_probs.shape != batch.responses.shape:
             raise ValueError("teacher scores do not match the rollout batch shape")
         ref = self._reference_logprobs(batch) if self.objective.needs_reference else None
@@ -301,13 +295,9 @@ class LearnerWorker:
             _, metrics = self.objective.loss_from_terms(logprobs, terms, batch, scores, advantages, num_tokens)
         weight = int(mask.sum()) / num_tokens
         extra = {k: float(v) * weight for k, v in metrics.items()}
-        sums = {
-            "gap_abs": gap.sum().item(),
-            "gap_max": gap.max().item() if gap.numel() else 0.0,
-            "gap_tail": (gap > self.gap_bound.tail).sum().item(),  # tokens beyond the bound's tail
-            "votes": self._version_votes(batch, recomputed),
-            "loss": loss_sum.item(),
-        }
+        gap_abs, gap_max, gap_tail = gap_sums(gap, self.gap_bound.tail)
+        votes = self._version_votes(batch, recomputed)
+        loss = loss_sum.item()
         # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
         # teacher's scores come straight from the scorer: a sum over this rank's tokens / the step's tokens.
         # A lagging batch's tokens come from an older policy: its estimate of the current policy's reverse KL
@@ -320,20 +310,18 @@ class LearnerWorker:
         reverse_kl = float((k1 * batch.response_mask).sum())
         if self.world_size > 1:
             self._sum_gradients()
-        version_z = self._check_sampler_gap(
-            sums["gap_abs"], sums["gap_max"], sums["gap_tail"], sums["votes"], num_tokens, batch.policy_version
-        )
+        version_z = self._check_sampler_gap(gap_abs, gap_max, gap_tail, votes, num_tokens, batch.policy_version)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        skipped = self._step_if_finite(sums["loss"], float(grad_norm))
+        skipped = self._step_if_finite(loss, float(grad_norm))
         self.window = (start, time.time())
         return {
             "skipped_step": float(skipped),
-            "loss": sums["loss"],
+            "loss": loss,
             "grad_norm": float(grad_norm),
-            "sampler_gap_mean": sums["gap_abs"] / max(num_tokens, 1),
-            "sampler_gap_max": sums["gap_max"],
+            "sampler_gap_mean": gap_abs / max(num_tokens, 1),
+            "sampler_gap_max": gap_max,
             "sampler_gap_p99": float(torch.quantile(gap.float(), 0.99)) if gap.numel() else 0.0,  # this rank's
-            "sampler_gap_tail_frac": sums["gap_tail"] / max(num_tokens, 1),
+            "sampler_gap_tail_frac": gap_tail / max(num_tokens, 1),
             # the version test: z of 'the sampler sits nearer the previous version / the base model than the batch's
             # version' (< 0: it does not; 0: not voted); the tokens it recomputed
             **version_z,
@@ -341,7 +329,7 @@ class LearnerWorker:
             "micro_batch_tokens": float(self.max_tokens),  # 0: row-count micro-batches; drops after an OOM
             "reverse_kl": reverse_kl / max(num_tokens, 1),
             **extra,
-            **self._lag_metrics(delta, num_tokens),
+            **lag_metrics(delta, num_tokens, self.staleness),
         }
 
     def _gradients(self, batch, scores, advantages, num_tokens, row_weights):
@@ -376,35 +364,11 @@ class LearnerWorker:
 
     def _shrink_after_oom(self, batch: RolloutBatch, error: str) -> None:
         """After an out-of-memory error inside the micro-batches (nothing applied yet): drop the step's partial
-        gradients, give the cache back and lower the token budget by OOM_SHRINK for this and every later step,
-        saying so. The memory model sizes the budget from measured peaks, but the caching allocator's fragmentation
-        depends on what ran before (the 4080 recipe's first update went out of memory at 3.3 GiB allocated with
-        0.76 GiB reserved in holes, docs/benchmarks/qlora-4080.md). Raises when the budget cannot shrink: fixed
-        rows (no token budget), several ranks (the others would wait in the gradient sum), or below the longest row."""
+        gradients and redo at a lower token budget, kept for every later step (workers/token_budget.py)."""
         self.optimizer.zero_grad(set_to_none=True)
-        longest = max(row_lengths(batch))
-        smaller = int(self.max_tokens * OOM_SHRINK)
-        if self.max_tokens <= 0 or self.world_size > 1 or smaller < longest:
-            why = f"the longest row has {longest} tokens"
-            if self.max_tokens <= 0:
-                why = "micro-batches are counted in rows (trainer.micro_batch_size), not tokens"
-            elif self.world_size > 1:
-                why = "several ranks: the others would wait in the gradient sum"
-            raise MiniVerlError(
-                f"the learner ran out of GPU memory in its update at micro-batches of {self.max_tokens} tokens and"
-                f" cannot shrink them ({why}); the update was not applied. Give the learner a larger"
-                f" resources.learner.num_gpus share, lower trainer.max_tokens_per_micro_batch or"
-                f" trainer.logprob_chunk_tokens, or shorten rollout.max_new_tokens. CUDA said: {error[:300]}"
-            )
-        if self.device == "cuda":
-            with CUDA_CAPTURE_LOCK:  # not while a colocated rollout captures a CUDA graph (torch asserts)
-                torch.cuda.empty_cache()
-        print(
-            f"learner: out of GPU memory at micro-batches of {self.max_tokens} tokens; redoing this update at"
-            f" {smaller} tokens, kept for the rest of the run",
-            flush=True,
+        self.max_tokens = shrink_after_oom(
+            self.max_tokens, self.world_size, max(row_lengths(batch)), error, self.device
         )
-        self.max_tokens = smaller
 
     def _row_weights(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Each row's loss weight by its data_source (trainer.loss_weight_by_source, 1 when not named); None
@@ -416,47 +380,6 @@ class LearnerWorker:
     def busy_window(self) -> tuple[float, float]:
         """When the last update ran (wall-clock epoch seconds, this host's clock; see RolloutWorker.busy_window)."""
         return self.window
-
-    def _lag_metrics(self, delta: torch.Tensor, num_tokens: int) -> dict[str, float]:
-        """In a run that allows a lag: how far the policy being updated sits from the sampler on the step's
-        tokens (`delta` = log q_theta - log q_sampler; the sampler gap plus the policy's change since the
-        version that sampled, equal to the sampler gap at lag 0), and the largest importance ratio (the
-        objective logs ratio_mean and clipped_ratio_frac). None in strict sync (the controller logs the lag
-        itself as `staleness`)."""
-        if not self.staleness:
-            return {}
-        drift = delta.abs()
-        return {
-            "policy_drift_mean": drift.sum().item() / max(num_tokens, 1),
-            "policy_drift_max": drift.max().item() if delta.numel() else 0.0,
-            "ratio_max": delta.max().exp().item() if delta.numel() else 1.0,
-        }
-
-    def _check_lag(self, batch: RolloutBatch) -> int:
-        """The batch's lag (learner version - batch version), refused unless 0 <= lag <= staleness, the
-        batch's version was published by this learner, and the current policy was published (so the next
-        rollout can be proven to come from it)."""
-        lag = self.version - batch.policy_version
-        published = self.published is not None and self.published.version == self.version
-        known = lag == 0 or batch.policy_version in self.behaviour
-        if published and 0 <= lag <= self.staleness and known:
-            return lag
-        if not published:
-            why = "strict sync trains only on rollouts of the policy it just published"
-        elif lag < 0:
-            why = "the batch comes from a policy the learner has not reached"
-        elif lag > self.staleness:
-            why = f"its lag of {lag} versions exceeds trainer.staleness={self.staleness}"
-        else:
-            why = f"the learner never published v{batch.policy_version} in this process (restored from a checkpoint?)"
-        raise StaleBatchError(
-            f"learner is at policy v{self.version} (published:"
-            f" {self.published.short() if self.published else 'nothing'}) but the batch was sampled by"
-            f" v{batch.policy_version}: {why}; the update was not applied",
-            batch.policy_version,
-            self.version,
-            self.staleness,
-        )
 
     def calibrate_sampler_gap(self, gate_mean: float, gate_p99: float, gate_std: float) -> dict[str, float | str]:
         """Hold every later step to the bound calibrated from the conformance gate's honest gap (mean, p99 and
@@ -494,14 +417,8 @@ class LearnerWorker:
         else:
             with self._adapter(previous):
                 before = self.sampled_logprobs(part)
-        sums, tokens = [], int(part.response_mask.sum())
-        for older in (before, base):  # VERSION_TESTS' order
-            if older is None:
-                sums += [0.0] * 4
-            else:
-                votes = version_votes(part.rollout_log_probs, recomputed[rows], older, part.response_mask)
-                sums += vote_sums(votes, tokens)
-        return sums
+        olders = (before, base)  # VERSION_TESTS' order
+        return version_test_sums(part.rollout_log_probs, recomputed[rows], part.response_mask, olders)
 
     def _check_sampler_gap(
         self, gap_abs: float, gap_max: float, gap_tail: int, votes: list[float], num_tokens: int, version: int
@@ -513,14 +430,7 @@ class LearnerWorker:
         version test, `votes`). Every rank sees the whole step. Returns the version test's metrics: each comparison's
         z (mean vote / its error) and the tokens it recomputed."""
         if self.world_size > 1:
-            import torch.distributed as dist
-
-            total = torch.tensor([gap_abs, float(gap_tail), *votes], device=self.device, dtype=torch.float64)
-            peak = torch.tensor([gap_max], device=self.device)
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            (gap_abs, gap_tail, *votes), gap_max = total.tolist(), float(peak)
-            gap_tail = int(gap_tail)
+            gap_abs, gap_max, gap_tail, votes = sum_over_ranks(gap_abs, gap_max, gap_tail, votes, self.device)
         try:
             return judge_step(self.gap_bound, gap_abs, gap_max, gap_tail, votes, num_tokens, version, self.version)
         except SamplerGapError:
@@ -535,29 +445,6 @@ class LearnerWorker:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-
-    def _size_micro_batches(self, process: ProcessSettings, checkpointing: bool, longest_row: int) -> int:
-        """The token budget per micro-batch on a GPU: checked against the memory share when set, else the largest
-        the share holds by the calibrated peak model (models/sizing.py); the choice is printed with its numbers."""
-        from miniverl.models.memory import human
-        from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes
-        from miniverl.models.vocab_kernels import kernels_available
-
-        shape = learner_shape(self.model)
-        share = memory_share_bytes(process)
-        # the chunk holds only bf16 logits on the closed-form path with the Triton passes (models/sizing.py)
-        closed = self.objective.closed_form_head and kernels_available()
-        if self.max_tokens:
-            check_token_budget(shape, share, self.max_tokens, self.chunk_tokens, checkpointing, closed)
-            return self.max_tokens
-        tokens = fit_tokens(shape, share, self.chunk_tokens, checkpointing, max(longest_row, 1), closed)
-        peak = learner_peak_bytes(shape, tokens, self.chunk_tokens, checkpointing, closed)
-        print(
-            f"learner: micro-batches of up to {tokens} tokens (trainer.max_tokens_per_micro_batch=0), modelled peak"
-            f" {human(peak)} of a {human(share)} share",
-            flush=True,
-        )
-        return tokens
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference policy is the student with its adapter disabled. Shapes: -> [B, Tr] (CPU)."""
@@ -633,13 +520,3 @@ class LearnerWorker:
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)
-
-
-def learner_shape(model):
-    """The peak-memory model's view of a loaded peft student (models/sizing.py)."""
-    from miniverl.models.sizing import model_shape
-
-    config = model.get_base_model().config
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return model_shape(config, config.vocab_size, frozen, trainable)

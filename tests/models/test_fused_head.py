@@ -326,6 +326,7 @@ def test_an_update_that_runs_out_of_memory_is_redone_at_a_smaller_budget(student
     step equals the plain one; a budget that cannot shrink below the longest row stops with the fix named."""
     from miniverl.errors import MiniVerlError
     from miniverl.workers import learner as learner_module
+    from miniverl.workers.token_budget import OOM_SHRINK
 
     batch, scores = scored["pg_k1"]
     plain = two_updates(learner_with(student_dir, objectives()["pg_k1"], 2), batch, scores, REWARDS)
@@ -345,9 +346,9 @@ def test_an_update_that_runs_out_of_memory_is_redone_at_a_smaller_budget(student
     got = two_updates(learner, batch, scores, REWARDS)
     # the first micro-batch's gradients were accumulated before the failure: equal steps prove they were dropped
     assert_same(plain, got, rtol=1e-5, atol=1e-5)
-    assert learner.max_tokens == int(budget * learner_module.OOM_SHRINK) and got[0][0]["micro_batch_tokens"] > 0
+    assert learner.max_tokens == int(budget * OOM_SHRINK) and got[0][0]["micro_batch_tokens"] > 0
     assert "redoing this update at" in capsys.readouterr().out
-    assert max(sizes) > int(budget * learner_module.OOM_SHRINK)  # the first try really used the larger micro-batches
+    assert max(sizes) > int(budget * OOM_SHRINK)  # the first try really used the larger micro-batches
 
     stuck = learner_with(student_dir, objectives()["pg_k1"], 2, longest)  # cannot shrink below one row
     monkeypatch.setattr(

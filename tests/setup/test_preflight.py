@@ -203,7 +203,7 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     from miniverl.models.sizing import fit_tokens
     from miniverl.setup.preflight import adapter_params
     from miniverl.workers import CUDA_CONTEXT_GIB
-    from miniverl.workers.learner import learner_shape
+    from miniverl.workers.token_budget import learner_shape
 
     lora = load().model.lora
     model = build_lora_model(str(student_dir), LoraSettings.from_config(lora), torch.bfloat16, "cpu")  # as on a GPU
@@ -217,7 +217,7 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     said = []
     prep.prepare(with_models(student_dir, teacher_dir, *card), log=said.append)
     # the plan (miniverl/setup/fit.py, as `python -m miniverl.fit` prints it) is the learner's own sizing of the
-    # loaded model (workers/learner.py learner_shape, fit_tokens)
+    # loaded model (workers/token_budget.py learner_shape, fit_tokens)
     share = int((8 * 0.1375 - CUDA_CONTEXT_GIB) * 2**30)
     tokens = fit_tokens(learner_shape(model), share, 0, False, 1)  # the budget: the most that fits, any row length
     at = said.index("[miniverl] memory plan for a 8.0 GiB card (resources.emulate_gpu_gib):")
