@@ -39,7 +39,8 @@ ADAPTER_STATE_BYTES = 20
 # kept free. 15% was enough in the bench (reserved 10% above allocated at 32,768 tokens) but not in the 4080
 # recipe, whose learner runs probes and evaluation between updates: its first update went out of memory with
 # 0.76 GiB (18% of its 4.14 GiB share) reserved in holes (docs/benchmarks/qlora-4080.md, run 5). 20% with the
-# learner's shrink-and-redo on an out-of-memory update (workers/learner.py) as the backstop.
+# learner's shrink-and-redo on an out-of-memory update (workers/learner.py redoes it, workers/token_budget.py
+# shrink_after_oom sizes it) as the backstop.
 SLACK_FRACTION = 0.20
 
 
