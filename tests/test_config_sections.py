@@ -1,0 +1,130 @@
+"""Each config section checks its own values in a `check` method under its fields (miniverl/config.py), and
+`validate` runs every one of those checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from miniverl import config
+from miniverl.config import (
+    ActorResources,
+    DataConfig,
+    GkdObjectiveConfig,
+    LoraConfig,
+    MiniVerlConfig,
+    ModelConfig,
+    ModelSpec,
+    ObjectiveConfig,
+    PgK1ObjectiveConfig,
+    ResourcesConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrackingConfig,
+    TrainerConfig,
+    VllmRolloutConfig,
+    validate,
+)
+from miniverl.errors import ConfigError
+
+# Dataclasses of config.py without a check of their own, and why.
+NOT_SECTION_CHECKED = {
+    MiniVerlConfig: "validate is its check",
+    VllmRolloutConfig: "rollout/vllm_settings.py checks it once the engine's sizes (other sections') are known",
+}
+
+
+def config_dataclasses() -> set[type]:
+    return {c for c in vars(config).values() if isinstance(c, type) and dataclasses.is_dataclass(c)}
+
+
+def own_checks() -> set[type]:
+    """The dataclasses of config.py that define a check method themselves (not only inherit one)."""
+    return {c for c in config_dataclasses() if "check" in vars(c)}
+
+
+# (the section whose check refuses, a good instance, the one change that makes it bad, check's arguments, refusal)
+CASES = [
+    (DataConfig, DataConfig(), {"overlong": "truncate"}, (), "data.overlong='truncate': use filter"),
+    (ModelSpec, ModelSpec(), {"dtype": "fp8"}, ("model.student",), "model.student.dtype='fp8': use auto or one of"),
+    (LoraConfig, LoraConfig(), {"rank": 0}, (), "model.lora.rank=0: a LoRA adapter needs rank >= 1"),
+    (
+        ModelConfig,
+        ModelConfig(),
+        {"builtin_min_teacher_accuracy": 2.0},
+        (),
+        "model.builtin_min_teacher_accuracy=2.0: must be in [0, 1]",
+    ),
+    (RolloutConfig, RolloutConfig(), {"n": 0}, (), "rollout.n=0: need at least one sample per prompt"),
+    (
+        ObjectiveConfig,
+        GkdObjectiveConfig(),
+        {"name": "pg_k1"},
+        (),
+        "objective.name=pg_k1 but the objective group holds GkdObjectiveConfig's settings",
+    ),
+    (GkdObjectiveConfig, GkdObjectiveConfig(), {"beta": 1.5}, (), "objective.beta=1.5: must be in [0, 1]"),
+    (PgK1ObjectiveConfig, PgK1ObjectiveConfig(), {"kl_kind": "k4"}, (), "objective.kl_kind='k4': use one of"),
+    (RewardConfig, RewardConfig(), {"name": "fuzzy"}, (), "unknown reward 'fuzzy'"),
+    (TrainerConfig, TrainerConfig(), {"total_steps": 0}, (), "trainer.total_steps=0: need at least 1 step"),
+    (
+        ActorResources,
+        ActorResources(),
+        {"num_cpus": -1.0},
+        ("resources.scorer",),
+        "resources.scorer: num_gpus and num_cpus must be >= 0",
+    ),
+    (ResourcesConfig, ResourcesConfig(), {"weight_sync": "nvlink"}, (), "resources.weight_sync='nvlink': use auto"),
+    (TrackingConfig, TrackingConfig(), {"wandb_mode": "maybe"}, (), "tracking.wandb_mode='maybe': use offline"),
+]
+
+
+@pytest.mark.parametrize(("section", "good", "change", "args", "message"), CASES, ids=[c[0].__name__ for c in CASES])
+def test_a_section_refuses_a_bad_value_of_its_own_by_itself(section, good, change, args, message):
+    """No MiniVerlConfig is built: the section's check alone accepts its good value and refuses the bad one."""
+    good.check(*args)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        dataclasses.replace(good, **change).check(*args)
+
+
+def test_every_section_check_has_a_case():
+    assert own_checks() == {c[0] for c in CASES}
+
+
+def test_every_config_dataclass_has_a_check_or_says_why_not():
+    unchecked = {c.__name__ for c in config_dataclasses() - set(NOT_SECTION_CHECKED) if not hasattr(c, "check")}
+    assert unchecked == set()
+
+
+class Refused(Exception):
+    pass
+
+
+def valid_configs() -> list[MiniVerlConfig]:
+    """One config per objective: an objective's check runs only when the config holds that objective."""
+    return [MiniVerlConfig(objective=schema()) for schema in config.OBJECTIVE_CONFIGS.values()]
+
+
+def test_the_configs_below_are_valid():
+    for cfg in valid_configs():
+        validate(cfg)
+
+
+@pytest.mark.parametrize("section", sorted(own_checks(), key=lambda c: c.__name__), ids=lambda c: c.__name__)
+def test_validate_runs_the_check_of(section, monkeypatch):
+    """validate reaches this section's check (itself or through its parent section's check) and lets its refusal
+    through; a check written under a dataclass but never called fails here."""
+
+    def refuse(self, *args):
+        raise Refused(section.__name__)
+
+    monkeypatch.setattr(section, "check", refuse)
+    refused = []
+    for cfg in valid_configs():
+        try:
+            validate(cfg)
+        except Refused:
+            refused.append(cfg.objective.name)
+    assert refused, f"validate never calls {section.__name__}.check"
