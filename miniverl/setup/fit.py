@@ -219,6 +219,7 @@ def _checkpointing_pays(cfg, objective, shape, share: int, chunk: int, kernels: 
         except ConfigError:
             fits[on] = 0
     enough = min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
+
     def up_to(tokens: int) -> str:
         return f"up to {tokens:,} tokens" if tokens else "not one row"
 
