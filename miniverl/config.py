@@ -183,6 +183,13 @@ class VllmRolloutConfig:
     kv_cache_gib: float | None = None  # explicit KV cache size; null = derived from the actor's GPU share
     adapter_root: str = "/dev/shm"  # adapter versions are written here (shared memory), one at a time
 
+    def check(self) -> None:
+        """The engine's sizes are counts (0 = derived); the choices and the sizes' combinations are checked by
+        rollout/vllm_settings.py once the engine's sizes, which other sections imply, are derived."""
+        for key in ("max_num_seqs", "cudagraph_capture_size", "max_num_batched_tokens"):
+            value = getattr(self, key)
+            _require(value >= 0, f"rollout.vllm.{key}={value}: use 0 (derived) or a positive count")
+
 
 @dataclass
 class RolloutConfig:
@@ -198,8 +205,8 @@ class RolloutConfig:
     vllm: VllmRolloutConfig = field(default_factory=VllmRolloutConfig)
 
     def check(self) -> None:
-        """The sampling settings. rollout.vllm is checked by rollout/vllm_settings.py once the engine's sizes,
-        which other sections imply, are derived (check_combinations)."""
+        """The sampling settings, and rollout.vllm's own sizes (its choices and combinations are checked by
+        rollout/vllm_settings.py once the engine's sizes, which other sections imply, are derived)."""
         from miniverl.rollout import BACKENDS
         from miniverl.step.seeds import MAX_BASE_SEED
 
@@ -217,6 +224,7 @@ class RolloutConfig:
         _require(self.top_k >= 0, f"rollout.top_k={self.top_k}: use 0 (off) or a token count >= 1")
         _require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: use a value in (0, 1] (1 = off)")
         BACKENDS.require(self.backend)
+        self.vllm.check()
 
 
 @dataclass

@@ -32,7 +32,6 @@ from miniverl.errors import ConfigError
 # Dataclasses of config.py without a check of their own, and why.
 NOT_SECTION_CHECKED = {
     MiniVerlConfig: "validate is its check",
-    VllmRolloutConfig: "rollout/vllm_settings.py checks it once the engine's sizes (other sections') are known",
 }
 
 
@@ -58,6 +57,13 @@ CASES = [
         "model.builtin_min_teacher_accuracy=2.0: must be in [0, 1]",
     ),
     (RolloutConfig, RolloutConfig(), {"n": 0}, (), "rollout.n=0: need at least one sample per prompt"),
+    (
+        VllmRolloutConfig,
+        VllmRolloutConfig(),
+        {"max_num_seqs": -1},
+        (),
+        "rollout.vllm.max_num_seqs=-1: use 0 (derived) or a positive count",
+    ),
     (
         ObjectiveConfig,
         GkdObjectiveConfig(),
