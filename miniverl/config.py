@@ -634,11 +634,17 @@ def validate(cfg: MiniVerlConfig) -> None:
     """Every check of the config that runs before any model is loaded or actor started: each section's own
     values, in the order a user would fix them (what data, which models, how they sample and learn, where they
     run), then the checks that combine sections, then the files the config names."""
+    check_values(cfg)
+    check_files(cfg)
+
+
+def check_values(cfg: MiniVerlConfig) -> None:
+    """validate without the files: each section's own values, then their combinations (`python -m miniverl.fit`
+    plans a run whose prompt files are elsewhere)."""
     sections = (cfg.data, cfg.model, cfg.rollout, cfg.objective, cfg.reward, cfg.trainer, cfg.resources, cfg.tracking)
     for section in sections:
         section.check()
     check_combinations(cfg)
-    check_files(cfg)
 
 
 def check_combinations(cfg: MiniVerlConfig) -> None:

@@ -9,7 +9,6 @@ fixes it), 2 for a config it cannot plan.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 NO_FIT_EXIT_CODE = 1
@@ -47,14 +46,13 @@ def main(argv: list[str]) -> int:
 def plan_run(cfg, log=print):
     """The FitPlan of a composed run config (MiniVerlConfig) on its card: the models resolved as a run resolves them
     (built-in ones built on first use), their sizes read without loading weights."""
-    from miniverl.config import validate
+    from miniverl.config import check_values
     from miniverl.models.loading import load_model_config
     from miniverl.objectives import build_objective
     from miniverl.setup.fit import card_plan
     from miniverl.setup.prepare import USER_MODEL_FIX, resolve_model_paths
 
-    # Every check a run makes of the config but the prompt files' existence: memory does not depend on them
-    validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_files=[], val_files=[])))
+    check_values(cfg)  # every check a run makes of the config but the prompt files': memory does not depend on them
     paths = resolve_model_paths(cfg, log)
     configs = {role: load_model_config(p, f"model.{role}.path", USER_MODEL_FIX) for role, p in paths.items()}
     return card_plan(cfg, build_objective(cfg.objective), paths, configs, configs["student"].vocab_size)

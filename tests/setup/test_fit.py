@@ -216,6 +216,19 @@ def test_the_command_plans_the_default_run_and_refuses_what_it_cannot_plan(capsy
     assert "miniverl.fit: error:" in capsys.readouterr().err
 
 
+def test_the_command_plans_a_run_whose_prompt_files_are_elsewhere_with_its_source_weights(capsys, tmp_path):
+    """The planner skips the prompt files (memory does not depend on them) without dropping them from the config:
+    it once cleared them, which made a weight for a file's data_source look like one for the built-in task's."""
+    files = [f"data.train_files=[{tmp_path / 'gsm8k.parquet'}]", "+trainer.loss_weight_by_source.gsm8k=2"]
+    assert main(["+experiment=gkd", "resources.emulate_gpu_gib=16", *files]) == 0
+    assert "=> fits" in capsys.readouterr().out
+    assert (
+        main(["+experiment=gkd", "resources.emulate_gpu_gib=16", "+trainer.loss_weight_by_source.gsm8k=2"])
+        == ERROR_EXIT_CODE
+    )
+    assert "data.task=reverse has no data_source 'gsm8k'" in capsys.readouterr().err  # the built-in task's sources
+
+
 def test_the_command_exits_1_with_the_plan_when_it_does_not_fit():
     proc = subprocess.run(
         [sys.executable, "-m", "miniverl.fit", "+experiment=gkd", "resources.emulate_gpu_gib=1.5"],
