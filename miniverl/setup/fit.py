@@ -189,9 +189,10 @@ def step_rows(cfg: MiniVerlConfig) -> int:
 #   40-token vocabulary); above it the largest of AUTO_CHUNKS with which the learner and the scorer both fit (1,024
 #   tokens was the fastest chunk measured: docs/benchmarks/learner-throughput.md diag10 and confirm3);
 # - gradient checkpointing: on when it lets the learner's micro-batches grow and they are short without it (under
-#   CHECKPOINT_FREE_TOKENS or the step's tokens). Per token it recomputes the forward (~30%), but a micro-batch costs
-#   far more when small: 802-token micro-batches without it trained 2.7k tokens/s where 20,072-token ones with it
-#   trained 21k (diag6 vs diag5); from 16k to 32k tokens a micro-batch gained only 4% (diag2).
+#   CHECKPOINT_FREE_TOKENS or the step's tokens, or under an explicit trainer.max_tokens_per_micro_batch). Per token
+#   it recomputes the forward (~30%), but a micro-batch costs far more when small: 802-token micro-batches without
+#   it trained 2.7k tokens/s where 20,072-token ones with it trained 21k (diag6 vs diag5); from 16k to 32k tokens a
+#   micro-batch gained only 4% (diag2).
 SMALL_VOCAB = 32768
 AUTO_CHUNKS = (1024, 512, 256, 128)
 CHECKPOINT_FREE_TOKENS = 16384
@@ -218,7 +219,8 @@ def _checkpointing_pays(cfg, objective, shape, share: int, chunk: int, kernels: 
             fits[on] = fit_tokens(shape, share, chunk, on, longest_row, closed)
         except ConfigError:
             fits[on] = 0
-    enough = min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
+    # an explicit trainer.max_tokens_per_micro_batch is what the micro-batches must hold
+    enough = cfg.trainer.max_tokens_per_micro_batch or min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
 
     def up_to(tokens: int) -> str:
         return f"up to {tokens:,} tokens" if tokens else "not one row"

@@ -194,6 +194,12 @@ def test_a_small_vocabulary_is_not_chunked_and_a_large_share_is_not_checkpointed
     assert small.layout == {"logprob_chunk_tokens": 0, "gradient_checkpointing": False}
     assert "a 4,096-token vocabulary's logits are small" in small.lines()[1]
     assert small.lines()[2].endswith(": enough without)")  # 4 rows of 128 tokens fit without recomputing
+    cfg.trainer.max_tokens_per_micro_batch = 200_000  # a budget only checkpointing holds: chosen for it
+    assert plan_fit(cfg, build_objective(cfg.objective), sizes, 4096, card_bytes(cfg, None)).layout == {
+        "logprob_chunk_tokens": 0,
+        "gradient_checkpointing": True,
+    }
+    cfg.trainer.max_tokens_per_micro_batch = 0
     cfg.trainer.gradient_checkpointing = True  # a value set by the user is kept and not reported as chosen
     kept = plan_fit(cfg, build_objective(cfg.objective), sizes, 4096, card_bytes(cfg, None))
     assert kept.layout == {"logprob_chunk_tokens": 0} and len(kept.layout_lines) == 1

@@ -221,15 +221,24 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     share = int((8 * 0.1375 - CUDA_CONTEXT_GIB) * 2**30)
     tokens = fit_tokens(learner_shape(model), share, 0, False, 1)  # the budget: the most that fits, any row length
     at = said.index("[miniverl] memory plan for a 8.0 GiB card (resources.emulate_gpu_gib):")
-    learner, scorer, _, _, verdict = said[at + 1 : at + 6]
+    chunk, checkpointing, learner, scorer, _, _, verdict = said[at + 1 : at + 8]
+    # trainer.logprob_chunk_tokens and trainer.gradient_checkpointing were left null: chosen, and said why
+    assert chunk == "[miniverl]   trainer.logprob_chunk_tokens=0 (chosen: a 43-token vocabulary's logits are small)"
+    assert checkpointing.startswith("[miniverl]   trainer.gradient_checkpointing=false (chosen: micro-batches of up to")
     assert learner.startswith("[miniverl]   learner") and f"micro-batches of up to {tokens:,} tokens" in learner
     assert "forwards of up to" in scorer and verdict == "[miniverl]   => fits"
     long_rows = with_models(student_dir, teacher_dir, *card, "rollout.max_new_tokens=200000")
     with pytest.raises(ConfigError, match=r"the learner's memory share of .* cannot hold one row of 200032 tokens"):
         prep.prepare(long_rows, log=quiet)
-    budget = with_models(student_dir, teacher_dir, *card, "trainer.max_tokens_per_micro_batch=300000")
+    budget = ("trainer.max_tokens_per_micro_batch=300000", "trainer.gradient_checkpointing=false")
     with pytest.raises(ConfigError, match=r"trainer.max_tokens_per_micro_batch=300000 would peak the learner at"):
-        prep.prepare(budget, log=quiet)
+        prep.prepare(with_models(student_dir, teacher_dir, *card, *budget), log=quiet)
+    assert tokens < 150_000  # without checkpointing; with it 171,835 fit
+    # checkpointing left null: chosen to hold the explicit budget
+    chosen = with_models(student_dir, teacher_dir, *card, "trainer.max_tokens_per_micro_batch=150000")
+    said.clear()
+    prep.prepare(chosen, log=said.append)
+    assert chosen.trainer.gradient_checkpointing is True and "[miniverl]   => fits" in said
     four_bit = with_models(
         student_dir, teacher_dir, *card, "rollout.max_new_tokens=200000", "model.student.quantization=nf4"
     )
