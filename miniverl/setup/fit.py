@@ -256,18 +256,21 @@ def choose_layout(
         trial = dataclasses.replace(
             cfg, trainer=dataclasses.replace(t, logprob_chunk_tokens=chunk, gradient_checkpointing=checkpointing)
         )
-        learner = _learner(trial, objective, sizes["student"], adapter, vocab, share("learner"), 1, kernels)
+        learner = _learner(
+            trial, objective, sizes["student"], adapter, vocab, share("learner"), fractions["learner"], kernels
+        )
         scorer = _scorer(trial, objective, teachers, vocab, share("scorer"), fractions["scorer"], kernels)
-        if learner.problem is None and scorer.problem is None:
+        fits = learner.problem is None and scorer.problem is None
+        if fits:
             break
     layout, lines = {}, []
     if t.logprob_chunk_tokens is None:
         layout["logprob_chunk_tokens"] = chunk
-        reason = (
-            f"a {vocab:,}-token vocabulary's logits are small"
-            if vocab < SMALL_VOCAB
-            else f"the largest of {', '.join(map(str, AUTO_CHUNKS))} with which the learner and the scorer fit"
-        )
+        reason = f"the largest of {', '.join(map(str, AUTO_CHUNKS))} with which the learner and the scorer fit"
+        if vocab < SMALL_VOCAB:
+            reason = f"a {vocab:,}-token vocabulary's logits are small"
+        elif not fits:
+            reason = f"the smallest of {', '.join(map(str, AUTO_CHUNKS))}: with none do the learner and the scorer fit"
         lines.append(f"  trainer.logprob_chunk_tokens={chunk} (chosen: {reason})")
     if t.gradient_checkpointing is None:
         layout["gradient_checkpointing"] = checkpointing

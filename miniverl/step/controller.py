@@ -152,17 +152,27 @@ class StrictSyncController:
             )
         return rollouts, span(fetch(flight.windows))
 
+    @staticmethod
+    def whole_batch(flight: InFlight) -> Any:
+        """The handle of the batch `flight` samples when one replica samples all of it (its own Ray ref, or the
+        value in-process), which a single scorer or learner can take by reference; else None (several replicas'
+        rows come padded to their own widths, so they go as rows of the driver's stacked batch)."""
+        return flight.parts[0] if len(flight.parts) == 1 else None
+
     def score_behind(self, flight: InFlight) -> InFlight:
         """`flight` with its teacher scores submitted behind it: the scorer takes the rollout by reference and
         starts when it ends, so one behind (trainer.staleness=1) the next step's scoring runs beside this step's
         update as its rollout does, instead of after it (the one-behind runs of docs/benchmarks/decode-profile.md
         spent score + update in series: 1.54 + 3.19 s of a 4.85 s step). The teacher's scores do not depend on
-        the policy, so scoring early changes no number. One rollout replica and one scorer only: with several,
-        each replica's rows come padded to their own width, and the learner is handed rows of the stacked batch."""
-        if len(self.rollouts) != 1 or len(self.scorers) != 1 or len(flight.parts) != 1:
+        the policy, so scoring early changes no number. One scorer and one replica's whole batch only (whole_batch)."""
+        source = self.whole_batch(flight)
+        if source is None or len(self.scorers) != 1:
             return flight
-        handle = submit(self.scorers[0], "score", flight.parts[0], self.teacher_support_k, self.loss_temperature)
-        return dataclasses.replace(flight, score=handle)
+        return dataclasses.replace(flight, score=self._score_whole(source, self.teacher_support_k))
+
+    def _score_whole(self, source: Any, support_k: int | None) -> Any:
+        """The one scorer's handle of the scores of a whole batch it takes by reference (`source`)."""
+        return submit(self.scorers[0], "score", source, support_k, self.loss_temperature)
 
     def sample(self, prompts: PromptBatch, params: SamplingParams, identity: PolicyIdentity) -> RolloutBatch:
         return self.collect(self.submit_sample(prompts, params, identity))[0]
@@ -173,7 +183,7 @@ class StrictSyncController:
         the driver (at the 4080 recipe they are most of a step's bytes). `source`: the batch's own handle from
         its one rollout replica, which one scorer takes by reference instead of the driver's copy."""
         if source is not None and len(self.scorers) == 1:
-            return [(submit(self.scorers[0], "score", source, support_k, self.loss_temperature), 0, len(rollouts.uid))]
+            return [(self._score_whole(source, support_k), 0, len(rollouts.uid))]
         shards = [(a, b) for a, b in group_bounds(rollouts.uid, len(self.scorers)) if b > a]
         return [
             (submit(scorer, "score", rollouts.rows(a, b), support_k, self.loss_temperature), a, b)
@@ -249,7 +259,7 @@ class StrictSyncController:
             self.in_flight = self.score_behind(self.submit_sample(*upcoming, identity))
         # handles; the learner fetches them. A rollout that was in flight was scored as soon as it ended, beside
         # the last update
-        source = flight.parts[0] if len(flight.parts) == 1 else None  # one replica's batch, by reference
+        source = self.whole_batch(flight)
         if flight.score is None:
             scores = self.score(rollouts, self.teacher_support_k, source)
         else:

@@ -165,6 +165,12 @@ def test_a_null_chunk_and_checkpointing_get_the_4080_recipes_hand_set_layout(qwe
     ]
     assert chosen.lines()[3:] == hand.lines()[1:]  # the same plan otherwise
     assert (cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing) == (None, None)  # not written here
+    cfg.resources.emulate_gpu_gib = 8  # no chunk lets the scorer's share hold the 1.5B bf16 teacher: said so
+    tight = plan(cfg, qwen_configs)
+    assert tight.layout["logprob_chunk_tokens"] == 128 and tight.refusals
+    assert (
+        "(chosen: the smallest of 1024, 512, 256, 128: with none do the learner and the scorer fit)" in tight.lines()[1]
+    )
 
 
 def test_a_user_run_without_the_recipe_gets_micro_batches_twenty_times_longer(qwen_configs):
