@@ -134,6 +134,46 @@ def test_one_behind_the_next_rollout_is_scored_behind_it_and_the_numbers_do_not_
             assert a[key] == b[key], key
 
 
+class Recorder:
+    """An actor stand-in that logs which of its methods the controller calls, in the order it calls them."""
+
+    def __init__(self, role: str, worker, calls: list[str]) -> None:
+        self._role, self._worker, self._calls = role, worker, calls
+
+    def __getattr__(self, name: str):
+        method = getattr(self._worker, name)
+
+        def call(*args):
+            self._calls.append(f"{self._role}.{name}")
+            return method(*args)
+
+        return call
+
+
+def test_one_behind_the_update_is_submitted_before_the_next_rollouts_scoring(stale):
+    """Calls from one driver to one actor run in submission order, so with the roles in one actor
+    (resources.colocate) a scoring submitted before the update held the update until the next rollout had ended:
+    decode-profile run 8 measured 5.64 s a step with no overlap, against 4.85 s without scoring behind. The
+    controller submits the next rollout, then this step's update, then the next rollout's scoring."""
+    tok, prompts, lrn, rollout, scorer = stale
+    calls: list[str] = []
+    ctl = StrictSyncController(
+        Recorder("rollout", rollout, calls),
+        Recorder("scorer", scorer, calls),
+        Recorder("learner", lrn, calls),
+        ExactMatchReward(tok),
+        0,
+        1.0,
+        staleness=1,
+    )
+    ctl.step(prompts, params(0), (prompts, params(1)))
+    calls.clear()
+    ctl.step(prompts, params(1), (prompts, params(2)))
+    work = [c for c in calls if c in ("rollout.generate", "scorer.score", "learner.update")]
+    assert work == ["rollout.generate", "learner.update", "scorer.score"], calls
+    assert ctl.in_flight is not None and ctl.in_flight.score is not None
+
+
 def test_with_two_scorers_the_rollout_in_flight_is_scored_after_it(stale):
     """Several replicas pad their rows to their own widths, while the learner gets rows of the stacked batch: the
     scores behind a flight are for one rollout replica and one scorer only."""
