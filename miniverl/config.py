@@ -458,14 +458,25 @@ class TrainerConfig:
         _require(self.eval_samples >= 0, f"trainer.eval_samples={self.eval_samples}: must be >= 0")
 
 
+# The shares where no plan chose them: a run that computes on the CPU, where the fractions only count Ray's GPU
+# resources (the scale-out tests' logical GPUs), and the verl bridge's placement arithmetic. A GPU run plans its own
+# (setup/fit.py choose_shares).
+UNPLANNED_SHARES = {"rollout": 0.4, "scorer": 0.3, "learner": 0.3}
+
+
 @dataclass
 class ActorResources:
-    num_gpus: float = 0.0  # fraction of one GPU (used only when resources.device resolves to cuda)
+    # Fraction of one GPU (used only when resources.device resolves to cuda). null: chosen before Ray from the
+    # models' shapes and the card, and printed with why (setup/fit.py choose_shares).
+    num_gpus: float | None = None
     num_cpus: float = 0.5
 
     def check(self, key: str) -> None:
         """`key`: which actor's resources these are (resources.rollout, ...), as the message names it."""
-        _require(self.num_gpus >= 0 and self.num_cpus >= 0, f"{key}: num_gpus and num_cpus must be >= 0")
+        _require(
+            (self.num_gpus is None or self.num_gpus >= 0) and self.num_cpus >= 0,
+            f"{key}: num_gpus (null: chosen) and num_cpus must be >= 0",
+        )
 
 
 WEIGHT_SYNC = ("auto", "host")  # resources.weight_sync: how the adapter reaches the rollout replicas
@@ -500,9 +511,13 @@ class ResourcesConfig:
     # long (with trainer.staleness=1 the rollout's decode loop beside the learner's launch-bound update). None:
     # Python's 5 ms. Refused without colocate (separate actors each run one role).
     switch_interval_ms: float | None = None
-    rollout: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.4))
-    scorer: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
-    learner: ActorResources = field(default_factory=lambda: ActorResources(num_gpus=0.3))
+    # Each actor's share of the GPU (num_gpus); null shares are chosen before Ray for this card and these models:
+    # the HF rollout its modelled peak + 10%, vLLM 0.4, the learner the least share holding 16k-token micro-batches,
+    # the scorer the rest (setup/fit.py choose_shares; `python -m miniverl.fit` prints them). Set them to place the
+    # actors yourself; a share you set is kept and the null ones divide what it leaves.
+    rollout: ActorResources = field(default_factory=ActorResources)
+    scorer: ActorResources = field(default_factory=ActorResources)
+    learner: ActorResources = field(default_factory=ActorResources)
 
     def check(self) -> None:
         """The placement's own values. The checks against prompt groups, the rollout backend and compiled layers
@@ -685,9 +700,10 @@ def check_combinations(cfg: MiniVerlConfig) -> None:
         " graphs beside it; set trainer.staleness=0, resources.colocate=false or trainer.compile_layers=false",
     )
     if r.backend == "vllm":  # the rollout.vllm options, before Ray starts (the engine is sized later)
-        from miniverl.rollout.vllm_settings import settings_from_config
+        from miniverl.rollout.vllm_settings import AUTO_SHARE, settings_from_config
 
-        settings_from_config(cfg, res.rollout.num_gpus, None)
+        share = AUTO_SHARE if res.rollout.num_gpus is None else res.rollout.num_gpus
+        settings_from_config(cfg, share, None)
         _require(
             r.vllm.refresh != "merged" or student.dtype == "float32",
             f"rollout.vllm.refresh=merged with model.student.dtype={student.dtype} (bf16 on a GPU): a"

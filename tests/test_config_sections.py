@@ -80,7 +80,7 @@ CASES = [
         ActorResources(),
         {"num_cpus": -1.0},
         ("resources.scorer",),
-        "resources.scorer: num_gpus and num_cpus must be >= 0",
+        "resources.scorer: num_gpus (null: chosen) and num_cpus must be >= 0",
     ),
     (ResourcesConfig, ResourcesConfig(), {"weight_sync": "nvlink"}, (), "resources.weight_sync='nvlink': use auto"),
     (TrackingConfig, TrackingConfig(), {"wandb_mode": "maybe"}, (), "tracking.wandb_mode='maybe': use offline"),

@@ -103,7 +103,7 @@ def verl_overrides(spec: RunSpec, student: str, teacher: str, data_dir: Path, re
         "trainer.test_freq": t.eval_every or VERL_NEVER,
         "trainer.save_freq": t.total_steps if t.save_checkpoint else VERL_NEVER,
     }
-    if res.rollout.num_gpus > 0:
+    if res.rollout.num_gpus:  # null: chosen per run, which a verl config cannot express
         ov["actor_rollout_ref.rollout.gpu_memory_utilization"] = res.rollout.num_gpus
     ov.update(_distillation(spec, teacher))
     return ov

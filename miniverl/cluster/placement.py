@@ -28,10 +28,18 @@ class Placement:
         return {a: {"CPU": self.num_cpus[a] * self.count[a], "GPU": self.num_gpus[a] * self.count[a]} for a in ACTORS}
 
 
+def share_of(resources, actor: str) -> float:
+    """resources.<actor>.num_gpus; where no plan chose a null one (the CPU), config.UNPLANNED_SHARES'."""
+    from miniverl.config import UNPLANNED_SHARES
+
+    share = getattr(resources, actor).num_gpus
+    return UNPLANNED_SHARES[actor] if share is None else share
+
+
 def plan_placement(resources, gpus: int) -> Placement:
     """The placement for `gpus` shared GPUs (0 = CPU only) and resources.scorer_gpus dedicated ones."""
     dedicated = resources.scorer_gpus if gpus else 0
-    share = {a: getattr(resources, a).num_gpus if gpus else 0.0 for a in ACTORS}
+    share = {a: share_of(resources, a) if gpus else 0.0 for a in ACTORS}
     if dedicated:
         share["scorer"] = 1.0
     cpus = {a: getattr(resources, a).num_cpus for a in ACTORS}

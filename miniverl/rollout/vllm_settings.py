@@ -25,6 +25,9 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # and the CUDA context's share. vLLM's own profile run measures this when it sizes the cache; under a 16 GB
 # emulation cap that profile sees the whole H200 free, so the KV size must come from us (issue 8).
 ENGINE_OVERHEAD_GIB = 1.5
+# resources.rollout.num_gpus left null with vLLM: the engine takes its whole share up front and sizes its KV cache
+# from what the share leaves, so no modelled peak says what it needs (setup/fit.py choose_shares)
+AUTO_SHARE = 0.4
 REFRESH_MODES = ("adapter", "merged")
 ENGINE_PROCESSES = ("inprocess", "subprocess")
 SEEDING = ("row", "prompt")

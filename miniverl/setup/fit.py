@@ -72,8 +72,8 @@ class FitPlan:
     context_bytes: int
     contexts: int
     problems: list[str] = field(default_factory=list)  # the card's own (shares over the whole card)
-    # trainer.logprob_chunk_tokens and trainer.gradient_checkpointing as planned (chosen where the config left them
-    # null), and one line per chosen value saying why
+    # what the plan chose where the config left it null, by dotted key (resources.<actor>.num_gpus,
+    # trainer.logprob_chunk_tokens, trainer.gradient_checkpointing), and one line per chosen value saying why
     layout: dict = field(default_factory=dict)
     layout_lines: list[str] = field(default_factory=list)
 
@@ -135,8 +135,10 @@ def plan_fit(
     from miniverl.setup.teachers import teacher_specs
     from miniverl.workers import COLOCATED_CONTEXT_GIB, CUDA_CONTEXT_GIB
 
-    res = cfg.resources
     total, source = card
+    adapter = adapter_params(sizes["student"].config, cfg.model.lora)  # a meta-device build: once
+    cfg, shares, share_lines = choose_shares(cfg, objective, sizes, adapter, vocab, total, kernels)
+    res = cfg.resources
     fractions = {"rollout": res.rollout.num_gpus, "scorer": res.scorer.num_gpus, "learner": res.learner.num_gpus}
     own_scorer_gpu = res.scorer_gpus > 0
     if own_scorer_gpu:
@@ -151,7 +153,6 @@ def plan_fit(
     def share(role: str) -> int:
         return int((total / 2**30 * fractions[role] - CUDA_CONTEXT_GIB) * 2**30)  # as emulated_cap_gib rounds
 
-    adapter = adapter_params(sizes["student"].config, cfg.model.lora)  # a meta-device build: once
     cfg, layout, layout_lines = choose_layout(cfg, objective, sizes, adapter, vocab, share, fractions, kernels)
     actors = [
         _learner(cfg, objective, sizes["student"], adapter, vocab, share("learner"), fractions["learner"], kernels),
@@ -175,12 +176,136 @@ def plan_fit(
             a.calibrated = True
     contexts = 1 if res.colocate else len(actors)
     context = COLOCATED_CONTEXT_GIB if res.colocate else CUDA_CONTEXT_GIB
-    return FitPlan(total, source, actors, int(contexts * context * 2**30), contexts, problems, layout, layout_lines)
+    return FitPlan(
+        total,
+        source,
+        actors,
+        int(contexts * context * 2**30),
+        contexts,
+        problems,
+        {**shares, **layout},
+        share_lines + layout_lines,
+    )
 
 
 def step_rows(cfg: MiniVerlConfig) -> int:
     """Rows of one step on one GPU (each GPU's replicas take a contiguous share of the prompt groups)."""
     return max(cfg.data.prompts_per_step * cfg.rollout.n // max(cfg.resources.gpus or 1, 1), 1)
+
+
+# The shares a run gets where resources.<actor>.num_gpus is null (issue 34: gkd's old fixed 0.4 / 0.3 / 0.3 left the
+# rollout 1.2 GiB it did not use at 64 x 4 x 512 and 4.4 GiB at 16 x 1 x 256, while the scorer's 0.3 held forwards of
+# 2,386 tokens beside a bf16 1.5B teacher where gkd_4080's 0.35 held 8,080: its scoring took 2.19 s against 1.47 s
+# a step; docs/benchmarks/peers.md run 1). In steps of SHARE_STEP of the card:
+# - the HF rollout: its modelled peak (the step's or the evaluation's rows, the larger) plus ROLLOUT_SHARE_MARGIN,
+#   and its CUDA context; vLLM, which sizes its KV cache from whatever its share leaves: vllm_settings.AUTO_SHARE;
+# - the learner: the least share whose micro-batches hold CHECKPOINT_FREE_TOKENS tokens or the step's, whichever
+#   is less (or an explicit trainer.max_tokens_per_micro_batch): from 16k to 32k tokens a micro-batch trained only
+#   4% faster (docs/benchmarks/learner-throughput.md diag2);
+# - the scorer: the rest of the card, since its forwards, and the step's scoring with them, grow with its share.
+# A share the config sets is kept, and the ones left null divide what it leaves.
+ROLLOUT_SHARE_MARGIN = 0.10
+SHARE_STEP = 0.01
+
+
+def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, vocab: int, total: int, kernels: bool):
+    """`cfg` with every null resources.<actor>.num_gpus chosen for a card of `total` bytes (the rules above), the
+    chosen values by dotted key, and a line for each saying why."""
+    import dataclasses
+    import math
+
+    from miniverl.rollout.vllm_settings import AUTO_SHARE
+    from miniverl.workers import CUDA_CONTEXT_GIB
+
+    res = cfg.resources
+    unset = [a for a in ("rollout", "learner", "scorer") if getattr(res, a).num_gpus is None]
+    if not unset:
+        return cfg, {}, []
+    steps = round(1 / SHARE_STEP)
+    own_scorer_gpu = res.scorer_gpus > 0
+    card_gib = total / 2**30
+
+    def share_bytes(k: int) -> int:  # as plan_fit's share(): k steps of the card less a CUDA context
+        return int((card_gib * k / steps - CUDA_CONTEXT_GIB) * 2**30)
+
+    def least_steps(nbytes: float) -> int:  # the fewest steps whose share holds `nbytes` beside the context
+        return max(1, math.ceil(round((nbytes / 2**30 + CUDA_CONTEXT_GIB) / card_gib * steps, 6)))
+
+    chosen: dict[str, int] = {}
+    why: dict[str, str] = {}
+    if "rollout" in unset:
+        if cfg.rollout.backend == "vllm":
+            chosen["rollout"] = round(AUTO_SHARE * steps)
+            why["rollout"] = "vLLM sizes its KV cache from what its share leaves: its default share"
+        else:
+            peak = _rollout(cfg, sizes["student"], adapter, 0, 0.0).peak_bytes
+            chosen["rollout"] = least_steps(peak * (1 + ROLLOUT_SHARE_MARGIN))
+            why["rollout"] = f"its modelled peak {human(peak)} + {ROLLOUT_SHARE_MARGIN:.0%} and its CUDA context"
+    if own_scorer_gpu and "scorer" in unset:
+        chosen["scorer"] = steps
+        why["scorer"] = f"a GPU of its own (resources.scorer_gpus={res.scorer_gpus})"
+    kept = {a: round(getattr(res, a).num_gpus * steps) for a in ("rollout", "learner", "scorer") if a not in unset}
+    on_card = {**kept, **chosen}
+    left = steps - sum(k for a, k in on_card.items() if not (own_scorer_gpu and a == "scorer"))
+    rest = [a for a in ("learner", "scorer") if a in unset and a not in chosen]
+    if len(rest) == 1:
+        chosen[rest[0]] = max(left, 0)
+        why[rest[0]] = "the rest of the card"
+    elif rest:
+        chosen["learner"], why["learner"] = _learner_steps(
+            cfg, objective, sizes, adapter, vocab, kernels, left, share_bytes
+        )
+        chosen["scorer"] = max(left - chosen["learner"], 0)
+        why["scorer"] = "the rest of the card"
+    resources = dataclasses.replace(
+        res,
+        **{a: dataclasses.replace(getattr(res, a), num_gpus=k / steps) for a, k in chosen.items()},
+    )
+    out = dataclasses.replace(cfg, resources=resources)
+    values = {f"resources.{a}.num_gpus": chosen[a] / steps for a in ("rollout", "learner", "scorer") if a in chosen}
+    lines = [f"  {key}={value:.2f} (chosen: {why[key.split('.')[1]]})" for key, value in values.items()]
+    return out, values, lines
+
+
+def _learner_steps(cfg, objective, sizes, adapter: int, vocab: int, kernels: bool, left: int, share_bytes):
+    """The learner's share in steps out of `left` (with the scorer's), and why: the least whose micro-batches hold
+    what is enough, with the layout the learner would get at its best (the largest LM-head chunk, checkpointing
+    unless the config turns it off), never so much that the scorer's rest does not hold one row."""
+    import dataclasses
+
+    from miniverl.models.sizing import fit_tokens
+    from miniverl.setup.teachers import teacher_specs
+
+    t = cfg.trainer
+    shape = _learner_shape(cfg, sizes["student"], adapter, vocab)
+    chunk = (
+        t.logprob_chunk_tokens if t.logprob_chunk_tokens is not None else (0 if vocab < SMALL_VOCAB else AUTO_CHUNKS[0])
+    )
+    checkpointing = t.gradient_checkpointing is not False
+    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    closed = objective.closed_form_head and kernels
+    enough = t.max_tokens_per_micro_batch or min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
+    teachers = {r: sizes[r] for r in teacher_specs(cfg.model)}
+    trial = dataclasses.replace(
+        cfg, trainer=dataclasses.replace(t, logprob_chunk_tokens=chunk, gradient_checkpointing=checkpointing)
+    )
+    scorer_least = next(  # the scorer's fewest steps that hold one row (its plan names the problem if none do)
+        (
+            k
+            for k in range(1, left)
+            if _scorer(trial, objective, teachers, vocab, share_bytes(k), k * SHARE_STEP, kernels).problem is None
+        ),
+        1,
+    )
+    for k in range(1, max(left - scorer_least, 1) + 1):
+        try:
+            tokens = fit_tokens(shape, share_bytes(k), chunk, checkpointing, longest_row, closed)
+        except ConfigError:
+            continue
+        if tokens >= enough:
+            return k, f"the least share whose micro-batches hold {enough:,} tokens"
+    k = max(left - scorer_least, 1)
+    return k, f"all the scorer leaves: no share holds micro-batches of {enough:,} tokens"
 
 
 # The layout a run gets where trainer.logprob_chunk_tokens or trainer.gradient_checkpointing is null (issue 34: a user
@@ -265,7 +390,7 @@ def choose_layout(
             break
     layout, lines = {}, []
     if t.logprob_chunk_tokens is None:
-        layout["logprob_chunk_tokens"] = chunk
+        layout["trainer.logprob_chunk_tokens"] = chunk
         reason = f"the largest of {', '.join(map(str, AUTO_CHUNKS))} with which the learner and the scorer fit"
         if vocab < SMALL_VOCAB:
             reason = f"a {vocab:,}-token vocabulary's logits are small"
@@ -273,7 +398,7 @@ def choose_layout(
             reason = f"the smallest of {', '.join(map(str, AUTO_CHUNKS))}: with none do the learner and the scorer fit"
         lines.append(f"  trainer.logprob_chunk_tokens={chunk} (chosen: {reason})")
     if t.gradient_checkpointing is None:
-        layout["gradient_checkpointing"] = checkpointing
+        layout["trainer.gradient_checkpointing"] = checkpointing
         lines.append(f"  trainer.gradient_checkpointing={str(checkpointing).lower()} (chosen: {why})")
     return trial, layout, lines
 
@@ -379,27 +504,37 @@ def _rollout(cfg, size: ModelSize, adapter: int, share: int, fraction: float) ->
     from miniverl.rollout.decode_cache import CACHE_COLUMN_QUANTUM
 
     columns = -(-columns // CACHE_COLUMN_QUANTUM) * CACHE_COLUMN_QUANTUM  # the cache grows in these steps
-    cache = rows * columns * kv_per_token
-    logits = int(rows * c.vocab_size * 4 * ROLLOUT_LOGIT_COPIES)
     p = cfg.data.max_prompt_length
     per_prompt = p * (
         PREFILL_TOKEN_BYTES_PER_INTERMEDIATE * c.intermediate_size + PREFILL_TOKEN_BYTES_PER_HIDDEN * c.hidden_size
     )
     per_prompt += PREFILL_SCORE_COPIES * (c.num_attention_heads + 1) * p * p * 4  # fp32 scores of every head, mask
-    prompts = -(-rows // r.n)
-    if r.backend == "hf_cached":  # its prefill goes in passes of at most PREFILL_TOKENS padded tokens
-        from miniverl.rollout import hf_cached
 
-        prompts = min(prompts, max(1, hf_cached.PREFILL_TOKENS // max(p, 1)))
-    prefill = int(prompts * per_prompt)
+    def parts(rows: int, prompts: int) -> tuple[int, int, int]:
+        """The decode cache, the sampler's logits and the prefill of a generate call of `rows` rows."""
+        if r.backend == "hf_cached":  # its prefill goes in passes of at most PREFILL_TOKENS padded tokens
+            from miniverl.rollout import hf_cached
+
+            prompts = min(prompts, max(1, hf_cached.PREFILL_TOKENS // max(p, 1)))
+        return (
+            rows * columns * kv_per_token,
+            int(rows * c.vocab_size * 4 * ROLLOUT_LOGIT_COPIES),
+            int(prompts * per_prompt),
+        )
+
+    # a step's rows, or the evaluation's (data.eval_prompts greedy rows, one per prompt) when they are more
+    eval_rows = -(-cfg.data.eval_prompts // max(cfg.resources.gpus or 1, 1))
+    calls = [parts(rows, -(-rows // r.n)), parts(eval_rows, eval_rows)]
+    cache, logits, prefill = max(calls, key=sum)
     plan.peak_bytes = weights + adapter_bytes + ROLLOUT_FIXED_BYTES + cache + logits + prefill
+    widest = rows if (cache, logits, prefill) == calls[0] else eval_rows
     plan.choice = (
-        f"decode cache {rows} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)},"
-        f" prefill {human(prefill)}"
+        f"decode cache {widest} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)},"
+        f" prefill {human(prefill)}" + ("" if widest == rows else " (the evaluation's rows: more than a step's)")
     )
     if plan.peak_bytes > share:
         fixes = [
-            "fewer rows (data.prompts_per_step, rollout.n)",
+            "fewer rows (data.prompts_per_step, rollout.n" + (", data.eval_prompts)" if widest != rows else ")"),
             "shorter ones (data.max_prompt_length, rollout.max_new_tokens)",
             "a larger resources.rollout.num_gpus",
             *(["an NF4 student"] if spec.quantization == "none" else []),
@@ -409,6 +544,16 @@ def _rollout(cfg, size: ModelSize, adapter: int, share: int, fraction: float) ->
             f" {human(plan.peak_bytes)}, over its {human(share)} share; {', '.join(fixes[:-1])} or {fixes[-1]}"
         )
     return plan
+
+
+def apply_choices(cfg: MiniVerlConfig, choices: dict) -> None:
+    """Set in `cfg` what a plan chose (FitPlan.layout: values by dotted key), so the actors run with it."""
+    for key, value in choices.items():
+        *path, name = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, name, value)
 
 
 def card_plan(

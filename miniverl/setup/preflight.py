@@ -106,6 +106,8 @@ def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
             for actor in ("rollout", "scorer", "learner"):
                 whole = actor == "scorer" and cfg.resources.scorer_gpus > 0  # a dedicated GPU
                 fraction = 1.0 if whole else getattr(cfg.resources, actor).num_gpus
+                if fraction is None:  # chosen by the plan, which refuses a share its context fills
+                    continue
                 emulated_cap_gib(cfg.resources.emulate_gpu_gib, fraction, f"resources.{actor}.num_gpus")
         return
     if cfg.resources.emulate_gpu_gib is not None:

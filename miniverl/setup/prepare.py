@@ -34,7 +34,7 @@ from miniverl.objectives import Objective, build_objective
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm
-from miniverl.setup.fit import card_plan
+from miniverl.setup.fit import apply_choices, card_plan
 from miniverl.setup.preflight import (
     ResumePoint,
     check_device_settings,
@@ -160,8 +160,7 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
             log(f"[miniverl] {line}")
         if plan.refusals:
             raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
-        for key, value in plan.layout.items():
-            setattr(t, key, value)
+        apply_choices(cfg, plan.layout)
     else:
         t.logprob_chunk_tokens = 0 if t.logprob_chunk_tokens is None else t.logprob_chunk_tokens
         t.gradient_checkpointing = bool(t.gradient_checkpointing)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from miniverl.config import MiniVerlConfig, ModelSpec
+from miniverl.config import UNPLANNED_SHARES, MiniVerlConfig, ModelSpec
 from miniverl.errors import ConfigError
 from miniverl.fit import ERROR_EXIT_CODE, NO_FIT_EXIT_CODE, main
 from miniverl.models.loading import NF4_BYTES_PER_PARAM, ModelSize, model_size
 from miniverl.objectives import build_objective
-from miniverl.setup.fit import card_bytes, plan_fit, step_rows
+from miniverl.setup.fit import apply_choices, card_bytes, plan_fit, step_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -75,7 +75,8 @@ def test_the_4080_recipe_plans_the_learners_measured_micro_batch_and_fits(qwen_c
     cells = ((32, 320, 512, 3.36), (128, 320, 512, 9.76), (48, 600, 512, 6.93), (96, 64, 1024, 6.64))
     for prompts, longest, new, measured in cells:
         shape = dict(data__prompts_per_step=prompts, data__max_prompt_length=longest, rollout__max_new_tokens=new)
-        other = plan(recipe(**shape), qwen_configs).actors[2]
+        # the cells timed a step's generate call alone: no evaluation's rows beside it
+        other = plan(recipe(**shape, data__eval_prompts=1), qwen_configs).actors[2]
         assert other.peak_bytes / GIB == pytest.approx(measured, rel=0.05), shape
     # At the recipe's longest prompts (320 tokens, every row 832 long) the rollout's estimate exceeds its 4.9 GiB
     # share: reported (an estimate), not refused; 192-token prompts fit
@@ -151,7 +152,10 @@ def test_a_null_chunk_and_checkpointing_get_the_4080_recipes_hand_set_layout(qwe
     cfg = recipe()
     cfg.trainer.logprob_chunk_tokens = cfg.trainer.gradient_checkpointing = None
     chosen = plan(cfg, qwen_configs)
-    assert chosen.layout == {"logprob_chunk_tokens": 1024, "gradient_checkpointing": True} and not hand.layout
+    assert (
+        chosen.layout == {"trainer.logprob_chunk_tokens": 1024, "trainer.gradient_checkpointing": True}
+        and not hand.layout
+    )
     assert (
         chosen.actors[0].choice
         == hand.actors[0].choice
@@ -167,24 +171,31 @@ def test_a_null_chunk_and_checkpointing_get_the_4080_recipes_hand_set_layout(qwe
     assert (cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing) == (None, None)  # not written here
     cfg.resources.emulate_gpu_gib = 8  # no chunk lets the scorer's share hold the 1.5B bf16 teacher: said so
     tight = plan(cfg, qwen_configs)
-    assert tight.layout["logprob_chunk_tokens"] == 128 and tight.refusals
+    assert tight.layout["trainer.logprob_chunk_tokens"] == 128 and tight.refusals
     assert (
         "(chosen: the smallest of 1024, 512, 256, 128: with none do the learner and the scorer fit)" in tight.lines()[1]
     )
 
 
 def test_a_user_run_without_the_recipe_gets_micro_batches_twenty_times_longer(qwen_configs):
-    """The issue's measurement: a 0.5B-shape model at 16 x 1 x 256 (r16) under the default shares sized the learner to
-    917-token micro-batches with no LM-head chunking (update 0.96 s for 4k tokens against the recipe's 8k in 0.35 s).
-    Chosen, the step's 4,608 tokens are one micro-batch."""
+    """The issue's measurement: a 0.5B-shape model at 16 x 1 x 256 (r16) under the old fixed shares (0.4 / 0.3 / 0.3)
+    sized the learner to 917-token micro-batches with no LM-head chunking (update 0.96 s for 4k tokens against the
+    recipe's 8k in 0.35 s; 1.94 s in peers run 1). Chosen, the step's 4,608 tokens are one micro-batch, in the least
+    learner share that holds them, and the scorer gets what the small rollout leaves."""
     cfg = MiniVerlConfig()
     cfg.resources.emulate_gpu_gib, cfg.rollout.backend = 16, "hf_cached"
     cfg.data.prompts_per_step, cfg.rollout.n, cfg.rollout.max_new_tokens, cfg.model.lora.rank = 16, 1, 256, 16
     chosen = plan(cfg, qwen_configs)
-    assert chosen.layout["gradient_checkpointing"] is True and chosen.layout["logprob_chunk_tokens"] in (512, 1024)
-    assert chosen.actors[0].choice == "micro-batches of up to 18,786 tokens (the step: 4,608 at most)"
+    assert chosen.layout["trainer.gradient_checkpointing"] is True
+    assert chosen.layout["trainer.logprob_chunk_tokens"] in (512, 1024)
+    learner, scorer, rollout = chosen.actors
+    assert learner.choice == "micro-batches of up to 6,074 tokens (the step: 4,608 at most)"
+    assert (rollout.fraction, learner.fraction, scorer.fraction) == (0.16, 0.2, 0.64)
+    assert "(the evaluation's rows: more than a step's)" in rollout.choice  # 64 held-out prompts against 16 rows
     assert not chosen.refusals and not chosen.warnings
     cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing = 0, False  # the old defaults, set by hand
+    for actor, share in UNPLANNED_SHARES.items():
+        getattr(cfg.resources, actor).num_gpus = share
     assert plan(cfg, qwen_configs).actors[0].choice.startswith("micro-batches of up to 917 tokens")
 
 
@@ -197,18 +208,83 @@ def test_a_small_vocabulary_is_not_chunked_and_a_large_share_is_not_checkpointed
     sizes = {r: model_size(str(qwen_configs[n]), AutoConfig.from_pretrained(qwen_configs[n])) for r, n in
              (("student", "0.5b"), ("teacher", "1.5b"))}  # fmt: skip
     small = plan_fit(cfg, build_objective(cfg.objective), sizes, 4096, card_bytes(cfg, None))
-    assert small.layout == {"logprob_chunk_tokens": 0, "gradient_checkpointing": False}
+    assert small.layout == {"trainer.logprob_chunk_tokens": 0, "trainer.gradient_checkpointing": False}
     assert "a 4,096-token vocabulary's logits are small" in small.lines()[1]
     assert small.lines()[2].endswith(": enough without)")  # 4 rows of 128 tokens fit without recomputing
     cfg.trainer.max_tokens_per_micro_batch = 200_000  # a budget only checkpointing holds: chosen for it
     assert plan_fit(cfg, build_objective(cfg.objective), sizes, 4096, card_bytes(cfg, None)).layout == {
-        "logprob_chunk_tokens": 0,
-        "gradient_checkpointing": True,
+        "trainer.logprob_chunk_tokens": 0,
+        "trainer.gradient_checkpointing": True,
     }
     cfg.trainer.max_tokens_per_micro_batch = 0
     cfg.trainer.gradient_checkpointing = True  # a value set by the user is kept and not reported as chosen
     kept = plan_fit(cfg, build_objective(cfg.objective), sizes, 4096, card_bytes(cfg, None))
-    assert kept.layout == {"logprob_chunk_tokens": 0} and len(kept.layout_lines) == 1
+    assert kept.layout == {"trainer.logprob_chunk_tokens": 0} and len(kept.layout_lines) == 1
+
+
+def gkd_defaults(**overrides) -> MiniVerlConfig:
+    """`+experiment=gkd` at the 4080 recipe's shape with nothing hand-set: the shares and the layout left null."""
+    cfg = recipe(**overrides)
+    for actor in ("rollout", "scorer", "learner"):
+        getattr(cfg.resources, actor).num_gpus = None
+    cfg.trainer.logprob_chunk_tokens = cfg.trainer.gradient_checkpointing = None
+    return cfg
+
+
+def test_null_shares_give_the_rollout_its_peak_the_learner_enough_and_the_scorer_the_rest(qwen_configs):
+    """Peers run 1: gkd's old fixed shares left its rollout 1.2 GiB idle while its scorer's forwards held 2,386 tokens
+    (2.19 s of scoring a step against gkd_4080's 1.47 s with 8,080). Chosen, they come near the hand-set recipe's."""
+    chosen = plan(gkd_defaults(), qwen_configs)
+    learner, scorer, rollout = chosen.actors
+    assert (rollout.fraction, learner.fraction, scorer.fraction) == (0.36, 0.3, 0.34)  # gkd_4080: 0.35 / 0.3 / 0.35
+    assert rollout.share_bytes >= rollout.peak_bytes * 1.1
+    assert "micro-batches of up to 17,322 tokens" in learner.choice  # the recipe's
+    assert scorer.choice == "forwards of up to 5,999 tokens"
+    assert not chosen.refusals and not chosen.warnings
+    lines = chosen.lines()
+    assert (
+        lines[1] == "  resources.rollout.num_gpus=0.36 (chosen: its modelled peak 4.5 GiB + 10% and its CUDA context)"
+    )
+    assert (
+        lines[2] == "  resources.learner.num_gpus=0.30 (chosen: the least share whose micro-batches hold 16,384 tokens)"
+    )
+    assert lines[3] == "  resources.scorer.num_gpus=0.34 (chosen: the rest of the card)"
+    cfg = gkd_defaults()
+    apply_choices(cfg, chosen.layout)  # what the run then starts with
+    assert (cfg.resources.rollout.num_gpus, cfg.resources.scorer.num_gpus) == (0.36, 0.34)
+    assert (cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing) == (1024, True)
+    assert plan(cfg, qwen_configs).lines()[1:] == [x for x in lines[1:] if "(chosen" not in x]  # nothing left to choose
+
+
+def test_a_share_that_is_set_is_kept_and_the_null_ones_divide_what_it_leaves(qwen_configs):
+    cfg = gkd_defaults()
+    cfg.resources.rollout.num_gpus = 0.5
+    p = plan(cfg, qwen_configs)
+    learner, scorer, rollout = p.actors
+    # the scorer needs 0.32 for one row beside 1,024-token LM-head chunks; the learner takes the rest, short of 16k
+    assert (rollout.fraction, learner.fraction, scorer.fraction) == (0.5, 0.18, 0.32)
+    assert (
+        "resources.learner.num_gpus=0.18 (chosen: all the scorer leaves: no share holds micro-batches of"
+        in p.lines()[1]
+    )
+    assert not p.refusals
+    cfg = gkd_defaults()
+    cfg.resources.scorer.num_gpus = 0.3
+    p = plan(cfg, qwen_configs)
+    assert [a.fraction for a in p.actors] == [0.34, 0.3, 0.36]  # learner: the rest
+    assert "  resources.learner.num_gpus=0.34 (chosen: the rest of the card)" in p.lines()
+    cfg = gkd_defaults()
+    cfg.rollout.backend = "vllm"  # vLLM sizes its cache from its share: no peak to plan it by
+    assert plan(cfg, qwen_configs).actors[2].fraction == 0.4
+
+
+def test_a_set_share_that_leaves_the_others_no_room_is_refused_naming_the_knob(qwen_configs):
+    cfg = gkd_defaults()
+    cfg.resources.rollout.num_gpus = 0.9
+    p = plan(cfg, qwen_configs)
+    assert any("resources.scorer" in r or "resources.learner" in r for r in p.refusals), p.refusals
+    cfg.resources.rollout.num_gpus = 1.0
+    assert plan(cfg, qwen_configs).refusals  # nothing left at all: refused, not divided by zero
 
 
 def test_without_a_card_the_plan_asks_for_one():
