@@ -1,4 +1,4 @@
-"""Each config section checks its own values in a `check` method under its fields (miniverl/config.py), and
+"""Each config section checks its own values in a `check` method under its fields (miniverl/config/<section>.py), and
 `validate` runs every one of those checks."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from miniverl.config import (
 )
 from miniverl.errors import ConfigError
 
-# Dataclasses of config.py without a check of their own, and why.
+# Dataclasses of miniverl.config without a check of their own, and why.
 NOT_SECTION_CHECKED = {
     MiniVerlConfig: "validate is its check",
 }
@@ -40,7 +40,7 @@ def config_dataclasses() -> set[type]:
 
 
 def own_checks() -> set[type]:
-    """The dataclasses of config.py that define a check method themselves (not only inherit one)."""
+    """The dataclasses of miniverl.config that define a check method themselves (not only inherit one)."""
     return {c for c in config_dataclasses() if "check" in vars(c)}
 
 

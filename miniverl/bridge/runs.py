@@ -1,5 +1,5 @@
 """A finished or planned run as the bridge reads it: a run directory's .hydra/config.yaml or a composed
-config YAML, typed by miniverl/config.py and validated, plus keys a newer schema may carry."""
+config YAML, typed by miniverl/config/ and validated, plus keys a newer schema may carry."""
 
 from __future__ import annotations
 
@@ -81,11 +81,11 @@ def _typed(raw: dict, file: Path) -> MiniVerlConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     objective = (raw.get("objective") or {}).get("name") if isinstance(raw.get("objective"), dict) else None
-    try:  # the objective's own dataclass (miniverl/config.py): a key another objective owns is refused
+    try:  # the objective's own dataclass (miniverl/config/objective.py): a key another objective owns is refused
         merged = OmegaConf.merge(structured_schema(objective or MiniVerlConfig().objective.name), raw)
     except OmegaConfBaseException as e:  # an unknown key or a wrong type
         raise ConfigError(
-            f"{file}: {str(e).splitlines()[0]}; the config must fit this miniVERL's schema (miniverl/config.py)"
+            f"{file}: {str(e).splitlines()[0]}; the config must fit this miniVERL's schema (miniverl/config/)"
         ) from e
     return to_config(merged)
 
@@ -106,7 +106,7 @@ def _take(raw: dict, keys: tuple[str, ...]):
 
 
 def _schema_has(keys: tuple[str, ...]) -> bool:
-    """Whether miniverl/config.py has the setting at `keys` (model.student.quantization, ...)."""
+    """Whether miniverl/config/ has the setting at `keys` (model.student.quantization, ...)."""
     import typing
 
     node = MiniVerlConfig

@@ -1,0 +1,93 @@
+"""The objective sections: one dataclass per objective (the Hydra group `objective`), and the refusal of a key
+another objective owns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miniverl.config.base import require
+
+
+@dataclass
+class ObjectiveConfig:
+    """The `objective` config group: one dataclass per objective below, each holding only its own settings,
+    so a key another objective owns (`+experiment=pg_k1 objective.beta=0.9`) fails before Ray instead of
+    being ignored. Choose one with `objective=<name>` (or an experiment); `name` only says which it is."""
+
+    name: str = "???"  # a name in miniverl.objectives.OBJECTIVES (set by each objective's dataclass)
+
+    def check(self) -> None:
+        """The name is a known objective, and this group holds that objective's settings."""
+        from miniverl.objectives import OBJECTIVES
+
+        OBJECTIVES.require(self.name)
+        require(
+            type(self) is OBJECTIVE_CONFIGS[self.name],
+            f"objective.name={self.name} but the objective group holds {type(self).__name__}'s settings; choose the"
+            f" objective with objective={self.name} (or +experiment={self.name}), not objective.name",
+        )
+
+
+@dataclass
+class GkdObjectiveConfig(ObjectiveConfig):
+    """Direct GKD: generalized JSD per response token against the teacher's support (docs/objectives.md)."""
+
+    name: str = "gkd"
+    beta: float = 0.5  # 0 = forward KL(p||q), 1 = reverse KL(q||p), between: generalized JSD
+    loss_temperature: float = 1.0  # divides teacher and student logits in the loss; rollout.temperature is separate
+    teacher_topk: int = 64  # K teacher tokens plus one tail bucket (a lower bound); 0 = full vocabulary
+
+    def check(self) -> None:
+        super().check()
+        require(0 <= self.beta <= 1, f"objective.beta={self.beta}: must be in [0, 1]")
+        require(self.loss_temperature > 0, f"objective.loss_temperature={self.loss_temperature}: must be > 0")
+        require(
+            self.teacher_topk >= 0, f"objective.teacher_topk={self.teacher_topk}: use 0 (full vocabulary) or K >= 1"
+        )
+
+
+@dataclass
+class PgK1ObjectiveConfig(ObjectiveConfig):
+    """PG-k1: policy gradient with the per-token k1 advantage log p_teacher - log q_sampler. Samples at
+    temperature 1 with no top-k/top-p (validate enforces it)."""
+
+    name: str = "pg_k1"
+    discount: float = 0.0  # gamma of the discounted k1 return (0 = per-token reverse KL, 1 = sequence KL)
+    # Truncated importance sampling cap on q_theta / q_sampler (verl: about 2); inf = off, and then the
+    # conformance gate refuses a sampler outside PG-k1's tolerance.
+    is_cap: float = 2.0
+    kl_coef: float = 0.0  # reference-KL penalty folded into the per-token reward (0 = off)
+    kl_kind: str = "k1"  # k1|k2|k3 (verl aliases kl|mse|low_var_kl) and abs
+    reward_coef: float = 0.0  # weight of the GRPO-normalized task reward added to every token's advantage
+
+    def check(self) -> None:
+        """PG-k1's own ranges; what it asks of the rollout is check_objective's."""
+        from miniverl.objectives.kl import KL_KINDS
+
+        super().check()
+        require(0 <= self.discount <= 1, f"objective.discount={self.discount}: must be in [0, 1]")
+        require(self.is_cap >= 1, f"objective.is_cap={self.is_cap}: must be >= 1 (verl uses about 2)")
+        require(self.kl_kind in KL_KINDS, f"objective.kl_kind={self.kl_kind!r}: use one of {', '.join(KL_KINDS)}")
+
+
+OBJECTIVE_CONFIGS: dict[str, type[ObjectiveConfig]] = {"gkd": GkdObjectiveConfig, "pg_k1": PgK1ObjectiveConfig}
+
+
+def foreign_objective_key(objective: str, key: str) -> str | None:
+    """The error for `objective.<key>` under `objective`, or None when that objective owns the key."""
+    import dataclasses
+
+    schema = OBJECTIVE_CONFIGS.get(objective)
+    if schema is None:
+        return None  # an unknown objective name is reported on its own
+    own = [f.name for f in dataclasses.fields(schema)]
+    if key in own:
+        return None
+    owners = [n for n, c in OBJECTIVE_CONFIGS.items() if key in {f.name for f in dataclasses.fields(c)}]
+    msg = f"objective.{key} is not a setting of objective {objective} (its settings: {', '.join(own)})"
+    if owners:
+        return (
+            f"{msg}; it belongs to objective {owners[0]}. Fix: drop objective.{key}, or train {owners[0]}"
+            f" (objective={owners[0]}, or +experiment={owners[0]})"
+        )
+    return f"{msg}. Fix: check the spelling"
