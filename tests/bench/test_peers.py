@@ -1,0 +1,135 @@
+"""miniverl.bench.peers (issue 34's peers harness): import-safe, refuses bad arguments before anything runs, and
+records a peer that is missing or cannot run here as a failed cell with its reason instead of crashing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from miniverl.bench import peers
+from miniverl.bench.peer_prompts import step_examples, step_prompts
+from miniverl.data.prompts import held_out_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("trl", "unsloth", "vllm", "datasets")
+
+
+def test_importing_the_harness_and_its_cell_scripts_imports_no_peer():
+    code = (
+        "import runpy, sys; import miniverl.bench.peers, miniverl.bench.peer_prompts\n"
+        "for s in ('trl_distill', 'unsloth_grpo'): runpy.run_path(f'scripts/peers/{s}.py', run_name='x')\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def args(student, teacher, out, *extra) -> list[str]:
+    return ["--student", str(student), "--teacher", str(teacher), "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--shapes", "16x1"], "write PROMPTS x SAMPLES x TOKENS"),
+        (["--shapes", "16x0x512"], "write PROMPTS x SAMPLES x TOKENS"),
+        (["--cells", "trl-distill-hf,nope"], "unknown nope"),
+        (["--steps", "1"], "--steps=1: need more than the 1 warm-up"),
+        (["--unsloth-site", "/nonexistent/site"], "unpack the unsloth bundle there first"),
+    ],
+)
+def test_bad_arguments_name_the_fix(student_dir, teacher_dir, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit):
+        peers.parse_args(args(student_dir, teacher_dir, tmp_path, "--cpu", *extra))
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_and_missing_gpu_are_refused(student_dir, tmp_path, capsys):
+    import torch
+
+    with pytest.raises(SystemExit):
+        peers.parse_args(args(student_dir, tmp_path, tmp_path, "--cpu"))
+    assert "not a model directory" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            peers.parse_args(args(student_dir, student_dir, tmp_path))
+        assert "pass --cpu for a smoke test" in capsys.readouterr().err
+
+
+def test_shapes_and_grpo_groups():
+    shape = peers.parse_shape("16x1x512")
+    assert (shape.rows, shape.name) == (16, "16x1x512")
+    assert shape.grouped() == peers.Shape(8, 2, 512)  # GRPO's groups of two: the same rows and tokens
+    assert peers.parse_shape("64x4x512").grouped() == peers.Shape(64, 4, 512)
+    with pytest.raises(ValueError, match="odd"):
+        peers.Shape(3, 1, 8).grouped()
+
+
+@pytest.mark.parametrize(
+    "returncode, lines, expected",
+    [
+        (None, [], "timed out after 9 s"),
+        (1, ["x", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20 GiB", "y"], "out of memory: torch"),
+        (1, ["ModuleNotFoundError: No module named 'xformers'"], "missing module xformers (exit 1)"),
+        (2, ["ValueError: bad thing", "  during handling"], "exit 2: ValueError: bad thing"),
+    ],
+)
+def test_failure_reasons(returncode, lines, expected):
+    assert peers.failure_reason(returncode, lines, 9).startswith(expected)
+
+
+def test_peers_draw_miniverls_training_prompts_without_the_held_out_ones():
+    examples = step_examples(prompts=4, steps=3)
+    assert len(examples) == 12 and all(a == p[:-1][::-1] for p, a in examples)  # reverse task: "abc>" -> "cba"
+    held_out = held_out_prompts(peers.TASK, peers.TASK_MIN_LEN, peers.TASK_MAX_LEN, peers.DATA_SEED, 8)
+    assert not {p for p, _ in examples} & held_out
+    assert step_prompts(4, 1, 2) == [p for p, _ in examples[:4] for _ in range(2)]
+    assert step_examples(4, 1) == examples[:4]  # a step's prompts do not depend on how many steps are drawn
+
+
+def test_miniverl_run_is_read_from_its_metrics(tmp_path):
+    rows = [{"step": 0, "accuracy": 0.1}] + [
+        {"step": s, "time/step": t, "response_tokens": n} for s, t, n in [(1, 9.0, 100), (2, 2.0, 64), (3, 4.0, 80)]
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    got = peers.read_miniverl_run(tmp_path, peers.Shape(2, 2, 32))
+    assert got["step_seconds"] == [9.0, 2.0, 4.0]
+    assert got["trained_tokens_per_step"] == 72  # median of the timed steps' tokens (the warm-up step left out)
+
+
+def test_every_peer_cell_that_cannot_run_is_a_failed_cell_with_its_reason(student_dir, teacher_dir, tmp_path):
+    cells = "trl-distill-vllm,trl-topk,unsloth-grpo,miniverl-gkd-16g"
+    if importlib.util.find_spec("trl") is None:
+        cells += ",trl-distill-hf"  # here it fails on the missing module; with TRL installed it would train
+    out = tmp_path / "out"
+    argv = args(student_dir, teacher_dir, out, "--cpu", "--shapes", "2x1x4", "--steps", "2", "--cells", cells)
+    assert peers.main(argv) == 0
+    results = {r["cell"]: r for r in json.loads((out / "peers.json").read_text())}
+    assert set(results) == set(cells.split(","))
+    assert all(r["status"] == "failed" for r in results.values())
+    assert "vLLM generation needs CUDA" in results["trl-distill-vllm"]["reason"]
+    assert "vLLM generation needs CUDA" in results["unsloth-grpo"]["reason"]
+    assert "not offered synchronously" in results["trl-topk"]["reason"]
+    assert "16 GB caps need CUDA" in results["miniverl-gkd-16g"]["reason"]
+    if "trl-distill-hf" in results:
+        assert results["trl-distill-hf"]["reason"].startswith("not importable here: trl")
+    md = (out / "peers.md").read_text()
+    assert "Command: `python -m miniverl.bench.peers" in md
+    for name in results:
+        assert f"| 2x1x4 | {name} |" in md and (out / "2x1x4" / f"{name}.result.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_miniverl_cell_runs_on_the_cpu(student_dir, teacher_dir, tmp_path):
+    out = tmp_path / "out"
+    argv = args(student_dir, teacher_dir, out, "--cpu", "--shapes", "2x2x4", "--steps", "2")
+    assert peers.main([*argv, "--cells", "miniverl-gkd-free", "--cell-timeout", "300"]) == 0
+    (r,) = json.loads((out / "peers.json").read_text())
+    assert r["status"] == "ok", r["reason"] + "\n" + "\n".join(r["log_tail"])
+    assert len(r["step_seconds"]) == 2 and r["median_step_s"] > 0
+    assert 0 < r["trained_tokens_per_step"] <= 2 * 2 * 4 and r["trained_tokens_per_s"] > 0
