@@ -70,7 +70,8 @@ def teacher_name(role: str) -> str:
 def check_teacher_routes(model, default_teacher) -> None:
     """Config-only checks of ModelConfig `model`, before any model is resolved: names, routes, dtypes.
 
-    `default_teacher` is model.teacher's default ModelSpec (miniverl/config/model.py owns it; its check imports this module)."""
+    `default_teacher` is model.teacher's default ModelSpec (miniverl/config/model.py owns it; its check imports this
+    module)."""
     from miniverl.models.loading import DTYPES, QUANTIZATIONS
 
     teachers, routes, default = model.teachers, model.teacher_by_source, model.default_teacher
