@@ -1,0 +1,57 @@
+"""The scorer profile (miniverl/bench/scorer_profile.py) on the CPU with a tiny teacher: it times score(), splits a
+profiled call into the phases score() labels, and refuses bad arguments before loading anything."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from miniverl.bench import scorer_profile
+
+
+def test_a_tiny_profile_times_the_scoring_and_splits_it_by_phase(random_model_dir, tmp_path):
+    result = scorer_profile.main(
+        ["--teacher", str(random_model_dir), "--out", str(tmp_path), "--rows", "8", "--prompt-tokens", "4",
+         "--response-tokens", "6", "--topk", "5", "--chunk", "16", "--repeats", "2", "--dtype", "float32",
+         "--device", "cpu"]
+    )  # fmt: skip
+    written = json.loads((tmp_path / "scorer_profile.json").read_text())
+    assert written["median_score_s"] == result["median_score_s"] > 0 and len(result["score_s"]) == 2
+    assert result["scored_tokens"] == 8 * 6 and result["tokens_per_s"] == pytest.approx(48 / result["median_score_s"])
+    phases = result["phases_ms"]
+    assert set(phases) == set(scorer_profile.PHASES)
+    # 48 response tokens in chunks of 16: the head and the support ran three times each, the forward once
+    assert all(phases[p] > 0 for p in ("scorer/forward", "scorer/head", "scorer/support")), phases
+    assert result["top_kernels"] and all(k["name"] not in scorer_profile.PHASES for k in result["top_kernels"])
+
+
+def test_without_a_support_the_support_phase_never_runs(random_model_dir, tmp_path):
+    result = scorer_profile.main(
+        ["--teacher", str(random_model_dir), "--out", str(tmp_path), "--rows", "4", "--prompt-tokens", "3",
+         "--response-tokens", "4", "--topk", "-1", "--repeats", "1", "--dtype", "float32", "--device", "cpu"]
+    )  # fmt: skip
+    assert result["support_k"] is None and result["phases_ms"]["scorer/support"] == 0.0
+    assert result["phases_ms"]["scorer/head"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rows", "0"], "--rows=0: must be >= 1"),
+        (["--topk", "-2"], "--topk=-2: use K >= 1"),
+        (["--chunk", "-1"], "--chunk and --max-tokens must be >= 0"),
+        (["--share-gib", "4", "--device", "cpu"], "--share-gib caps GPU memory: leave it out on the CPU"),
+    ],
+)
+def test_bad_arguments_name_the_flag_before_anything_loads(random_model_dir, tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        scorer_profile.main(["--teacher", str(random_model_dir), "--out", str(tmp_path), "--device", "cpu", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "scorer_profile.json").exists()
+
+
+def test_a_teacher_folder_without_a_model_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        scorer_profile.main(["--teacher", str(tmp_path / "nowhere"), "--out", str(tmp_path), "--device", "cpu"])
+    assert "no config.json there" in capsys.readouterr().err
