@@ -1,5 +1,6 @@
 """Reading end-to-end runs (metrics.jsonl + nvidia-smi samples) into the numbers a preregistered workload
-promises: step split, memory slope over refreshes, whole-device peak, and the sampler/learner gate.
+promises: step split, memory slope over refreshes, whole-device peak (and each GPU process's, named by its actor,
+where <cell>_apps.csv holds nvidia-smi's per-process samples), and the sampler/learner gate.
 
     python -m miniverl.bench.e2e_report OUT_DIR      # every <cell>_metrics.jsonl in OUT_DIR -> a table
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -58,12 +60,45 @@ def summarize(rows: list[dict], smi_mib: list[float]) -> dict:
     return out
 
 
+# Ray prefixes an actor's output with its class and pid: "(ScorerWorker pid=4504) scorer: ..."
+ACTOR_PID = re.compile(r"\((\w+) pid=(\d+)\)")
+
+
+def actor_pids(log: str) -> dict[int, str]:
+    """pid -> the actor class Ray names in front of its lines in a run's log (RolloutWorker, ScorerWorker, ...)."""
+    return {int(pid): name for name, pid in ACTOR_PID.findall(log)}
+
+
+def process_peaks(apps_csv: str, pids: dict[int, str]) -> dict[str, float]:
+    """Each GPU process's peak MiB from `nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,
+    nounits` samples, named by its actor class where the log names the pid ("pid <n>" where it does not: the driver,
+    or a process of vLLM's own). Where the pid namespace hides the processes the samples are empty: {}."""
+    peaks: dict[str, float] = {}
+    for line in apps_csv.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) != 2 or not parts[0].isdigit():
+            continue
+        try:
+            used = float(parts[1])
+        except ValueError:  # "[N/A]" where the driver cannot say
+            continue
+        name = pids.get(int(parts[0]), f"pid {parts[0]}")
+        peaks[name] = max(peaks.get(name, 0.0), used)
+    return peaks
+
+
 def read_cell(out_dir: Path, cell: str) -> dict:
     metrics = out_dir / f"{cell}_metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
     smi = out_dir / f"{cell}_smi.csv"
     samples = [float(x) for x in smi.read_text().split() if x.strip()] if smi.is_file() else []
-    return {"cell": cell, **summarize(rows, samples)}
+    out = {"cell": cell, **summarize(rows, samples)}
+    apps, log = out_dir / f"{cell}_apps.csv", out_dir / f"{cell}.log"
+    if apps.is_file():  # per process, so a whole-device peak above the plan can be put on the actor that made it
+        out["smi_process_peak_mib"] = process_peaks(
+            apps.read_text(), actor_pids(log.read_text()) if log.is_file() else {}
+        )
+    return out
 
 
 def table(cells: list[dict]) -> str:

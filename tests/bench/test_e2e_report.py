@@ -58,3 +58,24 @@ def test_the_report_writes_its_json_beside_the_cells(tmp_path, capsys):
     main([str(tmp_path)])
     assert json.loads((tmp_path / "e2e_report.json").read_text())[0]["steps"] == 5
     assert "| ok | 5 |" in capsys.readouterr().out
+
+
+def test_each_gpu_process_peak_is_named_by_the_actor_the_log_gives_its_pid(tmp_path):
+    """A whole-device peak over the plan (the 7B recipe: 15.1 GiB against 13.9) is put on the actor that made it."""
+    (tmp_path / "c_metrics.jsonl").write_text(json.dumps(step(1, 9.0)) + "\n")
+    (tmp_path / "c.log").write_text(
+        "(RolloutWorker pid=1138) INFO engine\n(ScorerWorker pid=4504) scorer: forwards of up to 2302 tokens\n"
+        "(LearnerWorker pid=4502) learner: micro-batches\n"
+    )
+    (tmp_path / "c_apps.csv").write_text(
+        "1138, 3900\n4504, 6100\n1138, 4100\n4502, 2900\n777, 500\n4502, [N/A]\nNo running processes found\n"
+    )
+    cell = read_cell(tmp_path, "c")
+    assert cell["smi_process_peak_mib"] == {
+        "RolloutWorker": 4100.0,
+        "ScorerWorker": 6100.0,
+        "LearnerWorker": 2900.0,
+        "pid 777": 500.0,  # not an actor the log names (the driver, or a process of vLLM's own)
+    }
+    (tmp_path / "c_apps.csv").unlink()
+    assert "smi_process_peak_mib" not in read_cell(tmp_path, "c")  # older runs: no per-process samples
