@@ -84,7 +84,21 @@ class ScorerWorker:
                 if k is None:
                     continue
                 with record_function("scorer/support"):
-                    self._support(logits, lse, k, full, temperature, (r, c), (top_lp, top_ids, tail), packed, at)
+                    if not full and temperature == 1.0:
+                        # Top-K + tail straight from the logits (log-softmax is the logits minus one number per row,
+                        # so their top K are the log-probs' top K): no fp32 copy of the chunk (vocab_kernels.py).
+                        values, ids = logits.topk(k, dim=-1)  # [c, K]
+                        top_lp[r, c], top_ids[r, c] = values.float() - lse[:, None], ids
+                        logits.scatter_(1, ids, float("-inf"))
+                        tail[r, c] = row_logsumexp(logits) - lse
+                        continue
+                    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [c, V]
+                    if full:
+                        top_lp[packed.rows[at], packed.cols[at]] = logp.cpu()
+                        continue
+                    values, ids = logp.topk(k, dim=-1)  # [c, K]
+                    top_lp[r, c], top_ids[r, c] = values, ids
+                    tail[r, c] = torch.logsumexp(logp.scatter(-1, ids, float("-inf")), dim=-1)
 
         def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.cpu()
@@ -93,28 +107,6 @@ class ScorerWorker:
             # int32 ids: half the bytes of the step's largest hand-over (GKD casts them back to long to gather)
             ids32 = None if top_ids is None else top_ids.to(torch.int32)
             return TeacherScores(sampled.cpu(), cpu(top_lp), cpu(ids32), cpu(tail), temperature)
-
-    @staticmethod
-    def _support(logits, lse, k: int, full: bool, temperature: float, at_rc, out, packed, at) -> None:
-        """The teacher's support of one chunk of positions into `out` = (top_lp, top_ids, tail) at `at_rc` = (rows,
-        columns): top-K log-probs, their ids and the tail's log-mass, or the whole log-softmax (`full`)."""
-        r, c = at_rc
-        top_lp, top_ids, tail = out
-        if not full and temperature == 1.0:
-            # Top-K + tail straight from the logits (log-softmax is the logits minus one number per row,
-            # so their top K are the log-probs' top K): no fp32 copy of the chunk (models/vocab_kernels.py).
-            values, ids = logits.topk(k, dim=-1)  # [c, K]
-            top_lp[r, c], top_ids[r, c] = values.float() - lse[:, None], ids
-            logits.scatter_(1, ids, float("-inf"))
-            tail[r, c] = row_logsumexp(logits) - lse
-            return
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [c, V]
-        if full:
-            top_lp[packed.rows[at], packed.cols[at]] = logp.cpu()
-            return
-        values, ids = logp.topk(k, dim=-1)  # [c, K]
-        top_lp[r, c], top_ids[r, c] = values, ids
-        tail[r, c] = torch.logsumexp(logp.scatter(-1, ids, float("-inf")), dim=-1)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
