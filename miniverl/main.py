@@ -130,8 +130,9 @@ def train(
         gate_seed = sampling_seed(cfg.rollout.seed, "gate", 0)
         gate = conformance_gate(controller, setup.eval_batch, params, objective, names, log, gate_seed)
         tr, t = cfg.tracking, cfg.trainer
+        tracked = {**config_dict, "chosen": setup.chosen}  # wandb's config shows what the run chose, not only null
         tracker = Tracker(
-            run_dir, config_dict, tr.wandb_mode, tr.project, tr.run_name, t.total_steps, tr.progress_bar, start
+            run_dir, tracked, tr.wandb_mode, tr.project, tr.run_name, t.total_steps, tr.progress_bar, start
         )
         meta = {"config": typed_config, "config_hash": identity_hash(typed_config), "miniverl_version": version()}
         resumed_from = str(resume.path) if resume else None

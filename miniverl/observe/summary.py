@@ -35,6 +35,7 @@ def run_summary(
         "objective": cfg.objective.name,
         "rollout_backend": cfg.rollout.backend,
         "device": setup.device,
+        "chosen": setup.chosen,  # what the plan chose where the config left it null (shares, learner layout)
         "start_reverse_kl": result.first_eval["eval/reverse_kl"],
         "end_reverse_kl": result.last_eval["eval/reverse_kl"],
         "start_accuracy": result.first_eval["eval/accuracy"],

@@ -3,7 +3,7 @@ first use), vocabularies, stop ids, prompts and their rewards (Setup); prepare_r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,9 @@ class Setup:
     objective: Objective  # objectives/interface.py; built once here, used by every part after
     sampling: SamplingParams  # the training steps' sampling settings (each step sets its own seed)
     routing: TeacherRouting | None = None  # several teachers (model.teachers); None: model.teacher scores all
+    # what was chosen where the config left it null, by dotted key (setup/fit.py: the GPU shares and the learner's
+    # layout on a GPU; the layout's CPU values), as the run applied it: in summary.json and the tracker's config
+    chosen: dict[str, Any] = field(default_factory=dict)
 
 
 def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
@@ -160,10 +163,17 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
             log(f"[miniverl] {line}")
         if plan.refusals:
             raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
-        apply_choices(cfg, plan.layout)
+        chosen = dict(plan.layout)
     else:
-        t.logprob_chunk_tokens = 0 if t.logprob_chunk_tokens is None else t.logprob_chunk_tokens
-        t.gradient_checkpointing = bool(t.gradient_checkpointing)
+        chosen = {
+            key: value
+            for key, value, unset in (
+                ("trainer.logprob_chunk_tokens", 0, t.logprob_chunk_tokens is None),
+                ("trainer.gradient_checkpointing", False, t.gradient_checkpointing is None),
+            )
+            if unset
+        }
+    apply_choices(cfg, chosen)
     check_vocab_memory(
         cfg.data.prompts_per_step * r.n,
         r.max_new_tokens,
@@ -186,7 +196,18 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
     check_sources_routed(routing, seen_sources)
     sampling = SamplingParams.from_config(cfg.rollout, stops)
     return Setup(
-        device, paths, student_tok, source, eval_batch, stops, vocab_size, reward_fn, objective, sampling, routing
+        device,
+        paths,
+        student_tok,
+        source,
+        eval_batch,
+        stops,
+        vocab_size,
+        reward_fn,
+        objective,
+        sampling,
+        routing,
+        chosen,
     )
 
 

@@ -243,3 +243,32 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
         student_dir, teacher_dir, *card, "rollout.max_new_tokens=200000", "model.student.quantization=nf4"
     )
     prep.prepare(four_bit, log=quiet)  # its loaded size is the learner's to count
+
+
+def test_what_the_plan_chose_is_applied_and_kept_in_the_setup(student_dir, teacher_dir, monkeypatch):
+    """Null shares and layout are chosen before Ray and applied to the config the actors start from; the setup keeps
+    them by dotted key (summary.json's `chosen`, the tracker's config), so a run's record says what it ran with.
+    On the CPU only the layout is chosen (0 and off) and the shares stay null (placement.share_of counts Ray's)."""
+    import miniverl.setup.prepare as prep
+
+    quiet = lambda *_: None  # noqa: E731
+    cpu = prep.prepare(with_models(student_dir, teacher_dir), log=quiet)
+    assert cpu.chosen == {"trainer.logprob_chunk_tokens": 0, "trainer.gradient_checkpointing": False}
+    kept = prep.prepare(with_models(student_dir, teacher_dir, "trainer.gradient_checkpointing=true"), log=quiet)
+    assert kept.chosen == {"trainer.logprob_chunk_tokens": 0}  # a value the config sets is not "chosen"
+
+    monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
+    cfg = with_models(student_dir, teacher_dir, "resources.emulate_gpu_gib=8", "resources.scorer.num_gpus=0.3")
+    said = []
+    gpu = prep.prepare(cfg, log=said.append)
+    shares = {k: v for k, v in gpu.chosen.items() if k.startswith("resources.")}
+    assert set(shares) == {"resources.rollout.num_gpus", "resources.learner.num_gpus"}  # the scorer's was set
+    assert shares["resources.rollout.num_gpus"] + shares["resources.learner.num_gpus"] == pytest.approx(0.7)
+    for key, value in gpu.chosen.items():  # applied: the actors are sized and placed from these
+        section, *rest = key.split(".")
+        node = getattr(cfg, section)
+        for name in rest[:-1]:
+            node = getattr(node, name)
+        assert getattr(node, rest[-1]) == value, key
+        assert any(line.startswith(f"[miniverl]   {key}=") and "(chosen: " in line for line in said), key
+    assert cfg.resources.scorer.num_gpus == 0.3
