@@ -218,11 +218,11 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     from miniverl.workers import CUDA_CONTEXT_GIB
 
     res = cfg.resources
-    unset = [a for a in ("rollout", "learner", "scorer") if getattr(res, a).num_gpus is None]
+    actors = ("rollout", "learner", "scorer")
+    unset = [a for a in actors if getattr(res, a).num_gpus is None]
     if not unset:
         return cfg, {}, []
     steps = round(1 / SHARE_STEP)
-    own_scorer_gpu = res.scorer_gpus > 0
     card_gib = total / 2**30
 
     def share_bytes(k: int) -> int:  # as plan_fit's share(): k steps of the card less a CUDA context
@@ -231,81 +231,95 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     def least_steps(nbytes: float) -> int:  # the fewest steps whose share holds `nbytes` beside the context
         return max(1, math.ceil(round((nbytes / 2**30 + CUDA_CONTEXT_GIB) / card_gib * steps, 6)))
 
-    chosen: dict[str, int] = {}
-    why: dict[str, str] = {}
+    fits = _ShareFits(cfg, objective, sizes, adapter, vocab, kernels, share_bytes)
+    own_gpu = {"scorer"} if res.scorer_gpus > 0 else set()
+    on_card = [a for a in actors if a not in own_gpu]
+    kept = {a: round(getattr(res, a).num_gpus * steps) for a in on_card if a not in unset}
+    # what the learner and the scorer need at the least (one row each), so that a rollout too large for the card is
+    # reported over its own share with its fixes, not as the others' shares too small
+    least = {"learner": fits.least("learner", steps), "scorer": fits.least("scorer", steps)}
+    chosen: dict[str, int] = {a: steps for a in own_gpu if a in unset}
+    why: dict[str, str] = {a: f"a GPU of its own (resources.scorer_gpus={res.scorer_gpus})" for a in chosen}
     if "rollout" in unset:
         if cfg.rollout.backend == "vllm":
             chosen["rollout"] = round(AUTO_SHARE * steps)
             why["rollout"] = "vLLM sizes its KV cache from what its share leaves: its default share"
         else:
             peak = _rollout(cfg, sizes["student"], adapter, 0, 0.0).peak_bytes
-            chosen["rollout"] = least_steps(peak * (1 + ROLLOUT_SHARE_MARGIN))
-            why["rollout"] = f"its modelled peak {human(peak)} + {ROLLOUT_SHARE_MARGIN:.0%} and its CUDA context"
-    if own_scorer_gpu and "scorer" in unset:
-        chosen["scorer"] = steps
-        why["scorer"] = f"a GPU of its own (resources.scorer_gpus={res.scorer_gpus})"
-    kept = {a: round(getattr(res, a).num_gpus * steps) for a in ("rollout", "learner", "scorer") if a not in unset}
-    on_card = {**kept, **chosen}
-    left = steps - sum(k for a, k in on_card.items() if not (own_scorer_gpu and a == "scorer"))
+            need = least_steps(peak * (1 + ROLLOUT_SHARE_MARGIN))
+            room = steps - sum(kept.get(a, least[a]) for a in on_card if a != "rollout")
+            chosen["rollout"] = max(min(need, room), 1)
+            why["rollout"] = (
+                f"its modelled peak {human(peak)} + {ROLLOUT_SHARE_MARGIN:.0%} and its CUDA context"
+                if chosen["rollout"] == need
+                else f"what the learner and the scorer leave, short of its modelled peak {human(peak)}"
+            )
+    left = steps - sum({**kept, **chosen}.get(a, 0) for a in on_card)
     rest = [a for a in ("learner", "scorer") if a in unset and a not in chosen]
     if len(rest) == 1:
-        chosen[rest[0]] = max(left, 0)
-        why[rest[0]] = "the rest of the card"
+        chosen[rest[0]], why[rest[0]] = max(left, 0), "the rest of the card"
     elif rest:
-        chosen["learner"], why["learner"] = _learner_steps(
-            cfg, objective, sizes, adapter, vocab, kernels, left, share_bytes
-        )
-        chosen["scorer"] = max(left - chosen["learner"], 0)
-        why["scorer"] = "the rest of the card"
+        chosen["learner"], why["learner"] = fits.learner_steps(left - least["scorer"])
+        chosen["scorer"], why["scorer"] = max(left - chosen["learner"], 0), "the rest of the card"
     resources = dataclasses.replace(
-        res,
-        **{a: dataclasses.replace(getattr(res, a), num_gpus=k / steps) for a, k in chosen.items()},
+        res, **{a: dataclasses.replace(getattr(res, a), num_gpus=k / steps) for a, k in chosen.items()}
     )
-    out = dataclasses.replace(cfg, resources=resources)
-    values = {f"resources.{a}.num_gpus": chosen[a] / steps for a in ("rollout", "learner", "scorer") if a in chosen}
+    values = {f"resources.{a}.num_gpus": chosen[a] / steps for a in actors if a in chosen}
     lines = [f"  {key}={value:.2f} (chosen: {why[key.split('.')[1]]})" for key, value in values.items()]
-    return out, values, lines
+    return dataclasses.replace(cfg, resources=resources), values, lines
 
 
-def _learner_steps(cfg, objective, sizes, adapter: int, vocab: int, kernels: bool, left: int, share_bytes):
-    """The learner's share in steps out of `left` (with the scorer's), and why: the least whose micro-batches hold
-    what is enough, with the layout the learner would get at its best (the largest LM-head chunk, checkpointing
-    unless the config turns it off), never so much that the scorer's rest does not hold one row."""
-    import dataclasses
+class _ShareFits:
+    """What the learner and the scorer hold in a share of k steps, with the layout each would get at its best (the
+    largest LM-head chunk, checkpointing unless the config turns it off)."""
 
-    from miniverl.models.sizing import fit_tokens
-    from miniverl.setup.teachers import teacher_specs
+    def __init__(self, cfg, objective, sizes, adapter: int, vocab: int, kernels: bool, share_bytes) -> None:
+        import dataclasses
 
-    t = cfg.trainer
-    shape = _learner_shape(cfg, sizes["student"], adapter, vocab)
-    chunk = (
-        t.logprob_chunk_tokens if t.logprob_chunk_tokens is not None else (0 if vocab < SMALL_VOCAB else AUTO_CHUNKS[0])
-    )
-    checkpointing = t.gradient_checkpointing is not False
-    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    closed = objective.closed_form_head and kernels
-    enough = t.max_tokens_per_micro_batch or min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
-    teachers = {r: sizes[r] for r in teacher_specs(cfg.model)}
-    trial = dataclasses.replace(
-        cfg, trainer=dataclasses.replace(t, logprob_chunk_tokens=chunk, gradient_checkpointing=checkpointing)
-    )
-    scorer_least = next(  # the scorer's fewest steps that hold one row (its plan names the problem if none do)
-        (
-            k
-            for k in range(1, left)
-            if _scorer(trial, objective, teachers, vocab, share_bytes(k), k * SHARE_STEP, kernels).problem is None
-        ),
-        1,
-    )
-    for k in range(1, max(left - scorer_least, 1) + 1):
+        from miniverl.setup.teachers import teacher_specs
+
+        t = cfg.trainer
+        self.chunk = t.logprob_chunk_tokens
+        if self.chunk is None:
+            self.chunk = 0 if vocab < SMALL_VOCAB else AUTO_CHUNKS[0]
+        self.checkpointing = t.gradient_checkpointing is not False
+        self.trial = dataclasses.replace(
+            cfg,
+            trainer=dataclasses.replace(t, logprob_chunk_tokens=self.chunk, gradient_checkpointing=self.checkpointing),
+        )
+        self.shape = _learner_shape(cfg, sizes["student"], adapter, vocab)
+        self.teachers = {r: sizes[r] for r in teacher_specs(cfg.model)}
+        self.objective, self.vocab, self.kernels, self.share_bytes = objective, vocab, kernels, share_bytes
+        self.longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+        self.enough = t.max_tokens_per_micro_batch or min(step_rows(cfg) * self.longest_row, CHECKPOINT_FREE_TOKENS)
+
+    def learner_tokens(self, k: int) -> int:
+        """The learner's micro-batch tokens in k steps (0: not one row)."""
+        from miniverl.models.sizing import fit_tokens
+
+        closed = self.objective.closed_form_head and self.kernels
         try:
-            tokens = fit_tokens(shape, share_bytes(k), chunk, checkpointing, longest_row, closed)
+            return fit_tokens(self.shape, self.share_bytes(k), self.chunk, self.checkpointing, self.longest_row, closed)
         except ConfigError:
-            continue
-        if tokens >= enough:
-            return k, f"the least share whose micro-batches hold {enough:,} tokens"
-    k = max(left - scorer_least, 1)
-    return k, f"all the scorer leaves: no share holds micro-batches of {enough:,} tokens"
+            return 0
+
+    def scorer_fits(self, k: int) -> bool:
+        plan = _scorer(
+            self.trial, self.objective, self.teachers, self.vocab, self.share_bytes(k), k * SHARE_STEP, self.kernels
+        )
+        return plan.problem is None
+
+    def least(self, role: str, steps: int) -> int:
+        """The fewest steps in which `role` holds one row (1 when none does: its plan then names the problem)."""
+        holds = self.scorer_fits if role == "scorer" else (lambda k: self.learner_tokens(k) >= self.longest_row)
+        return next((k for k in range(1, steps) if holds(k)), 1)
+
+    def learner_steps(self, most: int) -> tuple[int, str]:
+        """The least share (at most `most` steps) whose micro-batches hold what is enough, and why."""
+        for k in range(1, max(most, 1) + 1):
+            if self.learner_tokens(k) >= self.enough:
+                return k, f"the least share whose micro-batches hold {self.enough:,} tokens"
+        return max(most, 1), f"all the scorer leaves: no share holds micro-batches of {self.enough:,} tokens"
 
 
 # The layout a run gets where trainer.logprob_chunk_tokens or trainer.gradient_checkpointing is null (issue 34: a user

@@ -287,6 +287,19 @@ def test_a_set_share_that_leaves_the_others_no_room_is_refused_naming_the_knob(q
     assert plan(cfg, qwen_configs).refusals  # nothing left at all: refused, not divided by zero
 
 
+def test_a_rollout_too_large_for_the_card_is_reported_over_its_share_not_as_shares_over_the_card(qwen_configs):
+    cfg = gkd_defaults(data__prompts_per_step=1024)  # 4,096 rows at full length: the decode cache alone is ~38 GiB
+    p = plan(cfg, qwen_configs)
+    learner, scorer, rollout = p.actors
+    assert learner.fraction + scorer.fraction + rollout.fraction <= 1.0 + 1e-9
+    assert not any("add up to" in r for r in p.problems)
+    assert "over its" in (rollout.problem or "") and "fewer rows (data.prompts_per_step, rollout.n" in rollout.problem
+    assert p.lines()[1].startswith("  resources.rollout.num_gpus=0.49 (chosen: what the learner and the scorer leave")
+    # the learner and the scorer get at least a row's room: the problem named is the rollout's, with its fixes
+    assert learner.problem is None and scorer.problem is None
+    assert p.warnings == [f"rollout: {rollout.problem}"] and p.lines()[-1].startswith("  => does not fit")
+
+
 def test_without_a_card_the_plan_asks_for_one():
     with pytest.raises(ConfigError, match=r"no card to plan for: .* resources.emulate_gpu_gib=16"):
         card_bytes(MiniVerlConfig(), None)
