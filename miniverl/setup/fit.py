@@ -198,7 +198,9 @@ def step_rows(cfg: MiniVerlConfig) -> int:
 # 2,386 tokens beside a bf16 1.5B teacher where gkd_4080's 0.35 held 8,080: its scoring took 2.19 s against 1.47 s
 # a step; docs/benchmarks/peers.md run 1). In steps of SHARE_STEP of the card:
 # - the HF rollout: its modelled peak (the step's or the evaluation's rows, the larger) plus ROLLOUT_SHARE_MARGIN,
-#   and its CUDA context; vLLM, which sizes its KV cache from whatever its share leaves: vllm_settings.AUTO_SHARE;
+#   and its CUDA context, but never more than leaves the learner and the scorer a row each (a rollout too large for
+#   the card is then reported over its share with its fixes); vLLM, which sizes its KV cache from whatever its
+#   share leaves: vllm_settings.AUTO_SHARE;
 # - the learner: the least share whose micro-batches hold CHECKPOINT_FREE_TOKENS tokens or the step's, whichever
 #   is less (or an explicit trainer.max_tokens_per_micro_batch): from 16k to 32k tokens a micro-batch trained only
 #   4% faster (docs/benchmarks/learner-throughput.md diag2);
