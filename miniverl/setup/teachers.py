@@ -72,8 +72,6 @@ def check_teacher_routes(model, default_teacher) -> None:
 
     `default_teacher` is model.teacher's default ModelSpec (miniverl/config/model.py owns it; its check imports this
     module)."""
-    from miniverl.models.loading import DTYPES, QUANTIZATIONS
-
     teachers, routes, default = model.teachers, model.teacher_by_source, model.default_teacher
     if not teachers:
         if routes or default is not None:
@@ -92,12 +90,7 @@ def check_teacher_routes(model, default_teacher) -> None:
     for name, spec in teachers.items():
         if not spec.path:
             raise ConfigError(f"model.teachers.{name}.path is empty: give a model directory, hub id or builtin ref")
-        if not (spec.dtype == "auto" or spec.dtype in DTYPES):
-            raise ConfigError(f"model.teachers.{name}.dtype={spec.dtype!r}: use auto or one of {', '.join(DTYPES)}")
-        if spec.quantization not in QUANTIZATIONS:
-            raise ConfigError(
-                f"model.teachers.{name}.quantization={spec.quantization!r}: use one of {', '.join(QUANTIZATIONS)}"
-            )
+        spec.check(f"model.teachers.{name}")  # dtype and quantization, as for model.student and model.teacher
     for source, name in routes.items():
         if name not in teachers:
             raise ConfigError(
