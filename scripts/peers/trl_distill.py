@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
+from miniverl.bench.peer_cell import run_cell, step_timer, trained_tokens_per_step
 from miniverl.bench.peer_prompts import PLAIN_CHAT_TEMPLATE, step_prompts
 
 LORA_RANK = 32  # miniVERL's gkd_4080 recipe: rank 32, alpha 64, every linear layer
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> dict:
     import trl
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -115,23 +114,7 @@ def run(args: argparse.Namespace) -> dict:
         logging_steps=1,
         seed=0,
     )
-    step_seconds: list[float] = []
-    mean_lengths: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *_args, **_kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *_args, **_kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-            step_seconds.append(time.perf_counter() - self.t0)
-
-        def on_log(self, _args, _state, _control, logs=None, **_kwargs):
-            if logs and "completions/mean_length" in logs:
-                mean_lengths.append(float(logs["completions/mean_length"]))
+    timer, step_seconds, mean_lengths = step_timer(cuda)
 
     trainer = DistillationTrainer(
         model=AutoModelForCausalLM.from_pretrained(args.student, dtype=dtype),
@@ -140,16 +123,14 @@ def run(args: argparse.Namespace) -> dict:
         train_dataset=Dataset.from_list(data),
         processing_class=tok,
         peft_config=LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear"),
-        callbacks=[Timer()],
+        callbacks=[timer],
     )
     trainer.train()
-    timed = mean_lengths[1:] or mean_lengths
     return {
         "prompts": args.prompts,
         "samples": args.samples,
         "step_seconds": step_seconds,
-        # rows x the mean completion length TRL logged (EOS included); rows x max tokens if it logged none
-        "trained_tokens_per_step": rows * (sorted(timed)[len(timed) // 2] if timed else args.max_new_tokens),
+        "trained_tokens_per_step": trained_tokens_per_step(rows, mean_lengths, args.max_new_tokens),
         "settings": settings,
         "versions": {"trl": trl.__version__, "torch": torch.__version__},
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -157,10 +138,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    result = run(args)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result))
+    run_cell(parse_args, run, argv)
 
 
 if __name__ == "__main__":

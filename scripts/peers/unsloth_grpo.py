@@ -19,13 +19,12 @@ file imports nothing heavy; bad arguments fail before any model loads.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
+from miniverl.bench.peer_cell import run_cell, step_timer, trained_tokens_per_step
 from miniverl.bench.peer_prompts import step_examples
 
 LORA_RANK = 32
@@ -65,7 +64,6 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     import trl
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from miniverl.rewards.scoring import exact_match
@@ -112,21 +110,7 @@ def run(args: argparse.Namespace) -> dict:
         logging_steps=1,
         seed=0,
     )
-    step_seconds: list[float] = []
-    mean_lengths: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *_args, **_kwargs):
-            torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *_args, **_kwargs):
-            torch.cuda.synchronize()
-            step_seconds.append(time.perf_counter() - self.t0)
-
-        def on_log(self, _args, _state, _control, logs=None, **_kwargs):
-            if logs and "completions/mean_length" in logs:
-                mean_lengths.append(float(logs["completions/mean_length"]))
+    timer, step_seconds, mean_lengths = step_timer(True)
 
     trainer = GRPOTrainer(
         model=model,
@@ -134,15 +118,14 @@ def run(args: argparse.Namespace) -> dict:
         reward_funcs=[reverse_reward],
         args=config,
         train_dataset=data,
-        callbacks=[Timer()],
+        callbacks=[timer],
     )
     trainer.train()
-    timed = mean_lengths[1:] or mean_lengths
     return {
         "prompts": args.prompts,
         "samples": args.samples,
         "step_seconds": step_seconds,
-        "trained_tokens_per_step": rows * (sorted(timed)[len(timed) // 2] if timed else args.max_new_tokens),
+        "trained_tokens_per_step": trained_tokens_per_step(rows, mean_lengths, args.max_new_tokens),
         "settings": {
             "trainer": "unsloth FastLanguageModel + trl.GRPOTrainer",
             "load_in_4bit": not args.bf16,
@@ -160,10 +143,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    result = run(args)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result))
+    run_cell(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -133,3 +133,19 @@ def test_a_miniverl_cell_runs_on_the_cpu(student_dir, teacher_dir, tmp_path):
     assert r["status"] == "ok", r["reason"] + "\n" + "\n".join(r["log_tail"])
     assert len(r["step_seconds"]) == 2 and r["median_step_s"] > 0
     assert 0 < r["trained_tokens_per_step"] <= 2 * 2 * 4 and r["trained_tokens_per_s"] > 0
+
+
+def test_a_cell_scripts_timer_times_each_step_and_its_tokens_skip_the_first_steps_lengths():
+    """miniverl/bench/peer_cell.py, shared by scripts/peers/*.py: the callback a peer's trainer calls."""
+    from miniverl.bench.peer_cell import step_timer, trained_tokens_per_step
+
+    timer, seconds, lengths = step_timer(cuda=False)
+    for length in (500.0, 200.0, 300.0, 100.0):
+        timer.on_step_begin()
+        timer.on_step_end()
+        timer.on_log(None, None, None, logs={"completions/mean_length": length, "loss": 1.0})
+    timer.on_log(None, None, None, logs={"loss": 1.0})  # a log without lengths adds none
+    assert len(seconds) == 4 and all(s >= 0 for s in seconds) and lengths == [500.0, 200.0, 300.0, 100.0]
+    assert trained_tokens_per_step(16, lengths, 512) == 16 * 200.0  # median of the steps after the first
+    assert trained_tokens_per_step(16, [480.0], 512) == 16 * 480.0  # one step: its own
+    assert trained_tokens_per_step(16, [], 512) == 16 * 512  # nothing logged: every row at full length
