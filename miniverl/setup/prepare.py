@@ -165,14 +165,11 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
             raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
         chosen = dict(plan.layout)
     else:
-        chosen = {
-            key: value
-            for key, value, unset in (
-                ("trainer.logprob_chunk_tokens", 0, t.logprob_chunk_tokens is None),
-                ("trainer.gradient_checkpointing", False, t.gradient_checkpointing is None),
-            )
-            if unset
-        }
+        chosen = {}
+        if t.logprob_chunk_tokens is None:
+            chosen["trainer.logprob_chunk_tokens"] = 0
+        if t.gradient_checkpointing is None:
+            chosen["trainer.gradient_checkpointing"] = False
     apply_choices(cfg, chosen)
     check_vocab_memory(
         cfg.data.prompts_per_step * r.n,
