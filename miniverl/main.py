@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> None:
 
     from miniverl.cluster.faults import RunInterrupted, StartupInterrupted, StartupSignals, guard_output
     from miniverl.errors import MiniVerlError
-    from miniverl.workers import quiet_library_notes
+    from miniverl.process import quiet_library_notes
 
     guard_output()  # `| tee log` whose reader died: the run stops with a checkpoint instead of crashing
     quiet_library_notes()
@@ -84,11 +84,11 @@ def train(
     from miniverl.observe.plots import write_plots
     from miniverl.observe.summary import run_summary, version
     from miniverl.observe.tracking import Tracker, trim_metrics
+    from miniverl.seeds import sampling_seed
     from miniverl.setup.prepare import prepare_run
     from miniverl.step.cadence import TrainingLoop
     from miniverl.step.conformance import conformance_gate
     from miniverl.step.controller import StrictSyncController
-    from miniverl.step.seeds import sampling_seed
 
     started = time.perf_counter()
     typed_config = dataclasses.asdict(cfg)

@@ -32,7 +32,7 @@ from miniverl.bench.learner import objective_for, profile_update, synthetic_batc
 from miniverl.bench.workload import build_random_model, real_shape
 from miniverl.models import vocab_kernels
 from miniverl.models.lora import LoraSettings
-from miniverl.workers import ProcessSettings
+from miniverl.process import ProcessSettings
 from miniverl.workers import learner as learner_module
 from miniverl.workers.learner import LearnerWorker
 

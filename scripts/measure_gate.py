@@ -19,12 +19,12 @@ def main() -> None:
     from miniverl.errors import ConfigError
     from miniverl.models.lora import LoraSettings
     from miniverl.objectives.pg_k1 import PgK1Objective
+    from miniverl.process import ProcessSettings
     from miniverl.rewards import ExactMatchReward
     from miniverl.rollout.sampling import SamplingParams
     from miniverl.setup.prepare import prepare
     from miniverl.step.conformance import conformance_gate
     from miniverl.step.controller import StrictSyncController
-    from miniverl.workers import ProcessSettings
     from miniverl.workers.learner import LearnerWorker
     from miniverl.workers.rollout import RolloutWorker
     from miniverl.workers.scorer import ScorerWorker

@@ -38,12 +38,12 @@ from miniverl.models.builtin import SHIPPED_DIR, torch_threads  # noqa: E402
 from miniverl.models.lora import LoraSettings  # noqa: E402
 from miniverl.objectives.gkd import GkdObjective  # noqa: E402
 from miniverl.objectives.sampler_check import SamplerGapError  # noqa: E402
+from miniverl.process import ProcessSettings  # noqa: E402
 from miniverl.rewards import ExactMatchReward  # noqa: E402
 from miniverl.rollout.sampling import SamplingParams  # noqa: E402
+from miniverl.seeds import sampling_seed  # noqa: E402
 from miniverl.step.conformance import conformance_gate  # noqa: E402
 from miniverl.step.controller import StrictSyncController  # noqa: E402
-from miniverl.step.seeds import sampling_seed  # noqa: E402
-from miniverl.workers import ProcessSettings  # noqa: E402
 from miniverl.workers.learner import LearnerWorker  # noqa: E402
 from miniverl.workers.rollout import RolloutWorker  # noqa: E402
 from miniverl.workers.scorer import ScorerWorker  # noqa: E402

@@ -30,11 +30,11 @@ def evaluate_run(run: Path, step: int, prompts: int, sample_seeds: int) -> dict:
     from miniverl.config import register_configs, to_config
     from miniverl.models.lora import LoraSettings
     from miniverl.objectives import build_objective
+    from miniverl.process import ProcessSettings
+    from miniverl.seeds import sampling_seed
     from miniverl.setup.prepare import prepare
     from miniverl.step.controller import StrictSyncController
     from miniverl.step.evaluation import evaluate
-    from miniverl.step.seeds import sampling_seed
-    from miniverl.workers import ProcessSettings
     from miniverl.workers.learner import LearnerWorker
     from miniverl.workers.rollout import RolloutWorker
     from miniverl.workers.scorer import ScorerWorker

@@ -25,7 +25,7 @@ def main() -> None:
 
     from miniverl.models.lora import LoraSettings
     from miniverl.objectives.gkd import GkdObjective
-    from miniverl.workers import ProcessSettings
+    from miniverl.process import ProcessSettings
     from miniverl.workers.learner import LearnerWorker
     from miniverl.workers.rollout import RolloutWorker
 

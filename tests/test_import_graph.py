@@ -87,6 +87,31 @@ def test_nothing_below_the_step_imports_the_step_or_above_it():
     assert upward_imports(g.build_graph()) == []
 
 
+# The config and what computes (rollout backends, models, objectives, data, rewards) sit below the actors and the
+# driver's setup, even through imports inside functions: the routing of several teachers (routing.py), the actor
+# process's settings and CUDA lock (process.py) and the seed scheme (seeds.py) were leaves living in setup/,
+# workers/ and step/, imported up from config/ and rollout/ (issue 36).
+BELOW_THE_ACTORS = (*BELOW_THE_STEP, "miniverl.config")
+THE_ACTORS_AND_UP = (*ABOVE_THEM, "miniverl.workers", "miniverl.setup", "miniverl.bench", "miniverl.bridge")
+
+
+def lazy_upward_imports(modules) -> list[str]:
+    """Any import, inside a function too, from config/ or a package below the step to the actors or above."""
+
+    def under(name: str, packages: tuple[str, ...]) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in packages)
+
+    return sorted(
+        f"{m.name} -> {t}" for m in modules.values() if under(m.name, BELOW_THE_ACTORS) for t in m.imports
+        if under(t, THE_ACTORS_AND_UP)
+    )  # fmt: skip
+
+
+def test_nothing_below_the_actors_imports_them_or_the_setup_even_lazily():
+    g = graph_module()
+    assert lazy_upward_imports(g.build_graph()) == []
+
+
 def test_the_layer_check_catches_an_upward_import(tmp_path):
     g = graph_module()
     root = tmp_path / "miniverl"
@@ -98,3 +123,15 @@ def test_the_layer_check_catches_an_upward_import(tmp_path):
     (root / "rollout" / "engine.py").write_text("from miniverl.step.probe import x\n")
     (root / "rollout" / "lazy.py").write_text("def f():\n    from miniverl.step import probe\n")
     assert upward_imports(g.build_graph(root)) == ["miniverl.rollout.engine -> miniverl.step.probe"]
+
+
+def test_the_lazy_layer_check_catches_an_import_inside_a_function(tmp_path):
+    g = graph_module()
+    root = tmp_path / "miniverl"
+    for package in ("config", "setup"):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "setup" / "teachers.py").write_text("x = 1\n")
+    (root / "config" / "model.py").write_text("def check():\n    from miniverl.setup.teachers import x\n")
+    assert lazy_upward_imports(g.build_graph(root)) == ["miniverl.config.model -> miniverl.setup.teachers"]

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from miniverl.bench.learner import synthetic_batch
-    from miniverl.workers import ProcessSettings
+    from miniverl.process import ProcessSettings
     from miniverl.workers.scorer import ScorerWorker
 
     cuda = a.device.startswith("cuda")

@@ -16,7 +16,7 @@ separate strict run; 0.97x with separate processes). Its costs: the roles share 
 resources.switch_interval_ms sets how long a role waits for another's Python, ProcessSettings.switch_interval_s),
 and hf_cached captures a CUDA graph for each new decode width, which synchronizes the device and empties the
 allocator's cache (torch.cuda.graph): with trainer.staleness=1 the first rollout's captures run beside an update.
-CUDA_CAPTURE_LOCK (miniverl/workers) keeps the learner's cache release out of a capture; an update that runs out of
+CUDA_CAPTURE_LOCK (miniverl/process.py) keeps the learner's cache release out of a capture; an update that runs out of
 memory during one is redone smaller (`micro_batch_tokens` in the metrics shows it).
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from miniverl.workers import ProcessSettings, setup_process
+from miniverl.process import ProcessSettings, setup_process
 
 ROLES = ("rollout", "scorer", "learner")  # built in this order: the rollout claims its memory first
 

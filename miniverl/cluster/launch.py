@@ -12,10 +12,10 @@ from miniverl.cluster.faults import shielded_children
 from miniverl.cluster.placement import plan_placement
 from miniverl.config import MiniVerlConfig
 from miniverl.models.lora import LoraSettings
+from miniverl.process import COLOCATED_CONTEXT_GIB, ProcessSettings, emulated_cap_gib
 from miniverl.rollout.vllm_settings import settings_from_config
+from miniverl.routing import teacher_name, teacher_specs
 from miniverl.setup.prepare import Setup
-from miniverl.setup.teachers import teacher_name, teacher_specs
-from miniverl.workers import COLOCATED_CONTEXT_GIB, ProcessSettings, emulated_cap_gib
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker

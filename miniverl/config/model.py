@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miniverl.config.base import require
+from miniverl.errors import ConfigError
 
 
 @dataclass
@@ -67,13 +68,49 @@ class ModelConfig:
         """The model section's own values, the named teachers and their routes included (they read no other
         section: which data sources reach a teacher is known only when prepare reads the prompts). Whether
         cache_dir is a directory is check_files' (it reads the disk)."""
-        from miniverl.setup.teachers import check_teacher_routes
-
         self.lora.check()
         self.student.check("model.student")
         self.teacher.check("model.teacher")
-        check_teacher_routes(self, ModelConfig().teacher)  # model.teacher's default, from its field above
+        self.check_teachers()
         require(
             0 <= self.builtin_min_teacher_accuracy <= 1,
             f"model.builtin_min_teacher_accuracy={self.builtin_min_teacher_accuracy}: must be in [0, 1]",
         )
+
+    def check_teachers(self) -> None:
+        """The named teachers and their routes, before any model is resolved: names, routes, dtypes. Which data
+        sources reach a teacher is checked once prepare has read the prompts (miniverl/routing.py)."""
+        teachers, routes, default = self.teachers, self.teacher_by_source, self.default_teacher
+        if not teachers:
+            if routes or default is not None:
+                raise ConfigError(
+                    "model.teacher_by_source / model.default_teacher route rows to named teachers, but"
+                    " model.teachers is empty; define them as model.teachers.<name> (path, dtype, quantization),"
+                    " or drop the routes to use the single model.teacher"
+                )
+            return
+        if self.teacher != ModelConfig().teacher:  # model.teacher left at its default (the field above)
+            raise ConfigError(
+                f"model.teacher is set ({self.teacher.path}) and so is model.teachers ({', '.join(teachers)}): with"
+                " named teachers model.teacher is not used; move it into model.teachers.<name> and route to it"
+            )
+        known = ", ".join(sorted(teachers))
+        for name, spec in teachers.items():
+            if not spec.path:
+                raise ConfigError(f"model.teachers.{name}.path is empty: give a model directory, hub id or builtin ref")
+            spec.check(f"model.teachers.{name}")  # dtype and quantization, as for model.student and model.teacher
+        for source, name in routes.items():
+            if name not in teachers:
+                raise ConfigError(
+                    f"model.teacher_by_source.{source}={name!r} is not a teacher; model.teachers has: {known}."
+                    f" Route it to one of those, or add model.teachers.{name}.path=..."
+                )
+        if default is not None and default not in teachers:
+            raise ConfigError(f"model.default_teacher={default!r} is not a teacher; model.teachers has: {known}")
+        unused = sorted(set(teachers) - set(routes.values()) - {default})
+        if unused:
+            raise ConfigError(
+                f"model.teachers.{unused[0]} gets no rows: no model.teacher_by_source entry routes to it and it is not"
+                f" model.default_teacher; route a source to it ('+model.teacher_by_source.<data_source>={unused[0]}'),"
+                " make it the default, or remove it (every teacher holds its weights in the scorer)"
+            )

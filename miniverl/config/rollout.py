@@ -51,12 +51,12 @@ class RolloutConfig:
         """The sampling settings, and rollout.vllm's own sizes (its choices and combinations are checked by
         rollout/vllm_settings.py once the engine's sizes, which other sections imply, are derived)."""
         from miniverl.rollout import BACKENDS
-        from miniverl.step.seeds import MAX_BASE_SEED
+        from miniverl.seeds import MAX_BASE_SEED
 
         require(
             0 <= self.seed < MAX_BASE_SEED,
             f"rollout.seed={self.seed}: must be in [0, {MAX_BASE_SEED}) so no two seeds of a run collide"
-            " (miniverl/step/seeds.py)",
+            " (miniverl/seeds.py)",
         )
         require(
             all(i >= 0 for i in self.stop_token_ids), f"rollout.stop_token_ids={self.stop_token_ids}: ids must be >= 0"

@@ -82,7 +82,7 @@ class TrainerConfig:
     def check(self) -> None:
         """The trainer's own values. max_tokens_per_micro_batch is measured against data and rollout lengths, and
         loss_weight_by_source's keys against data.task, in check_combinations."""
-        from miniverl.step.seeds import STEP_STRIDE
+        from miniverl.seeds import STEP_STRIDE
 
         require(
             self.total_steps > 0,
@@ -92,7 +92,7 @@ class TrainerConfig:
         require(
             self.total_steps < STEP_STRIDE,
             f"trainer.total_steps={self.total_steps}: sampling seeds are unique for fewer than {STEP_STRIDE} steps"
-            " (miniverl/step/seeds.py); split the run",
+            " (miniverl/seeds.py); split the run",
         )
         require(
             self.eval_every >= 0,

@@ -7,8 +7,8 @@ from typing import Any
 from miniverl.cluster.actors import call
 from miniverl.cluster.colocate import processes
 from miniverl.config import MiniVerlConfig
+from miniverl.routing import teacher_name, teacher_specs
 from miniverl.setup.prepare import Setup
-from miniverl.setup.teachers import teacher_name, teacher_specs
 from miniverl.step.evaluation import summary_by_source
 
 

@@ -25,6 +25,7 @@ import torch
 from miniverl.models.fused_head import head_logprobs
 from miniverl.models.logprobs import token_logprobs
 from miniverl.models.lora import LoraSettings, build_lora_model
+from miniverl.process import CUDA_CAPTURE_LOCK
 from miniverl.rollout import Completion, decode_kernels
 from miniverl.rollout.cached_decoder import CachedDecoder
 from miniverl.rollout.decode_cache import DecodeCache
@@ -32,7 +33,6 @@ from miniverl.rollout.decode_kernels import decode_attention
 from miniverl.rollout.hf_reference import left_pad
 from miniverl.rollout.sampling import SamplingParams, sample_next
 from miniverl.served_policy import probe_tolerance
-from miniverl.workers import CUDA_CAPTURE_LOCK
 
 # The strict-sync probe's last tokens go through the decode step itself (the CUDA graphs generate replays):
 # a stale or wrong graph, not only stale weights, shows in the probe. 8 steps cost 8 decode launches.
@@ -277,7 +277,7 @@ class HFCachedBackend:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls (a profiler, a memory poll, a colocated learner) must not break
-        # the capture; the lock keeps that learner's cache release out of it (miniverl/workers/__init__.py).
+        # the capture; the lock keeps that learner's cache release out of it (miniverl/process.py).
         with CUDA_CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._step(width, params)
         return graph, logits

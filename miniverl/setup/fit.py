@@ -3,7 +3,7 @@
 No weight is read and nothing starts: a model's size comes from its safetensors headers, or, for a model with only
 its config.json at hand (a hub id whose weights are not downloaded yet), from the model built on the meta device.
 Each actor plans inside its share of the card (its resources.<actor>.num_gpus of the card, less its CUDA context,
-as the actors cap themselves: workers/__init__.py emulated_cap_gib):
+as the actors cap themselves: miniverl/process.py emulated_cap_gib):
 - learner: weights, the adapter with its AdamW state, and the micro-batch the calibrated peak model
   (models/sizing.py) chooses: what the learner itself will choose after loading;
 - scorer: every teacher's weights and the forward size the scorer will choose (models/sizing.py scorer_tokens);
@@ -131,9 +131,9 @@ def plan_fit(
     """The plan of `cfg` on `card` ((bytes, where it came from)): `objective` the built objective, `sizes` by role
     ("student" and every teacher's role), `vocab` the logits distillation compares, `kernels` whether the learner and
     scorer will use the Triton vocabulary passes (a CUDA machine with Triton: models/vocab_kernels.py)."""
+    from miniverl.process import COLOCATED_CONTEXT_GIB, CUDA_CONTEXT_GIB
+    from miniverl.routing import teacher_specs
     from miniverl.setup.preflight import adapter_params
-    from miniverl.setup.teachers import teacher_specs
-    from miniverl.workers import COLOCATED_CONTEXT_GIB, CUDA_CONTEXT_GIB
 
     total, source = card
     adapter = adapter_params(sizes["student"].config, cfg.model.lora)  # a meta-device build: once
@@ -216,8 +216,8 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     import dataclasses
     import math
 
+    from miniverl.process import CUDA_CONTEXT_GIB
     from miniverl.rollout.vllm_settings import AUTO_SHARE
-    from miniverl.workers import CUDA_CONTEXT_GIB
 
     res = cfg.resources
     actors = ("rollout", "learner", "scorer")
@@ -278,7 +278,7 @@ class _ShareFits:
     def __init__(self, cfg, objective, sizes, adapter: int, vocab: int, kernels: bool, share_bytes) -> None:
         import dataclasses
 
-        from miniverl.setup.teachers import teacher_specs
+        from miniverl.routing import teacher_specs
 
         t = cfg.trainer
         self.chunk = t.logprob_chunk_tokens
@@ -379,7 +379,7 @@ def choose_layout(
     rules above), the chosen values, and a line for each value chosen. `share(role)`: an actor's share in bytes."""
     import dataclasses
 
-    from miniverl.setup.teachers import teacher_specs
+    from miniverl.routing import teacher_specs
 
     t = cfg.trainer
     if t.logprob_chunk_tokens is not None and t.gradient_checkpointing is not None:
@@ -455,7 +455,7 @@ def _scorer(
 ) -> ActorPlan:
     from miniverl.models.loading import torch_dtype
     from miniverl.models.sizing import check_scorer_fits, model_shape, scorer_chunk_entry_bytes, scorer_peak_bytes
-    from miniverl.setup.teachers import teacher_specs
+    from miniverl.routing import teacher_specs
 
     specs, t = teacher_specs(cfg.model), cfg.trainer
     weights = sum(

@@ -101,7 +101,7 @@ def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
     share of an emulated card must leave room beyond its CUDA context."""
     if device != "cpu":
         if cfg.resources.emulate_gpu_gib is not None:
-            from miniverl.workers import emulated_cap_gib
+            from miniverl.process import emulated_cap_gib
 
             for actor in ("rollout", "scorer", "learner"):
                 whole = actor == "scorer" and cfg.resources.scorer_gpus > 0  # a dedicated GPU

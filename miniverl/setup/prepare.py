@@ -34,6 +34,7 @@ from miniverl.objectives import Objective, build_objective
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import require_vllm
+from miniverl.routing import TeacherRouting, check_sources_routed, routing_of, teacher_specs
 from miniverl.setup.fit import apply_choices, card_plan
 from miniverl.setup.preflight import (
     ResumePoint,
@@ -43,7 +44,6 @@ from miniverl.setup.preflight import (
     check_tracking,
     resolve_resume,
 )
-from miniverl.setup.teachers import TeacherRouting, check_sources_routed, routing_of, teacher_specs
 
 
 def resolve_device(requested: str) -> str:

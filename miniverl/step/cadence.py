@@ -25,9 +25,9 @@ from miniverl.config import MiniVerlConfig
 from miniverl.objectives.sampler_check import VersionTestWatch
 from miniverl.observe.tracking import Tracker
 from miniverl.rollout.sampling import SamplingParams
+from miniverl.seeds import sampling_seed
 from miniverl.step.controller import StrictSyncController
 from miniverl.step.evaluation import eval_line, evaluate
-from miniverl.step.seeds import sampling_seed
 
 
 @dataclasses.dataclass

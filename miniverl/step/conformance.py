@@ -28,7 +28,7 @@ from miniverl.cluster.actors import call, call_all
 from miniverl.errors import ConfigError
 from miniverl.objectives.ratios import SamplerTolerance
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.step.seeds import sampling_seed
+from miniverl.seeds import sampling_seed
 
 if TYPE_CHECKING:
     from miniverl.objectives.interface import Objective
@@ -114,7 +114,7 @@ def conformance_gate(
     seed: int = sampling_seed(0, "gate", 0),
 ) -> dict:
     """Sample through the backend, recompute on the learner, decide; `names` = (objective, backend) as
-    configured, `seed` the gate's sampling seed (miniverl/step/seeds.py). Returns the numbers summary.json keeps."""
+    configured, `seed` the gate's sampling seed (miniverl/seeds.py). Returns the numbers summary.json keeps."""
     objective_name, backend = names
     prompts = prompts.select(list(range(min(GATE_PROMPTS, len(prompts)))))
     trial_gap = controller.sync.prove_trial_adapter()  # serving a non-zero adapter, before v0 (lora_B = 0)

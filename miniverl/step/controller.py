@@ -32,7 +32,7 @@ from miniverl.errors import PolicyMismatchError
 from miniverl.objectives.aggregation import masked_mean
 from miniverl.policy import PolicyIdentity
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.setup.teachers import TeacherRouting, source_metrics
+from miniverl.routing import TeacherRouting, source_metrics
 from miniverl.step.sync import PolicySync
 
 # How per-rank learner metrics combine: most are sums over the step's tokens (each rank divides by the
@@ -95,7 +95,7 @@ class StrictSyncController:
     ) -> None:
         """`probe`: the fixed token sequences every refresh is verified on; None draws them from the learner's
         vocabulary at the first refresh (miniverl.served_policy.draw_probe). `routing`: several teachers
-        (miniverl/setup/teachers.py): each step also logs metrics per source and teacher. `staleness`
+        (miniverl/routing.py): each step also logs metrics per source and teacher. `staleness`
         (trainer.staleness): 1 overlaps the next step's rollout with this step's update. `weight_sync`
         (resources.weight_sync): how the adapter reaches the replicas; `probe_every` (trainer.probe_every): how
         often a refresh also runs the probe (miniverl/step/sync.py)."""

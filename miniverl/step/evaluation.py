@@ -33,7 +33,7 @@ def evaluate(
 
     reverse KL must be estimated on samples of the student itself (temperature 1, no truncation) to be
     unbiased, so it uses a second, sampled generation; accuracy is that of greedy answers. `sample_seed`
-    seeds that sample (miniverl/step/seeds.py: purpose eval).
+    seeds that sample (miniverl/seeds.py: purpose eval).
     """
     identity = controller.ensure_served()
     greedy = controller.sample(batch, SamplingParams(1, max_new_tokens, 0.0, stop_token_ids=stop_ids), identity)

@@ -34,8 +34,8 @@ from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.objectives.sampler_check import VERSION_TESTS, SamplerGapError, judge_step, version_test_rows
 from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
+from miniverl.process import ProcessSettings, gpu_uuid, memory_report, setup_process
 from miniverl.served_policy import PROBE_TOKENS, draw_probe
-from miniverl.workers import ProcessSettings, gpu_uuid, memory_report, setup_process
 from miniverl.workers.batch_checks import (
     StaleBatchError,
     check_lag,

@@ -11,9 +11,9 @@ from miniverl.errors import PolicyMismatchError
 from miniverl.models.loading import torch_dtype
 from miniverl.models.lora import LoraSettings
 from miniverl.policy import PolicyIdentity, PolicySnapshot, ServedPolicy
+from miniverl.process import ProcessSettings, gpu_uuid, memory_report, setup_process
 from miniverl.rollout import BACKENDS, Completion
 from miniverl.rollout.sampling import SamplingParams, row_seeds
-from miniverl.workers import ProcessSettings, gpu_uuid, memory_report, setup_process
 
 
 class RolloutWorker:

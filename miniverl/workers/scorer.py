@@ -10,7 +10,7 @@ from miniverl.models.fused_head import sampled_logprobs
 from miniverl.models.loading import load_causal_lm, torch_dtype
 from miniverl.models.packing import batch_micro_batches, pack_rows, packed_hidden
 from miniverl.models.vocab_kernels import row_logsumexp
-from miniverl.workers import ProcessSettings, memory_report, memory_share_bytes, setup_process
+from miniverl.process import ProcessSettings, memory_report, memory_share_bytes, setup_process
 
 
 class ScorerWorker:

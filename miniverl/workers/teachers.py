@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.batches import RolloutBatch, TeacherScores, concat_scores
-from miniverl.setup.teachers import TeacherRouting
-from miniverl.workers import ProcessSettings, memory_report, setup_process
+from miniverl.process import ProcessSettings, memory_report, setup_process
+from miniverl.routing import TeacherRouting
 from miniverl.workers.scorer import ScorerWorker
 
 
@@ -82,10 +82,10 @@ class TeachersScorerWorker:
         return take_scores(scores, torch.tensor(order).argsort())
 
     def source_kl(self, batch: RolloutBatch, scores: TeacherScores) -> dict[str, tuple[float, float]]:
-        """The k1 sums per data_source and per teacher of `batch` under `scores` (setup/teachers.py
+        """The k1 sums per data_source and per teacher of `batch` under `scores` (miniverl/routing.py
         source_kl_sums): the per-source metrics' share that needs the teacher's log-probs, computed here, where
         the scores were made, so the driver fetches a few numbers instead of the scores with their top-K support."""
-        from miniverl.setup.teachers import source_kl_sums
+        from miniverl.routing import source_kl_sums
 
         return source_kl_sums(
             batch.data_source, self.routing, batch.response_mask, batch.rollout_log_probs, scores.teacher_log_probs

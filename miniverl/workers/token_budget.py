@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from miniverl.errors import MiniVerlError
-from miniverl.workers import CUDA_CAPTURE_LOCK, ProcessSettings, memory_share_bytes
+from miniverl.process import CUDA_CAPTURE_LOCK, ProcessSettings, memory_share_bytes
 
 # How much an out-of-memory update lowers the token budget before it is redone (shrink_after_oom).
 OOM_SHRINK = 0.75

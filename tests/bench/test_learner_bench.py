@@ -13,7 +13,7 @@ from miniverl.bench.learner import (
     time_updates,
 )
 from miniverl.models.lora import LoraSettings
-from miniverl.workers import ProcessSettings
+from miniverl.process import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from tests.random_models import save_random_qwen2
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from miniverl.cluster.colocate import RoleHandle, actor_handle, colocated_class, processes
-from miniverl.workers import ProcessSettings
+from miniverl.process import ProcessSettings
 
 CPU = ProcessSettings("cpu", torch_threads=1)
 
@@ -92,7 +92,7 @@ def test_a_process_takes_the_switch_interval_it_is_given_and_keeps_pythons_other
     """resources.switch_interval_ms reaches the colocated process as ProcessSettings.switch_interval_s."""
     import sys
 
-    from miniverl.workers import setup_process
+    from miniverl.process import setup_process
 
     before = sys.getswitchinterval()
     try:

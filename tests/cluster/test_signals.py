@@ -57,7 +57,7 @@ def test_a_signal_during_start_up_raises_one_exception_with_the_exit_code():
 
 ACTOR = """
 import os, signal, time
-from miniverl.workers import ProcessSettings, setup_process
+from miniverl.process import ProcessSettings, setup_process
 setup_process(ProcessSettings("cpu", torch_threads=1, actor=True))
 os.kill(os.getpid(), signal.SIGTERM)
 os.kill(os.getpid(), signal.SIGINT)

@@ -369,7 +369,7 @@ def test_the_scorer_sizes_its_forwards_for_the_support_it_is_built_for_and_refus
     of scoring a row per forward (the 4080 recipe's run 6)."""
     from miniverl.models import vocab_kernels
     from miniverl.models.sizing import LearnerShape, scorer_tokens
-    from miniverl.workers import ProcessSettings
+    from miniverl.process import ProcessSettings
     from miniverl.workers.scorer import ScorerWorker
     from tests.objectives.test_objective_invariances import CPU
 

@@ -16,7 +16,7 @@ from miniverl.models.logprobs import response_logits, token_logprobs
 from miniverl.objectives import OBJECTIVES, build_objective, generalized_jsd, grpo_advantages, kl_penalty
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.objectives.pg_k1 import PgK1Objective
-from miniverl.workers import ProcessSettings
+from miniverl.process import ProcessSettings
 from miniverl.workers.scorer import ScorerWorker
 
 B, T, V = 2, 3, 6

@@ -12,8 +12,8 @@ from miniverl.batches import PromptBatch, RolloutBatch, TeacherScores
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.objectives.pg_k1 import PgK1Objective
+from miniverl.process import ProcessSettings
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker

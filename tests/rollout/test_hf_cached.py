@@ -14,11 +14,11 @@ from miniverl.batches import PromptBatch
 from miniverl.errors import ConfigError, PolicyMismatchError
 from miniverl.models.lora import LoraSettings
 from miniverl.policy import PolicyIdentity, PolicySnapshot, weights_digest
+from miniverl.process import ProcessSettings
 from miniverl.rollout import BACKENDS
 from miniverl.rollout.hf_cached import HFCachedBackend
 from miniverl.rollout.hf_reference import HFReferenceBackend
 from miniverl.rollout.sampling import SamplingParams, row_seeds
-from miniverl.workers import ProcessSettings
 from miniverl.workers.rollout import RolloutWorker
 
 LORA = LoraSettings(

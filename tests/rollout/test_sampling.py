@@ -10,7 +10,7 @@ import torch
 
 from miniverl.rollout import sampling
 from miniverl.rollout.sampling import SamplingParams, counter_uniforms, row_seeds, sample_next
-from miniverl.step.seeds import PURPOSE_STRIDE, sampling_seed
+from miniverl.seeds import PURPOSE_STRIDE, sampling_seed
 
 
 def test_draws_are_uniform_and_a_pure_function_of_seed_and_step():

@@ -95,8 +95,8 @@ def test_model_credential_and_device_checks_fail_before_ray(
 def test_an_emulated_card_counts_each_actors_cuda_context():
     """Each actor's torch cap is its share of the card less its CUDA context (0.66 GiB measured), so the
     whole device stays inside the card; a share that leaves nothing is refused before Ray."""
+    from miniverl.process import CUDA_CONTEXT_GIB, emulated_cap_gib
     from miniverl.setup.preflight import check_device_settings
-    from miniverl.workers import CUDA_CONTEXT_GIB, emulated_cap_gib
 
     assert emulated_cap_gib(16, 0.3, "x") == pytest.approx(4.8 - CUDA_CONTEXT_GIB)
     shares = {"rollout": 0.4, "scorer": 0.3, "learner": 0.3}
@@ -110,7 +110,7 @@ def test_an_emulated_card_counts_each_actors_cuda_context():
 def test_the_colocated_process_is_capped_below_the_card_by_its_measured_context():
     """Issue 15, run 9: the colocated process (one context, three roles, an NF4 teacher) holds 0.97 GiB outside
     torch's allocator, not one actor's 0.66; capped as one actor, the 12 GiB layout peaked at 12.3 GiB."""
-    from miniverl.workers import COLOCATED_CONTEXT_GIB, emulated_cap_gib
+    from miniverl.process import COLOCATED_CONTEXT_GIB, emulated_cap_gib
 
     measured_outside_allocator_gib = (12_603 - 11_610) / 1024  # nvidia-smi peak less torch's reserved peak, MiB
     cap = emulated_cap_gib(12, 1.0, "the colocated shares", COLOCATED_CONTEXT_GIB)
@@ -201,8 +201,8 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     import miniverl.setup.prepare as prep
     from miniverl.models.lora import LoraSettings, build_lora_model
     from miniverl.models.sizing import fit_tokens
+    from miniverl.process import CUDA_CONTEXT_GIB
     from miniverl.setup.preflight import adapter_params
-    from miniverl.workers import CUDA_CONTEXT_GIB
     from miniverl.workers.token_budget import learner_shape
 
     lora = load().model.lora

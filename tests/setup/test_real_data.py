@@ -10,11 +10,11 @@ from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings
 from miniverl.models.stops import stop_token_ids
 from miniverl.objectives.gkd import GkdObjective
+from miniverl.process import ProcessSettings
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.setup.prepare import prepare
 from miniverl.step.controller import StrictSyncController
 from miniverl.step.evaluation import accuracy_by_source, evaluate
-from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker

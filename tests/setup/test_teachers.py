@@ -11,7 +11,7 @@ import torch
 from miniverl.batches import RolloutBatch
 from miniverl.config import validate
 from miniverl.errors import ConfigError
-from miniverl.setup.teachers import (
+from miniverl.routing import (
     RoutingError,
     TeacherRouting,
     check_sources_routed,
@@ -287,7 +287,7 @@ def test_a_checkpoint_does_not_resume_under_other_teachers_or_routes():
 
 
 def test_mopd_experiments_compose_and_validate():
-    from miniverl.setup.teachers import routing_of, teacher_specs
+    from miniverl.routing import routing_of, teacher_specs
 
     mopd = load("+experiment=mopd")
     validate(mopd)

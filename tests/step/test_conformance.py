@@ -13,11 +13,11 @@ from miniverl.models.lora import LoraSettings
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.objectives.pg_k1 import PgK1Objective
 from miniverl.objectives.ratios import SamplerTolerance
+from miniverl.process import ProcessSettings
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.step.conformance import GapStats, conformance_gate, decide, gap_stats
 from miniverl.step.controller import StrictSyncController
-from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker

@@ -10,10 +10,10 @@ from miniverl.errors import PolicyMismatchError
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.policy import PolicyIdentity
+from miniverl.process import ProcessSettings
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.step.controller import StrictSyncController
-from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker

@@ -9,6 +9,7 @@ from miniverl.errors import PolicyMismatchError
 from miniverl.models.lora import LoraSettings, adapter_state, load_adapter_state
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.policy import weights_digest
+from miniverl.process import ProcessSettings
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.served_policy import (
@@ -22,7 +23,6 @@ from miniverl.served_policy import (
     probe_tolerance,
 )
 from miniverl.step.controller import StrictSyncController
-from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 

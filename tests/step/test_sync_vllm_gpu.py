@@ -13,9 +13,9 @@ import torch
 from miniverl.batches import PromptBatch
 from miniverl.errors import PolicyMismatchError
 from miniverl.objectives.gkd import GkdObjective
+from miniverl.process import ProcessSettings
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.step.controller import StrictSyncController
-from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker

@@ -9,7 +9,7 @@ import torch
 from miniverl.errors import ConfigError, MiniVerlError
 from miniverl.models.lora import build_lora_model
 from miniverl.models.sizing import fit_tokens
-from miniverl.workers import ProcessSettings
+from miniverl.process import ProcessSettings
 from miniverl.workers.token_budget import OOM_SHRINK, learner_shape, shrink_after_oom, size_micro_batches
 from tests.step.test_controller import LORA
 

@@ -1,9 +1,11 @@
-"""Several teachers in one run, one per data source (multi-teacher on-policy distillation, docs/multi_teacher.md).
+"""Several teachers in one run: which teacher scores a row, the teachers' roles, the step's metrics per source.
 
-The config names teachers (`model.teachers.<name>`) and routes rows to them by their verl `data_source`
-(`model.teacher_by_source`, then `model.default_teacher`). This module holds the routing table, the checks
-that run before Ray starts (each one names the fix), and the step metrics per source and per teacher. With
-`model.teachers` empty the run has one teacher, `model.teacher`, and nothing here changes it.
+Multi-teacher on-policy distillation (docs/multi_teacher.md): the config names teachers (`model.teachers.<name>`)
+and routes rows to them by their verl `data_source` (`model.teacher_by_source`, then `model.default_teacher`;
+the config's own checks of those names are ModelConfig.check's, miniverl/config/model.py). This leaf holds the
+routing table, the check that every data source seen before Ray has a teacher, and the step metrics per source
+and per teacher, for the driver's setup, the scorers and the controller alike. With `model.teachers` empty the
+run has one teacher, `model.teacher`, and nothing here changes it.
 """
 
 from __future__ import annotations
@@ -65,47 +67,6 @@ def teacher_specs(model) -> dict[str, object]:
 
 def teacher_name(role: str) -> str:
     return role.split(".", 1)[1] if role.startswith("teachers.") else role
-
-
-def check_teacher_routes(model, default_teacher) -> None:
-    """Config-only checks of ModelConfig `model`, before any model is resolved: names, routes, dtypes.
-
-    `default_teacher` is model.teacher's default ModelSpec (miniverl/config/model.py owns it; its check imports this
-    module)."""
-    teachers, routes, default = model.teachers, model.teacher_by_source, model.default_teacher
-    if not teachers:
-        if routes or default is not None:
-            raise ConfigError(
-                "model.teacher_by_source / model.default_teacher route rows to named teachers, but"
-                " model.teachers is empty; define them as model.teachers.<name> (path, dtype, quantization),"
-                " or drop the routes to use the single model.teacher"
-            )
-        return
-    if model.teacher != default_teacher:
-        raise ConfigError(
-            f"model.teacher is set ({model.teacher.path}) and so is model.teachers ({', '.join(teachers)}): with"
-            " named teachers model.teacher is not used; move it into model.teachers.<name> and route to it"
-        )
-    known = ", ".join(sorted(teachers))
-    for name, spec in teachers.items():
-        if not spec.path:
-            raise ConfigError(f"model.teachers.{name}.path is empty: give a model directory, hub id or builtin ref")
-        spec.check(f"model.teachers.{name}")  # dtype and quantization, as for model.student and model.teacher
-    for source, name in routes.items():
-        if name not in teachers:
-            raise ConfigError(
-                f"model.teacher_by_source.{source}={name!r} is not a teacher; model.teachers has: {known}."
-                f" Route it to one of those, or add model.teachers.{name}.path=..."
-            )
-    if default is not None and default not in teachers:
-        raise ConfigError(f"model.default_teacher={default!r} is not a teacher; model.teachers has: {known}")
-    unused = sorted(set(teachers) - set(routes.values()) - {default})
-    if unused:
-        raise ConfigError(
-            f"model.teachers.{unused[0]} gets no rows: no model.teacher_by_source entry routes to it and it is not"
-            f" model.default_teacher; route a source to it ('+model.teacher_by_source.<data_source>={unused[0]}'),"
-            " make it the default, or remove it (every teacher holds its weights in the scorer)"
-        )
 
 
 def check_sources_routed(routing: TeacherRouting | None, sources: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""One seed scheme (miniverl/step/seeds.py): no two (rollout.seed, purpose, step) share a sampling seed."""
+"""One seed scheme (miniverl/seeds.py): no two (rollout.seed, purpose, step) share a sampling seed."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from miniverl.errors import ConfigError
 from miniverl.rollout.sampling import row_seeds
-from miniverl.step.seeds import MAX_BASE_SEED, PURPOSES, STEP_STRIDE, sampling_seed
+from miniverl.seeds import MAX_BASE_SEED, PURPOSES, STEP_STRIDE, sampling_seed
 
 
 def test_no_collisions_across_purposes_steps_and_rollout_seeds():

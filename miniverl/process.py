@@ -1,0 +1,135 @@
+"""How an actor process uses its hardware: its threads, its GPU memory cap and CUDA context, the CUDA capture lock.
+
+A leaf: the workers, the rollout backends, the cluster launcher and the fit planner all read it."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+# One CUDA graph capture at a time in a process, and no release of the allocator's cache during one: torch asserts
+# that no capture is underway in empty_cache(), and a colocated process (cluster/colocate.py) captures the rollout's
+# decode graphs on one thread while the learner may give its cache back after running out of memory on another.
+CUDA_CAPTURE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """How an actor process uses its hardware."""
+
+    device: str  # "cpu" or "cuda"
+    torch_threads: int = 0  # 0 = all cores
+    # Cap this process's torch allocations at this much GPU memory (16 GB card emulation: its share of the card
+    # less its CUDA context, emulated_cap_gib).
+    gpu_memory_gib: float | None = None
+    gpu_fraction: float = 1.0  # this actor's Ray share of its GPU (its memory budget when nothing caps it)
+    # An actor process (cluster.launch.build_actors): SIGINT/SIGTERM are ignored, because a terminal's Ctrl-C, `timeout`
+    # or a scheduler signal the whole process group, and stopping (checkpoint first) is the driver's job.
+    actor: bool = False
+    # False: gpu_memory_gib is this role's share inside a colocated process (cluster/colocate.py), for sizing only;
+    # the process's cap (the sum of its roles') is set once by its host.
+    process_cap: bool = True
+    # sys.setswitchinterval for this process, seconds (resources.switch_interval_ms: colocated roles share one
+    # interpreter); None keeps Python's.
+    switch_interval_s: float | None = None
+
+
+# What every actor process holds on the GPU outside torch's allocator (its CUDA context, cuBLAS and NCCL
+# handles): measured on the H200 as nvidia-smi's whole-device peak (15,666 MiB) less the three actors'
+# torch-reserved peaks (13,650 MiB), per actor (torch 2.11, CUDA 13; docs/benchmarks/qlora-4080.md).
+CUDA_CONTEXT_GIB = 0.66
+# The same for the one process of resources.colocate=true (three roles on three threads and streams, an NF4 teacher's
+# bitsandbytes kernels): 0.97 GiB measured on the H200 as nvidia-smi's whole-device peak less the process's
+# torch-reserved peak, eager (11,783 - 10,790 MiB) and with compiled layers (12,603 - 11,610 MiB) alike
+# (docs/benchmarks/qlora-4080.md runs 8 and 9). With 0.66 here the 12 GiB layout's process was capped at 11.34 GiB
+# and the device peaked at 12.3 GiB.
+COLOCATED_CONTEXT_GIB = 1.0
+
+
+def emulated_cap_gib(card_gib: float, fraction: float, what: str, context_gib: float = CUDA_CONTEXT_GIB) -> float:
+    """An actor's torch memory cap on an emulated card of `card_gib`: its fraction of the card less its own
+    CUDA context (`context_gib`: COLOCATED_CONTEXT_GIB for the colocated process), so the actors' caps and
+    contexts together fit the card nvidia-smi would show."""
+    from miniverl.errors import ConfigError
+
+    cap = card_gib * fraction - context_gib
+    if cap <= 0:
+        raise ConfigError(
+            f"{what}={fraction:g} of resources.emulate_gpu_gib={card_gib:g} is {card_gib * fraction:.2f} GiB, no more"
+            f" than the {context_gib} GiB its CUDA context takes; give that actor a larger share"
+        )
+    return cap
+
+
+def memory_share_bytes(settings: ProcessSettings) -> int:
+    """The GPU memory this actor may plan for: its emulated cap, else its Ray fraction of the device less
+    its CUDA context."""
+    if settings.gpu_memory_gib is not None:
+        return int(settings.gpu_memory_gib * 2**30)
+    total = torch.cuda.get_device_properties(0).total_memory
+    return int(settings.gpu_fraction * total - CUDA_CONTEXT_GIB * 2**30)
+
+
+# Loggers whose notes only alarm a user: bitsandbytes' CPU backend asks every process to
+# `pip install kernels`, an optional faster 4-bit CPU kernel that miniVERL never uses (NF4 is CUDA-only here).
+QUIET_LOGGERS = ("bitsandbytes.backends.cpu.ops",)
+
+
+def quiet_library_notes() -> None:
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def ignore_stop_signals() -> None:
+    """Leave SIGINT/SIGTERM to the driver (only in the main thread, where handlers can be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+
+
+def setup_process(settings: ProcessSettings) -> str:
+    """Apply thread and memory settings; return the torch device string for this actor."""
+    import os
+
+    quiet_library_notes()
+    if settings.actor:
+        ignore_stop_signals()
+    torch.set_num_threads(settings.torch_threads or os.cpu_count() or 1)
+    if settings.switch_interval_s is not None:
+        import sys
+
+        sys.setswitchinterval(settings.switch_interval_s)
+        print(f"process: Python switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
+    if settings.device != "cuda":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise RuntimeError("this actor was asked to use CUDA but sees no GPU (CUDA_VISIBLE_DEVICES is empty?)")
+    if settings.gpu_memory_gib is not None and settings.process_cap:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.gpu_memory_gib * 2**30 / total), 0)
+    return "cuda"
+
+
+def memory_report(device: str) -> dict[str, float]:
+    """Peak GPU memory this process allocated/reserved (GiB); empty on the CPU."""
+    if device != "cuda":
+        return {}
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+    }
+
+
+def gpu_uuid(device: str) -> str | None:
+    """The UUID of the physical GPU this process computes on (its CUDA device 0), None on the CPU. Two actors
+    with the same UUID share one GPU whatever CUDA_VISIBLE_DEVICES calls it in each."""
+    if device != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(0).uuid)
