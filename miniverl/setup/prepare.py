@@ -130,16 +130,21 @@ class Setup:
     chosen: dict[str, Any] = field(default_factory=dict)
 
 
-def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
-    """Validate the config, resolve models, check vocabularies, stop ids, prompts and their rewards."""
-    validate(cfg)
-    device = resolve_device(cfg.resources.device)
+def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
+    """Resolve models, check vocabularies, the LoRA targets, stop ids, prompts and their rewards.
+
+    `device`: the resolved device of a config prepare_run has validated; None (a caller of its own, tests and
+    scripts) validates the config and resolves the device here."""
+    if device is None:
+        validate(cfg)
+        device = resolve_device(cfg.resources.device)
     if cfg.rollout.backend == "vllm":
         require_vllm(device)
     teachers = teacher_specs(cfg.model)
     for role, spec in (("student", cfg.model.student), *teachers.items()):
         require_quantization(spec.quantization, device, f"model.{role}.quantization")
     paths = resolve_model_paths(cfg, log)
+    check_lora_targets(paths["student"], cfg.model.lora.target_modules)
     student_tok = load_tokenizer(paths["student"], "model.student.path", USER_MODEL_FIX)
     configs = {role: load_model_config(paths[role], f"model.{role}.path", USER_MODEL_FIX) for role in paths}
     for role, config in configs.items():
@@ -217,19 +222,18 @@ def cuda_device_count() -> int:
 def prepare_run(
     cfg: MiniVerlConfig, run_dir: Path, typed_config: dict[str, Any], log=print
 ) -> tuple[ResumePoint | None, Setup]:
-    """Every check that can run before Ray, cheapest first, then the driver's setup (prepare).
+    """Every check that can run before Ray, once, in the order a user fixes things: the config's values, the run
+    directory, the device, tracking credentials, then the driver's setup (prepare: models and what they decide).
 
     Returns (resume, setup): the checkpoint this run continues (None for a fresh start) and the Setup.
     `typed_config` is the config as a plain dict (dataclasses.asdict), compared with a checkpoint's.
     """
     import ray
 
-    validate(cfg)
+    validate(cfg)  # the config's own values, section by section (miniverl/config/checks.py)
     resume = resolve_resume(cfg, run_dir, typed_config, log)  # first: a used run directory costs nothing
     device = resolve_device(cfg.resources.device)  # the device checks come before models are built or loaded
     check_device_settings(cfg, device)
     check_gpu_request(cfg, device, cuda_device_count(), ray.is_initialized())
-    setup = prepare(cfg, log)
-    check_lora_targets(setup.paths["student"], cfg.model.lora.target_modules)
     check_tracking(cfg.tracking.wandb_mode)
-    return resume, setup
+    return resume, prepare(cfg, log, device)  # models, vocabularies, the card's plan, prompts, rewards
