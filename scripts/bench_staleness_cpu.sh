@@ -15,4 +15,4 @@ for s in 0 1; do
   echo "$start $(date +%s.%N)" > "$out/staleness$s.wall"
   tail -3 "$out/staleness$s.log"
 done
-python3 scripts/staleness_report.py "$out" "$*"
+python3 scripts/measurements/staleness_report.py "$out" "$*"

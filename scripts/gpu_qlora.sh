@@ -61,7 +61,7 @@ for step in "$@"; do
       miniverl compare-miniverl 12 data.prompts_per_step=16 rollout.n=1 trainer.micro_batch_size=16
       nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/compare-trl_smi.csv" &
       smi=$!
-      timeout 400 python3 scripts/trl_gkd_compare.py --student /tmp/m/student --teacher /tmp/m/teacher \
+      timeout 400 python3 scripts/measurements/trl_gkd_compare.py --student /tmp/m/student --teacher /tmp/m/teacher \
         --out "$out/compare-trl.json" --prompts 16 --samples 1 --max-new-tokens 512 --micro-batch 16 \
         --steps 3 --lora-rank 32 --beta 0.5 2>&1 | grep -v "Loading weights" > "$out/compare-trl.log"
       sleep 3; kill $smi

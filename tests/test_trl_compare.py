@@ -1,5 +1,5 @@
-"""scripts/trl_gkd_compare.py: import-safe, refuses bad arguments before loading anything, and (where TRL is
-installed, as in the device bundle) runs TRL's GKDTrainer on tiny models on the CPU."""
+"""scripts/measurements/trl_gkd_compare.py: import-safe, refuses bad arguments before loading anything, and (where
+TRL is installed, as in the device bundle) runs TRL's GKDTrainer on tiny models on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "trl_gkd_compare.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "measurements" / "trl_gkd_compare.py"
 
 
 def load_script():

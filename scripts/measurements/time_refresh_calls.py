@@ -1,6 +1,6 @@
 """Time each strict-sync refresh call in one process (no Ray, so no round trips) at a real student shape.
 
-    PYTHONPATH=. python scripts/time_refresh_calls.py /tmp/m/student [--device cuda] [--repeats 10]
+    PYTHONPATH=. python scripts/measurements/time_refresh_calls.py /tmp/m/student [--device cuda] [--repeats 10]
 
 Learner and hf_cached replica of the 4080 recipe's student (LoRA r32 on every linear layer, bf16) built in this
 process; prints one JSON line with the median ms of: publish (the learner's digest; on a GPU through its flat

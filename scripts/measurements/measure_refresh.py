@@ -1,6 +1,6 @@
 """Time the strict-sync refresh alone, on Ray actors built exactly as a run builds them.
 
-    PYTHONPATH=<tree> python scripts/measure_refresh.py [--repeats 32] [overrides ...]
+    PYTHONPATH=<tree> python scripts/measurements/measure_refresh.py [--repeats 32] [overrides ...]
 
 Only a refresh (`controller.ensure_served()` after marking the served policy out of date: publish, hand
 over, load, verify) is timed, repeated on the default experiment's actors, so a tree before and after a
@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ stale sampler was caught where the honest run said the test could see it.
 Writes one JSON (--out) and prints a line per cell. In-process (no Ray): the learner, rollout and scorer are the
 actors' classes called directly, as tests/step/test_sync.py does.
 
-    PYTHONPATH=. python scripts/sampler_gap_faults.py --out docs/benchmarks/sampler-gap/cpu-bf16.json --dtypes bfloat16
+    PYTHONPATH=. python scripts/measurements/sampler_gap_faults.py --out docs/benchmarks/sampler-gap/cpu-bf16.json \
+        --dtypes bfloat16
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from miniverl.batches import PromptBatch  # noqa: E402

@@ -1,7 +1,7 @@
 """Evaluate the final policies of a strict and a stale run (scripts/bench_staleness_cpu.sh) again, on more
 held-out prompts and several sampling seeds, in-process on the CPU.
 
-    python scripts/staleness_reeval.py RUN_ROOT [--step 400] [--prompts 512] [--sample-seeds 4]
+    python scripts/measurements/staleness_reeval.py RUN_ROOT [--step 400] [--prompts 512] [--sample-seeds 4]
 
 RUN_ROOT holds staleness0/ and staleness1/ (the bench's temporary directory). Each run's config is composed
 from its .hydra/overrides.yaml and its checkpoint step_<step> is loaded into a learner; the evaluation is
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def evaluate_run(run: Path, step: int, prompts: int, sample_seeds: int) -> dict:

@@ -1,6 +1,6 @@
 """TRL's GKDTrainer on miniVERL's reference workload shape, for the side-by-side of issue 9.
 
-    python scripts/trl_gkd_compare.py --student /tmp/m/student --teacher /tmp/m/teacher --out trl.json
+    python scripts/measurements/trl_gkd_compare.py --student /tmp/m/student --teacher /tmp/m/teacher --out trl.json
 
 Same shape as `+experiment=gkd_4080`: a LoRA student (rank 32, every linear layer), on-policy only
 (lmbda 1: every batch is the student's own samples), beta 0.5, sampling temperature 1 with no top-k/top-p,

@@ -1,8 +1,8 @@
 """Reverse-KL curves of `gkd` (beta = 1) and `pg_k1` on the embedded default, over the same steps.
 
-    python scripts/plot_kl_curves.py                        # run both through Ray, then plot
-    python scripts/plot_kl_curves.py --gkd A/metrics.jsonl --pg-k1 B/metrics.jsonl   # plot finished runs
-    python scripts/plot_kl_curves.py -- trainer.total_steps=100                      # extra overrides, both runs
+    python scripts/measurements/plot_kl_curves.py                                   # run both through Ray, then plot
+    python scripts/measurements/plot_kl_curves.py --gkd A/metrics.jsonl --pg-k1 B/metrics.jsonl  # finished runs
+    python scripts/measurements/plot_kl_curves.py -- trainer.total_steps=100        # extra overrides, both runs
 
 Writes <out>.png (per-step reverse KL with eval points, and greedy accuracy at the eval points),
 <out>.json (the numbers) and <out>.md (a short table), by default docs/figures/kl_curves.*.
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = {  # label -> Hydra overrides of `python -m miniverl.main`
     "gkd (beta=1)": ["+experiment=gkd", "objective.beta=1"],
     "pg_k1": ["+experiment=pg_k1"],
@@ -115,7 +115,7 @@ def markdown(numbers: dict) -> str:
     lines = [
         "# Reverse KL: gkd (beta=1) vs pg_k1 on the embedded default",
         "",
-        f"Produced by `python scripts/plot_kl_curves.py` ({numbers['date']}, {numbers['machine']});"
+        f"Produced by `python scripts/measurements/plot_kl_curves.py` ({numbers['date']}, {numbers['machine']});"
         f" plot: `{numbers['png']}`.",
         "Runs: " + "; ".join(f"`python -m miniverl.main {' '.join(o)}`" for o in numbers["overrides"].values()) + ".",
         "Reverse KL is the controller's k1 estimate at temperature 1 (the same for both objectives); accuracy is",

@@ -1,6 +1,6 @@
 """Greedy accuracy of the built-in mixture student and of trained adapters on fresh prompts of each task.
 
-    python scripts/mopd_fresh_accuracy.py RUN_DIR/checkpoints/step_00000400/adapter [more adapters ...]
+    python scripts/measurements/mopd_fresh_accuracy.py RUN_DIR/checkpoints/step_00000400/adapter [more adapters ...]
 
 A run's evaluation holds 64-256 prompts per task; this draws 1024 per task (a seed of their own, so they are
 not the held-out set) and splits sorting by whether the answer repeats a letter, the case that the diagnosis in

@@ -1,6 +1,6 @@
 """The conformance gate's numbers for hf backends in fp32 and bf16 against an fp32 learner (built-in models).
 
-    python scripts/measure_gate.py
+    python scripts/measurements/measure_gate.py
 
 PG-k1 with truncation off (objective.is_cap=inf), so the gate decides on the numbers alone; the
 sampling settings are the pg_k1 experiment's (n=4, 16 new tokens, temperature 1), on 16 eval prompts.
