@@ -134,3 +134,59 @@ def test_validate_runs_the_check_of(section, monkeypatch):
         except Refused:
             refused.append(cfg.objective.name)
     assert refused, f"validate never calls {section.__name__}.check"
+
+
+# rollout.vllm's own values (VllmRolloutConfig.check): the change to the section, and the refusal.
+VLLM_OWN = [
+    ({"refresh": "copy"}, "rollout.vllm.refresh='copy': use one of adapter, merged"),
+    ({"engine_process": "thread"}, "rollout.vllm.engine_process='thread': use one of inprocess, subprocess"),
+    ({"seeding": "batch"}, "rollout.vllm.seeding='batch': use one of row, prompt"),
+    ({"cudagraph_capture_size": -8}, "rollout.vllm.cudagraph_capture_size=-8: use 0 (derived) or a positive count"),
+    ({"kv_cache_gib": 0.0}, "rollout.vllm.kv_cache_gib=0.0: use a positive size or null (derived)"),
+    (
+        {"refresh": "merged", "engine_process": "subprocess"},
+        "rollout.vllm.refresh=merged loads weights into the engine's model in place, which needs"
+        " rollout.vllm.engine_process=inprocess",
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf_cached", "hf_reference"])
+@pytest.mark.parametrize(("change", "message"), VLLM_OWN, ids=["+".join(change) for change, _ in VLLM_OWN])
+def test_validate_refuses_a_bad_rollout_vllm_value_whatever_the_backend(change, message, backend):
+    """Before Ray and on a CPU-only machine: the section's own values are refused whichever backend the run uses, as
+    every section's are (its sizes always were; an unused teacher's dtype or resources.rollout.num_gpus on the CPU are
+    checked too), so a typo in a recipe never waits for the day it switches to vLLM."""
+    cfg = MiniVerlConfig()
+    cfg.rollout.backend, cfg.resources.device = backend, "cpu"
+    cfg.model.student.dtype = "float32"  # merged refresh is refused in half precision (check_combinations)
+    validate(cfg)
+    cfg.rollout.vllm = dataclasses.replace(cfg.rollout.vllm, **change)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(cfg)
+
+
+def test_validate_refuses_fewer_batched_tokens_than_rows_the_vllm_engine_decodes():
+    """A vLLM engine step must hold one token of each row it decodes: rollout.vllm.max_num_seqs, or the run's largest
+    generate call (a step's G x N rows, or the evaluation's prompts). Other backends have no engine step to size."""
+    cfg = MiniVerlConfig()
+    cfg.rollout.backend = "vllm"
+    cfg.data.prompts_per_step, cfg.rollout.n, cfg.data.eval_prompts = 16, 4, 32  # 64 rows a step
+    cfg.rollout.vllm.max_num_batched_tokens = 64
+    validate(cfg)
+    for key, value, rows in (("max_num_batched_tokens", 63, 64), ("max_num_seqs", 100, 100)):
+        setattr(cfg.rollout.vllm, key, value)
+        bad = cfg.rollout.vllm.max_num_batched_tokens
+        with pytest.raises(
+            ConfigError,
+            match=re.escape(f"rollout.vllm.max_num_batched_tokens={bad} is below the {rows} rows the engine decodes at")
+            + f".*at least {rows}, or 0 for vLLM's default",
+        ):
+            validate(cfg)
+    cfg.rollout.vllm.max_num_seqs, cfg.data.eval_prompts = 0, 128  # the evaluation's call is the largest
+    with pytest.raises(ConfigError, match="below the 128 rows"):
+        validate(cfg)
+    cfg.rollout.vllm.max_num_batched_tokens = 0  # vLLM's default chunk
+    validate(cfg)
+    cfg.rollout.vllm.max_num_batched_tokens, cfg.rollout.backend = 8, "hf_cached"
+    validate(cfg)

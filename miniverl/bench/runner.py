@@ -182,7 +182,7 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
         return {"max_num_seqs": rows, "max_model_len": context, **plan.attributes}, {}
     if plan.backend == "vllm":
         from miniverl.config import VllmRolloutConfig
-        from miniverl.rollout.vllm_settings import VllmSettings
+        from miniverl.rollout.vllm_settings import VllmSettings, check_settings
 
         # A bench preregistered before the backend existed (rollout-runtime-v3) names no attributes: it gets
         # the product's defaults and half the GPU.
@@ -209,6 +209,7 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
             enable_prefix_caching=product.enable_prefix_caching,
             **a,
         )
+        check_settings(settings)  # a plan's attributes are rollout.vllm values that no validate has seen
         return {"settings": settings}, {}
     return {}, dict(plan.attributes)
 

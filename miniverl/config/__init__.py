@@ -15,6 +15,7 @@ from miniverl.config.checks import (
     check_files,
     check_loss_weights,
     check_objective,
+    check_quantized_rollout,
     check_values,
     validate,
 )
@@ -29,17 +30,20 @@ from miniverl.config.objective import (
 )
 from miniverl.config.resources import UNPLANNED_SHARES, WEIGHT_SYNC, ActorResources, ResourcesConfig
 from miniverl.config.reward import RewardConfig
-from miniverl.config.rollout import RolloutConfig, VllmRolloutConfig
+from miniverl.config.rollout import ENGINE_PROCESSES, REFRESH_MODES, SEEDING, RolloutConfig, VllmRolloutConfig
 from miniverl.config.schema import SCHEMA_NAME, MiniVerlConfig, register_configs, structured_schema, to_config
 from miniverl.config.tracking import TrackingConfig
 from miniverl.config.trainer import NONFINITE_POLICIES, PROBE_EVERY, STALENESS_LEVELS, TrainerConfig
 
 __all__ = [
+    "ENGINE_PROCESSES",
     "NONFINITE_POLICIES",
     "OBJECTIVE_CONFIGS",
     "OVERLONG_POLICIES",
     "PROBE_EVERY",
+    "REFRESH_MODES",
     "SCHEMA_NAME",
+    "SEEDING",
     "STALENESS_LEVELS",
     "UNPLANNED_SHARES",
     "WEIGHT_SYNC",
@@ -62,6 +66,7 @@ __all__ = [
     "check_files",
     "check_loss_weights",
     "check_objective",
+    "check_quantized_rollout",
     "check_values",
     "foreign_objective_key",
     "register_configs",

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from miniverl.config.base import require
 
+REFRESH_MODES = ("adapter", "merged")  # rollout.vllm.refresh
+ENGINE_PROCESSES = ("inprocess", "subprocess")  # rollout.vllm.engine_process
+SEEDING = ("row", "prompt")  # rollout.vllm.seeding
+
 
 @dataclass
 class VllmRolloutConfig:
@@ -27,11 +31,43 @@ class VllmRolloutConfig:
     adapter_root: str = "/dev/shm"  # adapter versions are written here (shared memory), one at a time
 
     def check(self) -> None:
-        """The engine's sizes are counts (0 = derived); the choices and the sizes' combinations are checked by
-        rollout/vllm_settings.py once the engine's sizes, which other sections imply, are derived."""
+        """The section's own values, whichever backend the run uses (as every section's are): the choices, the sizes
+        (counts, 0 = derived) and merged refresh's in-process engine. max_num_batched_tokens against the rows the
+        engine decodes at once reads the data section too: check_batched_tokens, from check_combinations."""
+        require(
+            self.refresh in REFRESH_MODES,
+            f"rollout.vllm.refresh={self.refresh!r}: use one of {', '.join(REFRESH_MODES)}",
+        )
+        require(
+            self.engine_process in ENGINE_PROCESSES,
+            f"rollout.vllm.engine_process={self.engine_process!r}: use one of {', '.join(ENGINE_PROCESSES)}",
+        )
+        require(self.seeding in SEEDING, f"rollout.vllm.seeding={self.seeding!r}: use one of {', '.join(SEEDING)}")
         for key in ("max_num_seqs", "cudagraph_capture_size", "max_num_batched_tokens"):
             value = getattr(self, key)
             require(value >= 0, f"rollout.vllm.{key}={value}: use 0 (derived) or a positive count")
+        require(
+            self.kv_cache_gib is None or self.kv_cache_gib > 0,
+            f"rollout.vllm.kv_cache_gib={self.kv_cache_gib}: use a positive size or null (derived)",
+        )
+        # The merged weights are handed to the engine's model as GPU tensors; a child process would get them pickled
+        # through a socket every step.
+        require(
+            self.refresh != "merged" or self.engine_process == "inprocess",
+            "rollout.vllm.refresh=merged loads weights into the engine's model in place, which needs"
+            " rollout.vllm.engine_process=inprocess",
+        )
+
+    def check_batched_tokens(self, rows: int) -> None:
+        """`rows`: the rows the engine decodes at once (RolloutConfig.engine_rows), which one engine step must hold a
+        token of each of."""
+        n = self.max_num_batched_tokens
+        require(
+            n == 0 or n >= rows,
+            f"rollout.vllm.max_num_batched_tokens={n} is below the {rows} rows the engine decodes at once"
+            f" (rollout.vllm.max_num_seqs, or the step's rows): vLLM needs a step to hold one token of each; raise it"
+            f" to at least {rows}, or 0 for vLLM's default",
+        )
 
 
 @dataclass
@@ -48,8 +84,8 @@ class RolloutConfig:
     vllm: VllmRolloutConfig = field(default_factory=VllmRolloutConfig)
 
     def check(self) -> None:
-        """The sampling settings, and rollout.vllm's own sizes (its choices and combinations are checked by
-        rollout/vllm_settings.py once the engine's sizes, which other sections imply, are derived)."""
+        """The sampling settings, and rollout.vllm's own values (what they need of other sections is
+        check_combinations')."""
         from miniverl.rollout import BACKENDS
         from miniverl.seeds import MAX_BASE_SEED
 
@@ -68,3 +104,8 @@ class RolloutConfig:
         require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: use a value in (0, 1] (1 = off)")
         BACKENDS.require(self.backend)
         self.vllm.check()
+
+    def engine_rows(self, data) -> int:
+        """Rows the vLLM engine decodes at once: rollout.vllm.max_num_seqs, or (0) the run's largest generate call,
+        a step's data.prompts_per_step x rollout.n rows or the evaluation's data.eval_prompts (`data`: DataConfig)."""
+        return self.vllm.max_num_seqs or max(data.prompts_per_step * self.n, data.eval_prompts)

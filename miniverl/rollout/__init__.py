@@ -7,7 +7,6 @@ from typing import Protocol
 
 import torch
 
-from miniverl.errors import ConfigError
 from miniverl.registry import Registry
 from miniverl.rollout.sampling import SamplingParams
 
@@ -56,23 +55,3 @@ BACKENDS = Registry("rollout backend", "rollout.backend")
 BACKENDS.register("hf_reference", "miniverl.rollout.hf_reference:HFReferenceBackend")
 BACKENDS.register("hf_cached", "miniverl.rollout.hf_cached:HFCachedBackend")
 BACKENDS.register("vllm", "miniverl.rollout.vllm:VllmBackend")
-
-
-def check_quantized_rollout(quantization: str, backend: str, refresh: str) -> None:
-    """The rollout side must serve the learner's own 4-bit base (DESIGN.md: an NF4 learner against a bf16
-    sampler is off by 1.66 nats per token, against vLLM's bitsandbytes engine by 0.10)."""
-    if quantization != "nf4":
-        return
-    if backend == "hf_cached":
-        raise ConfigError(
-            "model.student.quantization=nf4 with rollout=hf_cached: hf_cached decodes from plain (bf16) copies of the"
-            " base weights, which would sample from another base than the 4-bit one the learner trains on;"
-            " serving the dequantized NF4 values is possible but not yet measured, so it is refused for now. Use"
-            " rollout=vllm (adapter mode, quantization=bitsandbytes) or rollout=hf_reference",
-        )
-    if backend == "vllm" and refresh == "merged":
-        raise ConfigError(
-            "model.student.quantization=nf4 with rollout.vllm.refresh=merged: merging the adapter into 4-bit weights"
-            " re-quantizes them, so the engine would serve another base than the learner's; use"
-            " rollout.vllm.refresh=adapter",
-        )

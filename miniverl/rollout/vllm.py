@@ -20,17 +20,16 @@ import time
 
 import torch
 
+from miniverl.config.rollout import SEEDING
 from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import (
-    SEEDING,
     AdapterStore,
     VllmSettings,
     adapter_config,
     base_linear_weights,
-    check_settings,
     memory_plan,
     merged_weights,
     served_weight_bytes,
@@ -115,7 +114,6 @@ class VllmBackend:
     def __init__(
         self, model_path: str, lora: LoraSettings, dtype: torch.dtype, device: str, settings: VllmSettings
     ) -> None:
-        check_settings(settings)
         if device != "cuda" or not torch.cuda.is_available():
             raise ConfigError("rollout=vllm needs a CUDA GPU; use rollout=hf_cached on the CPU")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if settings.engine_process == "inprocess" else "1"

@@ -9,14 +9,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from miniverl.atomic import atomic_dir
+from miniverl.config.checks import check_quantized_rollout
+from miniverl.config.rollout import VllmRolloutConfig
 from miniverl.errors import ConfigError
-from miniverl.rollout import check_quantized_rollout
 
 # LoRA ranks vLLM 0.26 can be started with (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -28,9 +29,6 @@ ENGINE_OVERHEAD_GIB = 1.5
 # resources.rollout.num_gpus left null with vLLM: the engine takes its whole share up front and sizes its KV cache
 # from what the share leaves, so no modelled peak says what it needs (setup/fit.py choose_shares)
 AUTO_SHARE = 0.4
-REFRESH_MODES = ("adapter", "merged")
-ENGINE_PROCESSES = ("inprocess", "subprocess")
-SEEDING = ("row", "prompt")
 
 
 @dataclass(frozen=True)
@@ -81,28 +79,13 @@ def vllm_lora_rank(rank: int) -> int:
 
 
 def check_settings(s: VllmSettings) -> None:
-    if s.refresh not in REFRESH_MODES:
-        raise ConfigError(f"rollout.vllm.refresh={s.refresh!r}: use one of {', '.join(REFRESH_MODES)}")
-    if s.engine_process not in ENGINE_PROCESSES:
-        raise ConfigError(f"rollout.vllm.engine_process={s.engine_process!r}: use one of {', '.join(ENGINE_PROCESSES)}")
-    if s.seeding not in SEEDING:
-        raise ConfigError(f"rollout.vllm.seeding={s.seeding!r}: use one of {', '.join(SEEDING)}")
-    if s.refresh == "merged" and s.engine_process != "inprocess":
-        # The merged weights are handed to the engine's model as GPU tensors; a child process would get
-        # them pickled through a socket every step.
-        raise ConfigError(
-            "rollout.vllm.refresh=merged loads weights into the engine's model in place, which needs"
-            " rollout.vllm.engine_process=inprocess"
-        )
-    check_quantized_rollout(s.quantization, "vllm", s.refresh)  # nf4 is never merged (re-quantized)
-    if s.max_num_batched_tokens and s.max_num_batched_tokens < s.max_num_seqs:
-        raise ConfigError(
-            f"rollout.vllm.max_num_batched_tokens={s.max_num_batched_tokens} is below the {s.max_num_seqs} rows the"
-            f" engine decodes at once (rollout.vllm.max_num_seqs, or the step's rows): vLLM needs a step to hold one"
-            f" token of each; raise it to at least {s.max_num_seqs}, or 0 for vLLM's default"
-        )
-    if s.kv_cache_gib is not None and s.kv_cache_gib <= 0:
-        raise ConfigError(f"rollout.vllm.kv_cache_gib={s.kv_cache_gib}: use a positive size or null (derived)")
+    """validate's checks of rollout.vllm (config/rollout.py, config/checks.py) for settings built without a config:
+    the bench's vllm plans (bench/runner.py constructor_options). A run's settings come from a config validate has
+    checked (settings_from_config), so the engine does not check them again."""
+    section = VllmRolloutConfig(**{f.name: getattr(s, f.name) for f in fields(VllmRolloutConfig)})
+    section.check()
+    section.check_batched_tokens(s.max_num_seqs)
+    check_quantized_rollout(s.quantization, "vllm", s.refresh)
 
 
 def served_weight_bytes(model_dir: str, dtype: torch.dtype, quantization: str) -> int:
@@ -236,11 +219,11 @@ def base_linear_weights(model_dir: str, adapter_names: list[str], dtype: torch.d
 
 
 def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> VllmSettings:
-    """The builder: `rollout.vllm` plus the sizes the rest of the run implies (the one place reading config)."""
+    """The builder: `rollout.vllm` plus the sizes the rest of the run implies (the one place reading config). The
+    config's values are validate's to check (config/rollout.py VllmRolloutConfig, config/checks.py)."""
     v, r, d = cfg.rollout.vllm, cfg.rollout, cfg.data
-    rows = max(d.prompts_per_step * r.n, d.eval_prompts)  # the largest generate call of the run
-    max_num_seqs = v.max_num_seqs or rows
-    settings = VllmSettings(
+    max_num_seqs = r.engine_rows(d)
+    return VllmSettings(
         refresh=v.refresh,
         enforce_eager=v.enforce_eager,
         engine_process=v.engine_process,
@@ -258,5 +241,3 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> Vl
         adapter_root=v.adapter_root,
         quantization=cfg.model.student.quantization,
     )
-    check_settings(settings)
-    return settings

@@ -3,6 +3,7 @@ under test here (CPU, tiny shape); docs/benchmarks/ holds the GPU results."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from miniverl.bench.config import AdapterSpec, InvalidationRules
 from miniverl.bench.report import speedup, targets
 from miniverl.bench.runner import CellResult
 from miniverl.bench.workload import cell_requests, expand_cells, make_adapter
+from miniverl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = InvalidationRules(
@@ -172,7 +174,7 @@ def test_every_vllm_plan_of_a_committed_bench_builds_its_engine_settings(name):
 
     from miniverl.bench.config import BackendPlan
     from miniverl.bench.runner import constructor_options
-    from miniverl.rollout.vllm_settings import VllmSettings, check_settings
+    from miniverl.rollout.vllm_settings import VllmSettings
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "bench" / f"{name}.yaml")
     plans = [BackendPlan(**p) for p in cfg.backends.values() if p.backend in ("vllm", "raw_vllm")]
@@ -180,7 +182,9 @@ def test_every_vllm_plan_of_a_committed_bench_builds_its_engine_settings(name):
     for plan in plans:
         options, attributes = constructor_options(cfg, plan)
         assert attributes == {}
-        if plan.backend == "vllm":
-            check_settings(options["settings"])
+        if plan.backend == "vllm":  # constructor_options checked them as validate checks rollout.vllm
             assert isinstance(options["settings"], VllmSettings)
             assert options["settings"].max_num_seqs == max(g * n for g, n in cfg.shapes)
+            typo = dataclasses.replace(plan, attributes={**plan.attributes, "refresh": "copy"})
+            with pytest.raises(ConfigError, match="rollout.vllm.refresh='copy': use one of adapter, merged"):
+                constructor_options(cfg, typo)

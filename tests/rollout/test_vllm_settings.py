@@ -69,6 +69,9 @@ def test_settings_from_config_size_the_engine_for_the_run():
     ],
 )
 def test_bad_settings_name_the_key(field, value, names):
+    """Settings built without a config (the bench's plans) get validate's checks of rollout.vllm
+    (tests/test_config_sections.py refuses each of these through validate)."""
+    check_settings(settings())
     with pytest.raises(ConfigError, match=names):
         check_settings(settings(**{field: value}))
 
@@ -76,6 +79,8 @@ def test_bad_settings_name_the_key(field, value, names):
 def test_merged_refresh_needs_the_engine_in_process():
     with pytest.raises(ConfigError, match="engine_process=inprocess"):
         check_settings(settings(refresh="merged", engine_process="subprocess"))
+    with pytest.raises(ConfigError, match="refresh=merged: merging the adapter into 4-bit weights"):
+        check_settings(settings(refresh="merged", quantization="nf4"))
 
 
 def test_lora_rank_rounds_up_to_what_vllm_supports_and_refuses_above():
@@ -171,24 +176,31 @@ def test_served_weight_bytes_read_headers_and_size_an_nf4_student_in_four_bits(r
 
 
 def test_nf4_student_is_served_quantized_and_never_merged():
-    """vLLM must serve the learner's 4-bit base (adapter mode); merging into NF4 would re-quantize it."""
+    """vLLM must serve the learner's 4-bit base (adapter mode); merging into NF4 would re-quantize it, which validate
+    refuses before the settings are built."""
+    from miniverl.config import validate
+
     cfg = MiniVerlConfig()
-    cfg.model.student.quantization = "nf4"
+    cfg.rollout.backend, cfg.model.student.quantization = "vllm", "nf4"
+    validate(cfg)
     assert settings_from_config(cfg, 0.4, None).quantization == "nf4"
     cfg.rollout.vllm.refresh = "merged"
     with pytest.raises(ConfigError, match="refresh=merged: merging the adapter into 4-bit weights"):
-        settings_from_config(cfg, 0.4, None)
+        validate(cfg)
     assert settings_from_config(MiniVerlConfig(), 0.4, None).quantization == "none"
 
 
+@pytest.mark.parametrize("backend", ["vllm", "hf_cached"])
 @pytest.mark.parametrize("override", ["rollout.vllm.refresh=copy", "rollout.vllm.seeding=batch"])
-def test_a_misspelled_vllm_option_fails_in_validate_before_ray(override):
+def test_a_misspelled_vllm_option_fails_in_validate_before_ray(override, backend):
+    """Whichever backend the run uses, a CPU run with rollout=hf_cached too: rollout.vllm's own values are checked as
+    every section's are (its sizes always were), so a typo never waits for the day the backend changes."""
     from miniverl.config import validate
     from tests.test_config import load
 
     with pytest.raises(ConfigError, match=override.split("=")[0]):
-        validate(load("rollout=vllm", override))
-    validate(load("rollout=hf_cached", override))  # another backend ignores the vllm section
+        validate(load(f"rollout={backend}", "resources.device=cpu", override))
+    validate(load(f"rollout={backend}", "resources.device=cpu"))
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float16"])
