@@ -14,11 +14,11 @@ import sys
 from miniverl.config import MiniVerlConfig
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives import build_objective
+from miniverl.process import ProcessSettings
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.setup.prepare import prepare
 from miniverl.step.controller import StrictSyncController
 from miniverl.step.evaluation import evaluate
-from miniverl.workers import ProcessSettings
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
