@@ -63,3 +63,18 @@ def test_distill_jsonl_runs_on_a_users_file(tmp_path, chat_student_dir, chat_tea
     assert {s["step"] for s in samples} == {0, 2} and samples[0]["data_source"] == "jsonl"
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert "eval/accuracy/jsonl" in metrics[0] and metrics[-1]["data/overlong_filtered"] == 0
+
+
+def test_distill_in_process_runs_the_workers_without_ray(tmp_path):
+    """The three workers as plain objects, two steps on the built-in models (a copy of the shipped ones)."""
+    proc = subprocess.run(
+        [sys.executable, "examples/distill_in_process.py", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "before: {'eval/accuracy'" in proc.stdout and "step 0: reverse KL" in proc.stdout
+    assert "after: {'eval/accuracy'" in proc.stdout
