@@ -342,3 +342,11 @@ def concat_scores(parts: list[TeacherScores]) -> TeacherScores:
         teacher_tail_logprob=cat("teacher_tail_logprob"),
         loss_temperature=parts[0].loss_temperature,
     )
+
+
+def stack_rows(parts: list[TeacherScores], start: int, stop: int) -> TeacherScores:
+    """Rows [start, stop) of the scores of consecutive row ranges `parts`, stacked (row 0 is the first part's first
+    row): what a learner rank takes when its shard of the batch is not one scorer replica's part. Done in the
+    learner, never in the driver: the parts hold the teacher's [B, Tr, K] support (step/controller.py)."""
+    whole = parts[0] if len(parts) == 1 else concat_scores(parts)
+    return whole.rows(start, stop)

@@ -192,7 +192,9 @@ class StrictSyncController:
 
     @staticmethod
     def fetch_scores(parts: list[tuple[Any, int, int]]) -> TeacherScores:
-        """The scores themselves, in the driver (evaluation's reverse KL; shards that do not line up)."""
+        """The scores themselves, in the driver: for evaluation's reverse KL, which scores without a support (the
+        sampled tokens' log-probs, [B, Tr]), and for tests. A training step never calls it: its scores carry the
+        [B, Tr, K] support and go from scorer to learner (submit_update)."""
         return concat_scores(fetch([handle for handle, _, _ in parts]))
 
     def update(
@@ -206,22 +208,25 @@ class StrictSyncController:
     ) -> list[Any]:
         """Start the update on every learner rank without waiting; returns the ranks' handles.
         Every rank takes one shard of whole groups (possibly empty) and the step's token count.
-        A rank whose rows one scorer replica scored gets that replica's scores by reference; otherwise
-        (different replica counts) the driver fetches and slices them. `source`: the batch's own handle from its
+        A rank whose rows one scorer replica scored gets that replica's scores by reference; otherwise (different
+        replica counts) it gets, by reference too, the parts that hold its rows and stacks them itself
+        (LearnerWorker.update_parts): the driver never fetches the scores. `source`: the batch's own handle from its
         one rollout replica, which one learner takes by reference instead of the driver's copy."""
         tokens = int(rollouts.response_mask.sum())
         by_reference = source is not None and len(self.learners) == 1  # then the one shard is the whole batch
         shards = group_bounds(rollouts.uid, len(self.learners))
         by_rows = {(a, b): handle for handle, a, b in parts}
-        whole: list[TeacherScores] = []
         handles = []
         for learner, (a, b) in zip(self.learners, shards):
-            scores = by_rows.get((a, b))
-            if scores is None:
-                whole = whole or [self.fetch_scores(parts)]
-                scores = whole[0].rows(a, b)
             batch = source if by_reference else rollouts.rows(a, b)
-            handles.append(submit(learner, "update", batch, scores, rewards[a:b], tokens))
+            if (a, b) in by_rows:
+                handles.append(submit(learner, "update", batch, by_rows[a, b], rewards[a:b], tokens))
+                continue
+            holding = parts_holding(parts, a, b)
+            first = holding[0][1]
+            rows = (a - first, b - first)  # this rank's rows within the parts stacked
+            scores = [handle for handle, _, _ in holding]
+            handles.append(submit(learner, "update_parts", batch, rewards[a:b], tokens, *rows, *scores))
         return handles
 
     def finish_update(self, handles: list[Any]) -> dict[str, float]:
@@ -320,6 +325,14 @@ class StrictSyncController:
             whole = source is not None and (a, b) == (0, len(rollouts.uid))
             calls.append(submit(scorer, "source_kl", source if whole else rollouts.rows(a, b), handle))
         return source_metrics(rollouts.data_source, self.routing, fetch(calls), rewards)
+
+
+def parts_holding(parts: list[tuple[Any, int, int]], start: int, stop: int) -> list[tuple[Any, int, int]]:
+    """The scorer parts (handle, first row, end row), in row order, that hold rows [start, stop) of the batch; for
+    no rows (a learner rank beyond the last group) the part that ends there, whose empty slice has the support's
+    shape. `parts` cover the batch's rows in order, without gaps."""
+    inside = [p for p in parts if p[1] < stop and p[2] > start]
+    return inside or [next(p for p in parts if p[1] <= start <= p[2])]
 
 
 def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from miniverl.batches import RolloutBatch, TeacherScores
+from miniverl.batches import RolloutBatch, TeacherScores, stack_rows
 from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
 from miniverl.errors import MiniVerlError
 from miniverl.models.loading import torch_dtype
@@ -331,6 +331,21 @@ class LearnerWorker:
             **extra,
             **lag_metrics(delta, num_tokens, self.staleness),
         }
+
+    def update_parts(
+        self,
+        batch: RolloutBatch,
+        rewards: torch.Tensor | None,
+        num_step_tokens: int,
+        start: int,
+        stop: int,
+        *scores: TeacherScores,
+    ) -> dict[str, float]:
+        """`update` when this rank's rows are not one scorer replica's part: `scores` are the parts that hold them,
+        in row order, and this rank's rows are [start, stop) of them stacked (batches.stack_rows). Each part is an
+        argument of its own, so through Ray every one arrives here from its scorer by reference, never through the
+        driver (a ref inside a list would reach the actor unresolved)."""
+        return self.update(batch, stack_rows(list(scores), start, stop), rewards, num_step_tokens)
 
     def _gradients(self, batch, scores, advantages, num_tokens, row_weights):
         """Accumulate the step's gradients over its micro-batches; the loss sum and the per-token log-probs and

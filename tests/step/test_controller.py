@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miniverl.batches import PromptBatch
+from miniverl.batches import PromptBatch, TeacherScores, concat_scores, stack_rows
 from miniverl.errors import PolicyMismatchError
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives.gkd import GkdObjective
@@ -13,7 +13,7 @@ from miniverl.policy import PolicyIdentity
 from miniverl.process import ProcessSettings
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.step.controller import StrictSyncController
+from miniverl.step.controller import StrictSyncController, parts_holding
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
@@ -215,3 +215,25 @@ def test_one_replicas_batch_goes_to_the_scorer_and_the_learner_by_reference(part
     two.step(prompts, PARAMS)
     assert len(seen["score"]) == 3 and all(batch is not seen["generate"][1] for batch in seen["score"][1:])
     assert seen["update"][1] is seen["generate"][1]  # one learner still takes the replica's batch
+
+
+def test_a_learner_rank_stacks_the_scorer_parts_that_hold_its_rows():
+    """Scorer parts of rows 0-4, 4-6 and 6-8 and learner shards that cross them (or hold no rows): the parts a rank
+    is sent (parts_holding), stacked and cut in the learner (stack_rows), are bit for bit its rows of the whole
+    scores, what it trained on when the driver fetched and cut them."""
+    g = torch.Generator().manual_seed(0)
+    whole = TeacherScores(
+        -torch.rand(8, 5, generator=g),
+        -torch.rand(8, 5, 3, generator=g),
+        torch.randint(0, 43, (8, 5, 3), generator=g, dtype=torch.int32),
+        -torch.rand(8, 5, generator=g),
+    )
+    parts = [(whole.rows(a, b), a, b) for a, b in ((0, 4), (4, 6), (6, 8))]
+    assert concat_scores([p for p, _, _ in parts]).teacher_topk_ids.equal(whole.teacher_topk_ids)
+    for (a, b), holding in (((0, 4), [0]), ((2, 6), [0, 1]), ((4, 8), [1, 2]), ((0, 8), [0, 1, 2]), ((8, 8), [2])):
+        sent = parts_holding(parts, a, b)
+        assert sent == [parts[i] for i in holding]
+        first = sent[0][1]
+        got, want = stack_rows([p for p, _, _ in sent], a - first, b - first), whole.rows(a, b)
+        for name in ("teacher_log_probs", "teacher_topk_logprobs", "teacher_topk_ids", "teacher_tail_logprob"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (a, b, name)
