@@ -135,3 +135,19 @@ def test_the_lazy_layer_check_catches_an_import_inside_a_function(tmp_path):
     (root / "setup" / "teachers.py").write_text("x = 1\n")
     (root / "config" / "model.py").write_text("def check():\n    from miniverl.setup.teachers import x\n")
     assert lazy_upward_imports(g.build_graph(root)) == ["miniverl.config.model -> miniverl.setup.teachers"]
+
+
+def test_floors_stand_on_what_a_module_imports_and_a_circle_shares_one(tmp_path):
+    """scripts/cfg_walk.py's floors: 1 + the highest floor imported; through a re-export, the defining module's."""
+    g = graph_module()
+    root = tmp_path / "miniverl"
+    root.mkdir()
+    (root / "__init__.py").write_text("from miniverl.leaf import x\n")  # only re-exports
+    (root / "leaf.py").write_text("x = 1\n")
+    (root / "a.py").write_text("from miniverl.b import y\n")
+    (root / "b.py").write_text("def y():\n    from miniverl import a, x\n")  # a lazy circle with a
+    (root / "top.py").write_text("from miniverl import x\nfrom miniverl.a import y\n")
+    floors = g.floors(g.build_graph(root, through_reexports=True))
+    assert floors == {"miniverl": 2, "miniverl.leaf": 1, "miniverl.a": 2, "miniverl.b": 2, "miniverl.top": 3}
+    # counted as imports of the package: `from miniverl import x` stands above its __init__, which stands on leaf
+    assert g.floors(g.build_graph(root)) == {**floors, "miniverl.a": 3, "miniverl.b": 3, "miniverl.top": 4}
