@@ -83,9 +83,9 @@ def test_gkd_runs_through_ray_actors(tmp_path, student_dir, teacher_dir):
     voted = [x for x in lines[1:] if x["sampler_version_tokens"]]  # the version test's record matches the steps'
     armed = {name: sum(x[f"sampler_vs_{name}_armed"] for x in voted) for name in ("previous", "base")}
     assert summary["version_test"] == {"voted_steps": len(voted), "armed_steps": armed}
-    gate = summary["conformance"]  # fp32 hf_reference: the sampler computes what the learner computes
+    gate = summary["conformance"]  # fp32 hf_cached (the default): the sampler computes what the learner computes
     assert gate["decision"] == "pass" and gate["tokens"] > 0 and gate["mean_gap"] < 1e-4
-    assert "conformance gate: hf_reference vs learner" in proc.stdout
+    assert "conformance gate: hf_cached vs learner" in proc.stdout
     assert lines[1]["probe_ran"] == 1  # the policy of the first step was probed (the gate's v0 refresh)
     assert all(x["probe_gap_max"] < 1e-3 for x in lines[1:] if x["probe_ran"])  # the rest: the served digest
     assert (run_dir / ".hydra" / "config.yaml").exists()

@@ -72,7 +72,7 @@ class VllmRolloutConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf_reference"  # a name in miniverl.rollout.BACKENDS
+    backend: str = "hf_cached"  # a name in miniverl.rollout.BACKENDS; hf_reference is the slow oracle
     n: int = 2  # N: samples per prompt
     temperature: float = 1.0  # sampling temperature (0 = greedy); the loss temperature is separate
     top_k: int = 0  # 0 = off

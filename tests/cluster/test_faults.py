@@ -118,7 +118,7 @@ def test_sigterm_with_a_rollout_in_flight_checkpoints_and_the_resumed_run_sample
     scoring. With the trained tiny student (rows stop after ~6 tokens) it ran ~0.03 s against ~0.015 s of scoring,
     and on a loaded 2-core machine it once finished first in all three steps (1 CI run in 6). The untrained student
     rarely emits EOS: its 48-token rows ran ~0.2 s against the same scoring and covered the whole update (overlap
-    0.05-0.07 s of 0.05-0.10 s updates)."""
+    0.05-0.07 s of 0.05-0.10 s updates), sampled by hf_reference (the default hf_cached is ~3x faster on the CPU)."""
     from miniverl.main import train
 
     student_dir = random_model_dir
@@ -127,6 +127,7 @@ def test_sigterm_with_a_rollout_in_flight_checkpoints_and_the_resumed_run_sample
         "trainer.eval_every=2",
         "trainer.save_every=3",
         "trainer.staleness=1",
+        "rollout=hf_reference",  # the slow oracle: a full forward pass per token keeps the rollout in flight
         "rollout.max_new_tokens=48",
     )
     train(config(student_dir, teacher_dir, *steps), tmp_path / "whole", {}, quiet)
