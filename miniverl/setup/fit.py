@@ -132,7 +132,6 @@ def plan_fit(
     ("student" and every teacher's role), `vocab` the logits distillation compares, `kernels` whether the learner and
     scorer will use the Triton vocabulary passes (a CUDA machine with Triton: models/vocab_kernels.py)."""
     from miniverl.process import COLOCATED_CONTEXT_GIB, CUDA_CONTEXT_GIB
-    from miniverl.routing import teacher_specs
     from miniverl.setup.preflight import adapter_params
 
     total, source = card
@@ -159,7 +158,7 @@ def plan_fit(
         _scorer(
             cfg,
             objective,
-            {r: sizes[r] for r in teacher_specs(cfg.model)},
+            teacher_sizes(sizes),
             vocab,
             share("scorer"),
             fractions["scorer"],
@@ -208,6 +207,11 @@ def step_rows(cfg: MiniVerlConfig) -> int:
 # A share the config sets is kept, and the ones left null divide what it leaves.
 ROLLOUT_SHARE_MARGIN = 0.10
 SHARE_STEP = 0.01
+
+
+def teacher_sizes(sizes: dict[str, ModelSize]) -> dict[str, ModelSize]:
+    """The teachers' entries of `sizes` (every role but the student's, as setup's paths hold them)."""
+    return {role: size for role, size in sizes.items() if role != "student"}
 
 
 def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, vocab: int, total: int, kernels: bool):
@@ -278,8 +282,6 @@ class _ShareFits:
     def __init__(self, cfg, objective, sizes, adapter: int, vocab: int, kernels: bool, share_bytes) -> None:
         import dataclasses
 
-        from miniverl.routing import teacher_specs
-
         t = cfg.trainer
         self.chunk = t.logprob_chunk_tokens
         if self.chunk is None:
@@ -290,7 +292,7 @@ class _ShareFits:
             trainer=dataclasses.replace(t, logprob_chunk_tokens=self.chunk, gradient_checkpointing=self.checkpointing),
         )
         self.shape = _learner_shape(cfg, sizes["student"], adapter, vocab)
-        self.teachers = {r: sizes[r] for r in teacher_specs(cfg.model)}
+        self.teachers = teacher_sizes(sizes)
         self.objective, self.vocab, self.kernels, self.share_bytes = objective, vocab, kernels, share_bytes
         self.longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
         self.enough = t.max_tokens_per_micro_batch or min(step_rows(cfg) * self.longest_row, CHECKPOINT_FREE_TOKENS)
@@ -379,8 +381,6 @@ def choose_layout(
     rules above), the chosen values, and a line for each value chosen. `share(role)`: an actor's share in bytes."""
     import dataclasses
 
-    from miniverl.routing import teacher_specs
-
     t = cfg.trainer
     if t.logprob_chunk_tokens is not None and t.gradient_checkpointing is not None:
         return cfg, {}, []
@@ -389,7 +389,7 @@ def choose_layout(
         chunks = [t.logprob_chunk_tokens]
     else:
         chunks = [0] if vocab < SMALL_VOCAB else list(AUTO_CHUNKS)
-    teachers = {r: sizes[r] for r in teacher_specs(cfg.model)}
+    teachers = teacher_sizes(sizes)
     for chunk in chunks:  # the largest chunk with which both fit; else the smallest (its plan says what does not)
         checkpointing, why = t.gradient_checkpointing, None
         if checkpointing is None:
