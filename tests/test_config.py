@@ -98,7 +98,10 @@ def test_loss_weights_are_off_by_default_and_mopd_weighs_sorting():
         (["trainer.total_steps=-3"], "at least 1 step"),
         (["objective.beta=1.5"], "objective.beta"),
         (["objective.name=ppo"], "unknown objective 'ppo'; known: gkd, pg_k1"),
-        (["rollout.backend=sglang"], "unknown rollout backend 'sglang'; known: .*hf_reference"),
+        (
+            ["rollout.backend=sglang"],
+            "unknown rollout backend 'sglang'; known: auto .the default., hf_cached, hf_reference",
+        ),
         (["data.task=sorting"], "unknown task 'sorting'"),
         (["+experiment=pg_k1", "rollout.temperature=0.7"], "pg_k1 samples at temperature 1"),
         (["rollout.n=0"], "rollout.n=0"),

@@ -30,12 +30,20 @@ from miniverl.config.objective import (
 )
 from miniverl.config.resources import UNPLANNED_SHARES, WEIGHT_SYNC, ActorResources, ResourcesConfig
 from miniverl.config.reward import RewardConfig
-from miniverl.config.rollout import ENGINE_PROCESSES, REFRESH_MODES, SEEDING, RolloutConfig, VllmRolloutConfig
+from miniverl.config.rollout import (
+    AUTO_BACKEND,
+    ENGINE_PROCESSES,
+    REFRESH_MODES,
+    SEEDING,
+    RolloutConfig,
+    VllmRolloutConfig,
+)
 from miniverl.config.schema import SCHEMA_NAME, MiniVerlConfig, register_configs, structured_schema, to_config
 from miniverl.config.tracking import TrackingConfig
 from miniverl.config.trainer import NONFINITE_POLICIES, PROBE_EVERY, STALENESS_LEVELS, TrainerConfig
 
 __all__ = [
+    "AUTO_BACKEND",
     "ENGINE_PROCESSES",
     "NONFINITE_POLICIES",
     "OBJECTIVE_CONFIGS",

@@ -9,6 +9,7 @@ from miniverl.config.base import require
 REFRESH_MODES = ("adapter", "merged")  # rollout.vllm.refresh
 ENGINE_PROCESSES = ("inprocess", "subprocess")  # rollout.vllm.engine_process
 SEEDING = ("row", "prompt")  # rollout.vllm.seeding
+AUTO_BACKEND = "auto"  # rollout.backend chosen from the student (RolloutConfig.chosen_backend)
 
 
 @dataclass
@@ -72,7 +73,8 @@ class VllmRolloutConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf_cached"  # a name in miniverl.rollout.BACKENDS; hf_reference is the slow oracle
+    # auto (hf_cached, or hf_reference for an NF4 student: chosen_backend) | a name in miniverl.rollout.BACKENDS
+    backend: str = AUTO_BACKEND
     n: int = 2  # N: samples per prompt
     temperature: float = 1.0  # sampling temperature (0 = greedy); the loss temperature is separate
     top_k: int = 0  # 0 = off
@@ -102,8 +104,24 @@ class RolloutConfig:
         require(self.temperature > 0, f"rollout.temperature={self.temperature}: training samples need temperature > 0")
         require(self.top_k >= 0, f"rollout.top_k={self.top_k}: use 0 (off) or a token count >= 1")
         require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: use a value in (0, 1] (1 = off)")
-        BACKENDS.require(self.backend)
+        require(
+            self.backend == AUTO_BACKEND or self.backend in BACKENDS,
+            f"unknown rollout backend {self.backend!r}; known: {AUTO_BACKEND} (the default),"
+            f" {', '.join(BACKENDS.names())} (set rollout.backend=<one of them>, or the config group rollout=<one>)",
+        )
         self.vllm.check()
+
+    def chosen_backend(self, student_quantization: str) -> tuple[str, str]:
+        """(backend, why) for rollout.backend=auto: the fast HF sampler, hf_cached, which draws the tokens the
+        hf_reference oracle draws (0.29 against 0.41 s a step for the built-in models on 2 busy CPU cores; 42-65x
+        at the 0.5B shape on a GPU); for an NF4 student hf_reference, the HF sampler that serves the 4-bit base
+        as loaded (hf_cached decodes from bf16 copies and refuses it; rollout=vllm serves it faster on a GPU)."""
+        if student_quantization == "nf4":
+            return (
+                "hf_reference",
+                "an NF4 student: it serves the 4-bit base as loaded (rollout=vllm is faster on a GPU)",
+            )
+        return "hf_cached", "the fast HF sampler, the same tokens as the hf_reference oracle"
 
     def engine_rows(self, data) -> int:
         """Rows the vLLM engine decodes at once: rollout.vllm.max_num_seqs, or (0) the run's largest generate call,

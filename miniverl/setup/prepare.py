@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from miniverl.batches import PromptBatch
-from miniverl.config import MiniVerlConfig, validate
+from miniverl.config import AUTO_BACKEND, MiniVerlConfig, validate
 from miniverl.data.build import PromptStream, build_prompt_source
 from miniverl.errors import ConfigError
 from miniverl.models.builtin import (
@@ -125,9 +125,21 @@ class Setup:
     objective: Objective  # objectives/interface.py; built once here, used by every part after
     sampling: SamplingParams  # the training steps' sampling settings (each step sets its own seed)
     routing: TeacherRouting | None = None  # several teachers (model.teachers); None: model.teacher scores all
-    # what was chosen where the config left it null, by dotted key (setup/fit.py: the GPU shares and the learner's
-    # layout on a GPU; the layout's CPU values), as the run applied it: in summary.json and the tracker's config
+    # what was chosen where the config left it null or auto, by dotted key (rollout.backend; setup/fit.py: the GPU
+    # shares and the learner's layout on a GPU; the layout's CPU values), as the run applied it: in summary.json and
+    # the tracker's config
     chosen: dict[str, Any] = field(default_factory=dict)
+
+
+def choose_rollout_backend(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
+    """rollout.backend=auto (the default) set to the backend RolloutConfig.chosen_backend picks for the student, and
+    said; {} when the config names a backend."""
+    if cfg.rollout.backend != AUTO_BACKEND:
+        return {}
+    backend, why = cfg.rollout.chosen_backend(cfg.model.student.quantization)
+    cfg.rollout.backend = backend
+    log(f"[miniverl] rollout.backend={backend} (chosen: {why})")
+    return {"rollout.backend": backend}
 
 
 def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
@@ -138,6 +150,7 @@ def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
     if device is None:
         validate(cfg)
         device = resolve_device(cfg.resources.device)
+    chosen_backend = choose_rollout_backend(cfg, log)
     if cfg.rollout.backend == "vllm":
         require_vllm(device)
     teachers = teacher_specs(cfg.model)
@@ -168,9 +181,9 @@ def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
             log(f"[miniverl] {line}")
         if plan.refusals:
             raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
-        chosen = dict(plan.layout)
+        chosen = {**chosen_backend, **plan.layout}
     else:
-        chosen = {}
+        chosen = dict(chosen_backend)
         if t.logprob_chunk_tokens is None:
             chosen["trainer.logprob_chunk_tokens"] = 0
         if t.gradient_checkpointing is None:

@@ -89,3 +89,21 @@ def test_prepare_refuses_a_full_vocabulary_support_over_the_budget(student_dir, 
     # 64 rows x 16 tokens x (4 x 12 + 8) B = 56 KiB of top-4 support; one LM-head chunk of the learner: 64 tokens
     # x 43 x 4 B x 6 buffers = 65 KiB, both under the budget (a whole 16 x 16-token micro-batch would be 258 KiB).
     prepare(fits, log=lambda *_: None)
+
+
+def test_the_default_sampler_is_the_one_that_serves_the_students_base():
+    """rollout.backend=auto (the default): hf_cached, whose refusal of an NF4 student would otherwise greet every QLoRA
+    user who names no rollout; for an NF4 student hf_reference, which serves the 4-bit base as loaded."""
+    from miniverl.setup.prepare import choose_rollout_backend
+
+    for quantization, want in (("none", "hf_cached"), ("nf4", "hf_reference")):
+        cfg = load(f"model.student.quantization={quantization}")
+        assert cfg.rollout.backend == "auto"
+        validate(cfg)  # auto is never refused for the student's base: it resolves to a sampler that serves it
+        said = []
+        assert choose_rollout_backend(cfg, said.append) == {"rollout.backend": want}
+        assert cfg.rollout.backend == want and len(said) == 1
+        assert said[0].startswith(f"[miniverl] rollout.backend={want} (chosen: ")
+        validate(cfg)  # the chosen backend passes the checks a named one meets
+    named = load("rollout=vllm")
+    assert choose_rollout_backend(named, print) == {} and named.rollout.backend == "vllm"  # a named one is kept

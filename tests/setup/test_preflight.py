@@ -253,8 +253,11 @@ def test_what_the_plan_chose_is_applied_and_kept_in_the_setup(student_dir, teach
 
     quiet = lambda *_: None  # noqa: E731
     cpu = prep.prepare(with_models(student_dir, teacher_dir), log=quiet)
-    assert cpu.chosen == {"trainer.logprob_chunk_tokens": 0, "trainer.gradient_checkpointing": False}
-    kept = prep.prepare(with_models(student_dir, teacher_dir, "trainer.gradient_checkpointing=true"), log=quiet)
+    layout = {"trainer.logprob_chunk_tokens": 0, "trainer.gradient_checkpointing": False}
+    assert cpu.chosen == {"rollout.backend": "hf_cached", **layout}  # rollout.backend=auto, the default
+    kept = prep.prepare(
+        with_models(student_dir, teacher_dir, "trainer.gradient_checkpointing=true", "rollout=hf_reference"), log=quiet
+    )
     assert kept.chosen == {"trainer.logprob_chunk_tokens": 0}  # a value the config sets is not "chosen"
 
     monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
@@ -270,5 +273,5 @@ def test_what_the_plan_chose_is_applied_and_kept_in_the_setup(student_dir, teach
         for name in rest[:-1]:
             node = getattr(node, name)
         assert getattr(node, rest[-1]) == value, key
-        assert any(line.startswith(f"[miniverl]   {key}=") and "(chosen: " in line for line in said), key
+        assert any(line.split("]", 1)[1].lstrip().startswith(f"{key}=") and "(chosen: " in line for line in said), key
     assert cfg.resources.scorer.num_gpus == 0.3
