@@ -22,6 +22,7 @@ from miniverl.config import (
     ResourcesConfig,
     RewardConfig,
     RolloutConfig,
+    SglangRolloutConfig,
     TrackingConfig,
     TrainerConfig,
     VllmRolloutConfig,
@@ -63,6 +64,13 @@ CASES = [
         {"max_num_seqs": -1},
         (),
         "rollout.vllm.max_num_seqs=-1: use 0 (derived) or a positive count",
+    ),
+    (
+        SglangRolloutConfig,
+        SglangRolloutConfig(),
+        {"mem_fraction_static": 1.5},
+        (),
+        "rollout.sglang.mem_fraction_static=1.5: a fraction of the device in (0, 1)",
     ),
     (
         ObjectiveConfig,

@@ -114,6 +114,10 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
     options = {}
     if cfg.rollout.backend == "vllm":
         options = {"settings": settings_from_config(cfg, plan.num_gpus["rollout"], gpu_cap_gib("rollout"))}
+    elif cfg.rollout.backend == "sglang":
+        from miniverl.rollout import sglang
+
+        options = {"settings": sglang.settings_from_config(cfg, plan.num_gpus["rollout"], gpu_cap_gib("rollout"))}
     elif m.student.quantization != "none":  # hf_reference serves the 4-bit base as the learner loads it
         options = {"quantization": m.student.quantization}
     rollouts = [

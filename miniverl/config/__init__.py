@@ -36,6 +36,7 @@ from miniverl.config.rollout import (
     REFRESH_MODES,
     SEEDING,
     RolloutConfig,
+    SglangRolloutConfig,
     VllmRolloutConfig,
 )
 from miniverl.config.schema import SCHEMA_NAME, MiniVerlConfig, register_configs, structured_schema, to_config
@@ -67,6 +68,7 @@ __all__ = [
     "ResourcesConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SglangRolloutConfig",
     "TrackingConfig",
     "TrainerConfig",
     "VllmRolloutConfig",

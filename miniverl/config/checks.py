@@ -50,6 +50,11 @@ def check_combinations(cfg: MiniVerlConfig) -> None:
         f"data.prompts_per_step={d.prompts_per_step} < resources.gpus={g}: every learner rank needs a prompt group",
     )
     require(
+        not (res.colocate and r.backend == "sglang"),
+        "resources.colocate=true with rollout=sglang: SGLang runs its scheduler in processes of its own, so it cannot"
+        " share the learner's; use rollout=hf_cached (or hf_reference), or resources.colocate=false",
+    )
+    require(
         not (res.colocate and r.backend == "vllm"),
         "resources.colocate=true with rollout=vllm: vLLM runs its engine in a process of its own, so it cannot"
         " share the learner's; use rollout=hf_cached (or hf_reference), or resources.colocate=false",
@@ -88,6 +93,12 @@ def check_quantized_rollout(quantization: str, backend: str, refresh: str) -> No
         " base weights, which would sample from another base than the 4-bit one the learner trains on;"
         " serving the dequantized NF4 values is possible but not yet measured, so it is refused for now. Use"
         " rollout=vllm (adapter mode, quantization=bitsandbytes) or rollout=hf_reference",
+    )
+    require(
+        backend != "sglang",
+        "model.student.quantization=nf4 with rollout=sglang: SGLang's 4-bit path has not been measured against the NF4"
+        " learner's base, so it is refused; use rollout=vllm (adapter mode, quantization=bitsandbytes) or"
+        " rollout=hf_reference",
     )
     require(
         not (backend == "vllm" and refresh == "merged"),

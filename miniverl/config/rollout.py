@@ -10,6 +10,8 @@ REFRESH_MODES = ("adapter", "merged")  # rollout.vllm.refresh
 ENGINE_PROCESSES = ("inprocess", "subprocess")  # rollout.vllm.engine_process
 SEEDING = ("row", "prompt")  # rollout.vllm.seeding
 AUTO_BACKEND = "auto"  # rollout.backend chosen from the student (RolloutConfig.chosen_backend)
+SGLANG_ATTENTION = ("triton", "flashinfer", "fa3")  # rollout.sglang.attention_backend
+SGLANG_SAMPLING = ("pytorch", "flashinfer")  # rollout.sglang.sampling_backend
 
 
 @dataclass
@@ -72,6 +74,34 @@ class VllmRolloutConfig:
 
 
 @dataclass
+class SglangRolloutConfig:
+    """rollout=sglang only (miniverl/rollout/sglang.py; written against sglang 0.5.17, not yet run on a GPU)."""
+
+    # triton: the device bundle leaves out FlashAttention-3's 1.1 GB library (docs/benchmarks/sglang-feasibility.md);
+    # fa3 is SGLang's Hopper default where that library is installed; flashinfer compiles its kernels on first use
+    attention_backend: str = "triton"
+    sampling_backend: str = "pytorch"  # pytorch: no kernel compiled on first use (FlashInfer's are, with nvcc)
+    # SGLang's mem_fraction_static: the fraction of the WHOLE device for weights and the KV pool; null = derived
+    # from the rollout actor's share (its emulated cap on a capped card) less the engine's overhead
+    mem_fraction_static: float | None = None
+
+    def check(self) -> None:
+        require(
+            self.attention_backend in SGLANG_ATTENTION,
+            f"rollout.sglang.attention_backend={self.attention_backend!r}: use one of {', '.join(SGLANG_ATTENTION)}",
+        )
+        require(
+            self.sampling_backend in SGLANG_SAMPLING,
+            f"rollout.sglang.sampling_backend={self.sampling_backend!r}: use one of {', '.join(SGLANG_SAMPLING)}",
+        )
+        require(
+            self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+            f"rollout.sglang.mem_fraction_static={self.mem_fraction_static}: a fraction of the device in (0, 1), or"
+            " null (derived from resources.rollout.num_gpus)",
+        )
+
+
+@dataclass
 class RolloutConfig:
     # auto (hf_cached, or hf_reference for an NF4 student: chosen_backend) | a name in miniverl.rollout.BACKENDS
     backend: str = AUTO_BACKEND
@@ -84,6 +114,7 @@ class RolloutConfig:
     # Extra stop ids on top of the tokenizer's EOS and every EOS id in the model's generation_config.
     stop_token_ids: list[int] = field(default_factory=list)
     vllm: VllmRolloutConfig = field(default_factory=VllmRolloutConfig)
+    sglang: SglangRolloutConfig = field(default_factory=SglangRolloutConfig)
 
     def check(self) -> None:
         """The sampling settings, and rollout.vllm's own values (what they need of other sections is
@@ -110,6 +141,7 @@ class RolloutConfig:
             f" {', '.join(BACKENDS.names())} (set rollout.backend=<one of them>, or the config group rollout=<one>)",
         )
         self.vllm.check()
+        self.sglang.check()
 
     def chosen_backend(self, student_quantization: str) -> tuple[str, str]:
         """(backend, why) for rollout.backend=auto: the fast HF sampler, hf_cached, which draws the tokens the

@@ -55,3 +55,4 @@ BACKENDS = Registry("rollout backend", "rollout.backend")
 BACKENDS.register("hf_reference", "miniverl.rollout.hf_reference:HFReferenceBackend")
 BACKENDS.register("hf_cached", "miniverl.rollout.hf_cached:HFCachedBackend")
 BACKENDS.register("vllm", "miniverl.rollout.vllm:VllmBackend")
+BACKENDS.register("sglang", "miniverl.rollout.sglang:SglangBackend")  # written for sglang 0.5.17; no GPU run yet

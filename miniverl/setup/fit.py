@@ -247,9 +247,13 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     chosen: dict[str, int] = {a: steps for a in own_gpu if a in unset}
     why: dict[str, str] = {a: f"a GPU of its own (resources.scorer_gpus={res.scorer_gpus})" for a in chosen}
     if "rollout" in unset:
-        if cfg.rollout.backend == "vllm":
+        if cfg.rollout.backend in ("vllm", "sglang"):  # paged engines: their KV cache fills what a share leaves
             chosen["rollout"] = round(AUTO_SHARE * steps)
-            why["rollout"] = "vLLM sizes its KV cache from what its share leaves: its default share"
+            why["rollout"] = (
+                "vLLM sizes its KV cache from what its share leaves: its default share"
+                if cfg.rollout.backend == "vllm"
+                else "SGLang sizes its KV pool from what its share leaves: vLLM's default share"
+            )
         else:
             peak = _rollout(cfg, sizes["student"], adapter, 0, 0.0).peak_bytes
             need = least_steps(peak * (1 + ROLLOUT_SHARE_MARGIN))
@@ -499,6 +503,10 @@ def _rollout(cfg, size: ModelSize, adapter: int, share: int, fraction: float) ->
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     kv_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * KV_BYTES
     plan = ActorPlan("rollout", fraction, share, weights, 0, "", calibrated=False)
+    if r.backend == "sglang":  # SGLang takes its static fraction of the device, less its overhead, whole at start
+        plan.peak_bytes = share
+        plan.choice = "SGLang's KV pool fills what its weights leave of the share (not yet measured on a GPU)"
+        return plan
     if r.backend == "vllm":
         overhead = int(ENGINE_OVERHEAD_GIB * 2**30)
         explicit = r.vllm.kv_cache_gib

@@ -1,0 +1,230 @@
+"""The SGLang rollout backend: SGLang's Engine inside the rollout actor, token ids in and out (issue 37).
+
+Written against sglang 0.5.17, the newest release whose pins match the GPU machine's torch 2.11
+(docs/benchmarks/sglang-feasibility.md), from its source; NOT YET RUN ON A GPU. What it relies on:
+- `Engine(skip_tokenizer_init=True)`: token ids in (`input_ids`), token ids out (`output_ids`), stopping on
+  `stop_token_ids` only;
+- `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (set before SGLang is imported): `return_logprob=True` gives each sampled
+  token's log-prob before temperature, top-k and top-p, the untempered policy's, which is what
+  RolloutBatch.rollout_log_probs means;
+- one request per row, seeded by its row seed (`sampling_seed`), as vLLM's `seeding=row`;
+- every policy version is a new adapter loaded from the learner's tensors under a new name
+  (`load_lora_adapter_from_tensors`), the previous one unloaded; the radix cache keys its entries by adapter, and
+  `flush_cache()` empties it at every refresh (SGLang flushes only when no request is in flight: a refresh comes
+  between generate calls, and a refused flush stops the run);
+- SGLang's LoRA buffers are its own copies, so `served_digest` is None and every refresh is proven by the probe
+  (`probe_logprobs`: the prompt's log-probs with `logprob_start_len=0`), as for vLLM.
+Importing this module imports no SGLang; constructing the backend does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from miniverl.errors import ConfigError
+from miniverl.models.lora import LoraSettings
+from miniverl.rollout import Completion
+from miniverl.rollout.sampling import SamplingParams
+from miniverl.served_policy import probe_tolerance
+
+# What the engine holds outside its static fraction (weights and KV pool): activations, the sampler's logits, the
+# CUDA graphs' buffers and the CUDA context's share. Not measured: vLLM's figure (vllm_settings.ENGINE_OVERHEAD_GIB)
+# until a GPU run measures SGLang's.
+SGLANG_OVERHEAD_GIB = 1.5
+
+
+@dataclass(frozen=True)
+class SglangSettings:
+    """What the engine is started with: rollout.sglang plus the sizes the rest of the run implies."""
+
+    attention_backend: str
+    sampling_backend: str
+    mem_fraction_static: float | None  # null: derived from the share (static_fraction)
+    max_running_requests: int  # the run's largest generate call, in rows
+    context_length: int  # data.max_prompt_length + rollout.max_new_tokens
+    gpu_share: float  # the rollout actor's Ray share of its GPU
+    gpu_cap_gib: float | None  # its emulated cap (resources.emulate_gpu_gib), or None
+
+
+def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> SglangSettings:
+    """The builder (the one place reading config); the values are validate's to check (config/rollout.py)."""
+    s, r, d = cfg.rollout.sglang, cfg.rollout, cfg.data
+    return SglangSettings(
+        attention_backend=s.attention_backend,
+        sampling_backend=s.sampling_backend,
+        mem_fraction_static=s.mem_fraction_static,
+        max_running_requests=r.engine_rows(d),
+        context_length=d.max_prompt_length + r.max_new_tokens,
+        gpu_share=gpu_share,
+        gpu_cap_gib=gpu_cap_gib,
+    )
+
+
+def static_fraction(settings: SglangSettings, total_bytes: int) -> float:
+    """SGLang's mem_fraction_static: a fraction of the WHOLE device for weights and the KV pool. The configured one,
+    else the actor's cap (or its share of the device) less SGLANG_OVERHEAD_GIB, over the device."""
+    if settings.mem_fraction_static is not None:
+        return settings.mem_fraction_static
+    budget = settings.gpu_cap_gib * 2**30 if settings.gpu_cap_gib is not None else settings.gpu_share * total_bytes
+    fraction = (budget - SGLANG_OVERHEAD_GIB * 2**30) / total_bytes
+    if fraction <= 0:
+        raise ConfigError(
+            f"the SGLang rollout actor's budget is {budget / 2**30:.2f} GiB, no more than the ~{SGLANG_OVERHEAD_GIB}"
+            " GiB the engine needs beside its weights and KV pool; raise resources.rollout.num_gpus, or set"
+            " rollout.sglang.mem_fraction_static"
+        )
+    return fraction
+
+
+def require_sglang(device: str) -> None:
+    """Fail before any actor starts when SGLang cannot run here, saying what to install or change."""
+    if device != "cuda":
+        raise ConfigError(
+            "rollout=sglang needs a CUDA GPU but this run computes on the CPU; use rollout=hf_cached (or"
+            " hf_reference) on a machine without a GPU"
+        )
+    if importlib.util.find_spec("sglang") is None:
+        raise ConfigError(
+            "rollout=sglang but SGLang is not installed; install sglang 0.5.17 (built for torch 2.11 + CUDA 13:"
+            " docs/benchmarks/sglang-feasibility.md), or use rollout=hf_cached or rollout=vllm"
+        )
+
+
+def request_params(params: SamplingParams, seed: int) -> dict:
+    """One row's SGLang sampling params: the run's sampling settings and the row's seed."""
+    return {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_k": params.top_k or -1,  # SGLang: -1 = the whole vocabulary; ours: 0 = off
+        "top_p": params.top_p,
+        "stop_token_ids": list(params.stop_token_ids),
+        "sampling_seed": seed,
+    }
+
+
+def completion(output: dict) -> Completion:
+    """One SGLang output (skip_tokenizer_init) as a row: its ids, their original log-probs, whether it stopped."""
+    ids = list(output["output_ids"])
+    meta = output["meta_info"]
+    logprobs = [lp for lp, _token, *_ in meta["output_token_logprobs"]]
+    if len(logprobs) != len(ids):
+        raise RuntimeError(
+            f"SGLang returned {len(ids)} token ids but {len(logprobs)} log-probs for one row; this backend was written"
+            " against sglang 0.5.17, whose outputs carry one log-prob per output id"
+        )
+    return Completion(ids, logprobs, (meta.get("finish_reason") or {}).get("type") == "stop")
+
+
+class SglangBackend:
+    """Serves the published policy through an SGLang engine; each policy version a new adapter."""
+
+    def __init__(
+        self, model_path: str, lora: LoraSettings, dtype: torch.dtype, device: str, settings: SglangSettings
+    ) -> None:
+        if device != "cuda" or not torch.cuda.is_available():
+            raise ConfigError("rollout=sglang needs a CUDA GPU; use rollout=hf_cached on the CPU")
+        os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # read when SGLang's sampler is imported
+        import sglang
+
+        from miniverl.rollout.vllm import adapter_template  # a meta-device peft model; imports no vLLM
+
+        self.settings, self.lora, self.model_path = settings, lora, model_path
+        self.probe_tolerance = probe_tolerance(dtype)  # bf16 engine vs bf16 learner: unmeasured for SGLang
+        self.version = 0
+        self.adapter: str | None = None  # the adapter name now served
+        self._weights = adapter_template(model_path, lora, dtype)  # zeros under the learner's names, until a load
+        total = torch.cuda.get_device_properties(0).total_memory
+        fraction = static_fraction(settings, total)
+        self.started_s = time.perf_counter()
+        try:
+            self.engine = sglang.Engine(
+                model_path=model_path,
+                skip_tokenizer_init=True,
+                dtype=str(dtype).removeprefix("torch."),
+                random_seed=0,
+                mem_fraction_static=fraction,
+                context_length=settings.context_length,
+                max_running_requests=settings.max_running_requests,
+                attention_backend=settings.attention_backend,
+                sampling_backend=settings.sampling_backend,
+                enable_lora=True,
+                max_lora_rank=lora.rank,
+                lora_target_modules=list(lora.target_modules),
+                max_loras_per_batch=1,
+                log_level="error",
+            )
+        except Exception as e:  # the engine's own reason, plus the settings that size it
+            raise ConfigError(
+                f"the SGLang engine did not start: {type(e).__name__}: {e}. It was asked for mem_fraction_static="
+                f"{fraction:.3f} of {total / 2**30:.1f} GiB; raise resources.rollout.num_gpus, set"
+                " rollout.sglang.mem_fraction_static, or try rollout.sglang.attention_backend=flashinfer"
+            ) from e
+        self.started_s = time.perf_counter() - self.started_s
+
+    # -- refresh ---------------------------------------------------------------------------------------
+    def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
+        """Serve `weights` (peft names) as a new adapter, drop the previous one and the radix cache built under it."""
+        weights = {k: v.to("cpu", copy=True) if v.is_cuda else v for k, v in weights.items()}
+        self.version += 1
+        name = f"miniverl-v{self.version}"
+        config = {
+            "r": self.lora.rank,
+            "lora_alpha": self.lora.alpha,
+            "target_modules": list(self.lora.target_modules),
+            "bias": "none",
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+        }
+        self.engine.load_lora_adapter_from_tensors(name, weights, config)
+        old, self.adapter = self.adapter, name
+        if old is not None:
+            self.engine.unload_lora_adapter(old)
+        flushed = self.engine.flush_cache()
+        if getattr(flushed, "success", flushed) is False:
+            raise RuntimeError(
+                "SGLang refused to flush its radix cache after loading policy version"
+                f" {self.version} (requests still in flight?); a stale prefix could be served, so the run stops"
+            )
+        self._weights = weights
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The weights last handed to the engine (its own LoRA buffers cannot be read back as the learner's bytes)."""
+        return self._weights
+
+    def served_digest(self) -> None:
+        """None: SGLang serves from its own LoRA buffers, so every refresh is proven by the probe."""
+        return None
+
+    # -- serving ---------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
+        n = params.n
+        if len(seeds) != len(prompts) * n:
+            raise ValueError(f"need one seed per completion ({len(prompts) * n}), got {len(seeds)}")
+        rows = [list(p) for p in prompts for _ in range(n)]  # prompt-major, sample-minor: the rows' order
+        outputs = self.engine.generate(
+            input_ids=rows,
+            sampling_params=[request_params(params, s) for s in seeds],
+            return_logprob=True,
+            lora_path=[self.adapter] * len(rows),
+        )
+        return [completion(o) for o in outputs]
+
+    def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t >= 1 through the engine (the prompt's log-probs), temperature 1."""
+        outputs = self.engine.generate(
+            input_ids=[list(s) for s in sequences],
+            sampling_params={"max_new_tokens": 1, "temperature": 1.0},
+            return_logprob=True,
+            logprob_start_len=0,
+            lora_path=[self.adapter] * len(sequences),
+        )
+        return [[lp for lp, _token, *_ in o["meta_info"]["input_token_logprobs"][1:]] for o in outputs]
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        torch.cuda.empty_cache()

@@ -1,0 +1,175 @@
+"""rollout=sglang on the CPU (issue 37): its settings, what is refused before Ray, and the backend's own arithmetic
+and bookkeeping against a stand-in engine. The engine itself runs only on a GPU with sglang installed
+(tests/rollout/test_sglang_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miniverl.config import validate
+from miniverl.errors import ConfigError
+from miniverl.rollout.sampling import SamplingParams
+from miniverl.rollout.sglang import (
+    SglangBackend,
+    SglangSettings,
+    completion,
+    request_params,
+    require_sglang,
+    settings_from_config,
+    static_fraction,
+)
+from tests.test_config import load
+
+GIB = 2**30
+
+
+def settings(**kw) -> SglangSettings:
+    base = dict(
+        attention_backend="triton",
+        sampling_backend="pytorch",
+        mem_fraction_static=None,
+        max_running_requests=64,
+        context_length=256,
+        gpu_share=0.4,
+        gpu_cap_gib=None,
+    )
+    return SglangSettings(**(base | kw))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.sglang.attention_backend=fa4"], "rollout.sglang.attention_backend='fa4': use one of triton"),
+        (["rollout.sglang.sampling_backend=cuda"], "rollout.sglang.sampling_backend='cuda': use one of pytorch"),
+        (["rollout.sglang.mem_fraction_static=0"], r"rollout.sglang.mem_fraction_static=0.0: a fraction of the device"),
+        (
+            ["rollout=sglang", "resources.colocate=true"],
+            "resources.colocate=true with rollout=sglang: SGLang runs its scheduler in processes of its own",
+        ),
+        (
+            ["rollout=sglang", "model.student.quantization=nf4"],
+            "model.student.quantization=nf4 with rollout=sglang: SGLang's 4-bit path has not been measured",
+        ),
+    ],
+)
+def test_sglang_settings_and_combinations_are_refused_before_ray(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load(*overrides))
+
+
+def test_a_good_sglang_config_passes_and_its_settings_follow_the_run():
+    cfg = load("rollout=sglang", "rollout.sglang.mem_fraction_static=0.3", "data.prompts_per_step=8", "rollout.n=4")
+    validate(cfg)
+    s = settings_from_config(cfg, 0.4, 12.0)
+    assert s.mem_fraction_static == 0.3 and s.gpu_share == 0.4 and s.gpu_cap_gib == 12.0
+    assert s.max_running_requests == max(8 * 4, cfg.data.eval_prompts)  # the run's largest generate call
+    assert s.context_length == cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+
+
+def test_sglang_on_the_cpu_or_without_the_package_is_refused_with_the_fix(monkeypatch):
+    with pytest.raises(ConfigError, match="rollout=sglang needs a CUDA GPU but this run computes on the CPU"):
+        require_sglang("cpu")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="rollout=sglang but SGLang is not installed; install sglang 0.5.17"):
+        require_sglang("cuda")
+    with pytest.raises(ConfigError, match="rollout=sglang needs a CUDA GPU; use rollout=hf_cached on the CPU"):
+        SglangBackend("unused", None, torch.bfloat16, "cpu", settings())
+
+
+def test_the_static_fraction_is_the_share_or_the_cap_less_the_engines_overhead():
+    total = 140 * GIB
+    assert static_fraction(settings(mem_fraction_static=0.25), total) == 0.25  # set by the user: kept
+    assert static_fraction(settings(gpu_share=0.4), total) == pytest.approx((0.4 * 140 - 1.5) / 140)
+    assert static_fraction(settings(gpu_cap_gib=6.0), total) == pytest.approx((6.0 - 1.5) / 140)  # capped card
+    with pytest.raises(ConfigError, match="no more than the ~1.5 GiB the engine needs"):
+        static_fraction(settings(gpu_cap_gib=1.0), total)
+
+
+def test_each_row_is_one_request_with_its_own_seed_and_sglangs_top_k():
+    params = SamplingParams(n=2, max_new_tokens=9, temperature=0.7, top_k=0, top_p=0.9, stop_token_ids=(2, 5))
+    p = request_params(params, 1234)
+    assert p == {
+        "max_new_tokens": 9,
+        "temperature": 0.7,
+        "top_k": -1,  # ours 0 = off, SGLang's -1
+        "top_p": 0.9,
+        "stop_token_ids": [2, 5],
+        "sampling_seed": 1234,
+    }
+    assert request_params(SamplingParams(n=1, max_new_tokens=4, top_k=20), 0)["top_k"] == 20
+
+
+def test_an_output_becomes_a_row_and_a_mismatch_stops_the_run():
+    out = {"output_ids": [7, 8, 2], "meta_info": {"output_token_logprobs": [(-0.1, 7, None), (-0.2, 8, None),
+                                                                           (-0.3, 2, None)],
+                                                  "finish_reason": {"type": "stop", "matched": 2}}}  # fmt: skip
+    row = completion(out)
+    assert row.token_ids == [7, 8, 2] and row.logprobs == [-0.1, -0.2, -0.3] and row.finished
+    out["meta_info"]["finish_reason"] = {"type": "length", "length": 3}
+    assert not completion(out).finished
+    out["meta_info"]["output_token_logprobs"] = out["meta_info"]["output_token_logprobs"][:2]
+    with pytest.raises(RuntimeError, match="returned 3 token ids but 2 log-probs"):
+        completion(out)
+
+
+class StandInEngine:
+    """The calls SglangBackend makes of sglang.Engine, recorded."""
+
+    def __init__(self, flushes: bool = True) -> None:
+        self.calls: list[tuple] = []
+        self.flushes = flushes
+
+    def load_lora_adapter_from_tensors(self, name, tensors, config):
+        self.calls.append(("load", name, sorted(tensors), config["r"]))
+
+    def unload_lora_adapter(self, name):
+        self.calls.append(("unload", name))
+
+    def flush_cache(self):
+        self.calls.append(("flush",))
+        return self.flushes
+
+    def generate(self, input_ids, sampling_params, return_logprob, lora_path=None, logprob_start_len=None):
+        self.calls.append(("generate", len(input_ids), lora_path))
+        if logprob_start_len == 0:
+            return [{"meta_info": {"input_token_logprobs": [(None, s[0], None)] + [(-1.0, t, None) for t in s[1:]]}}
+                    for s in input_ids]  # fmt: skip
+        return [{"output_ids": [3], "meta_info": {"output_token_logprobs": [(-0.5, 3, None)],
+                                                  "finish_reason": {"type": "stop"}}} for _ in input_ids]  # fmt: skip
+
+
+def stand_in(engine: StandInEngine) -> SglangBackend:
+    from miniverl.models.lora import LoraSettings
+
+    backend = object.__new__(SglangBackend)  # no engine start: __init__ needs CUDA and sglang
+    backend.lora = LoraSettings(4, 8.0, 0.0, ("q_proj",), 0)
+    backend.engine, backend.version, backend.adapter, backend._weights = engine, 0, None, {}
+    return backend
+
+
+def test_every_version_is_a_new_adapter_the_old_one_unloaded_and_the_cache_flushed():
+    engine = StandInEngine()
+    backend = stand_in(engine)
+    w = {"a.lora_A.weight": torch.ones(4, 8)}
+    backend.load_adapter(w)
+    backend.load_adapter(w)
+    assert engine.calls == [
+        ("load", "miniverl-v1", ["a.lora_A.weight"], 4),
+        ("flush",),
+        ("load", "miniverl-v2", ["a.lora_A.weight"], 4),
+        ("unload", "miniverl-v1"),
+        ("flush",),
+    ]
+    assert backend.served_digest() is None  # proven by the probe at every refresh
+    rows = backend.generate([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=4), [10, 11, 12, 13])
+    assert len(rows) == 4 and engine.calls[-1] == ("generate", 4, ["miniverl-v2"] * 4)  # served: the newest
+    assert backend.probe_logprobs([[1, 2, 3]]) == [[-1.0, -1.0]]  # positions 1.. of the sequence
+    with pytest.raises(ValueError, match="need one seed per completion"):
+        backend.generate([[1, 2]], SamplingParams(n=2, max_new_tokens=4), [10])
+
+
+def test_a_refused_flush_stops_the_run():
+    backend = stand_in(StandInEngine(flushes=False))
+    with pytest.raises(RuntimeError, match="refused to flush its radix cache after loading policy version 1"):
+        backend.load_adapter({"a.lora_A.weight": torch.ones(4, 8)})
