@@ -99,8 +99,8 @@ def test_loss_weights_are_off_by_default_and_mopd_weighs_sorting():
         (["objective.beta=1.5"], "objective.beta"),
         (["objective.name=ppo"], "unknown objective 'ppo'; known: gkd, pg_k1"),
         (
-            ["rollout.backend=sglang"],
-            "unknown rollout backend 'sglang'; known: auto .the default., hf_cached, hf_reference",
+            ["rollout.backend=tgi"],
+            "unknown rollout backend 'tgi'; known: auto .the default., hf_cached, hf_reference, sglang, vllm",
         ),
         (["data.task=sorting"], "unknown task 'sorting'"),
         (["+experiment=pg_k1", "rollout.temperature=0.7"], "pg_k1 samples at temperature 1"),
