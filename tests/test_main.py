@@ -263,4 +263,7 @@ def test_help_shows_miniverls_groups_and_the_first_commands():
     proc = run_main("--help", timeout=120)
     assert proc.returncode == 0
     assert "python -m miniverl.main +experiment=gkd " in proc.stdout and "trainer.resume=auto" in proc.stdout
-    assert "experiment: gkd, gkd_4080" in proc.stdout and "rollout: auto, hf_cached, hf_reference, sglang, vllm" in proc.stdout
+    assert (
+        "experiment: gkd, gkd_4080" in proc.stdout
+        and "rollout: auto, hf_cached, hf_reference, sglang, vllm" in proc.stdout
+    )

@@ -9,6 +9,7 @@ import pytest
 
 from miniverl.cluster.colocate import RoleHandle, actor_handle, colocated_class, processes
 from miniverl.process import ProcessSettings
+from tests.ray_local import init_local_ray
 
 CPU = ProcessSettings("cpu", torch_threads=1)
 
@@ -69,7 +70,7 @@ def test_two_roles_run_at_once_and_one_roles_calls_in_order():
 
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=2)
     try:
         cls = colocated_class({"rollout": Sleeper, "learner": Sleeper})
         specs = {role: (Sleeper, (CPU,), {}) for role in ("rollout", "learner")}

@@ -13,6 +13,7 @@ import torch
 from miniverl.checkpoints.store import list_checkpoints, step_dir
 from miniverl.cluster.faults import ActorDiedError, RunInterrupted
 from miniverl.workers.learner import NonFiniteError
+from tests.ray_local import init_local_ray
 from tests.test_config import with_models
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ CPUS = 4
 def ray_session():
     import ray
 
-    ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=CPUS)
     yield ray
     ray.shutdown()
 

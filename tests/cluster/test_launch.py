@@ -30,3 +30,25 @@ def test_the_actors_of_a_started_cluster_run_at_the_drivers_priority():
         assert ray.get(Probe.remote().niceness.remote()) == os.nice(0)
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_the_tests_own_ray_clusters_run_their_workers_at_the_drivers_priority_too():
+    """The fixtures that start Ray themselves (tests/ray_local.py) start it as start_ray does: at Ray's default
+    niceness the README's test command beside two busy processes sat for minutes in one Ray test."""
+    ray = pytest.importorskip("ray")
+    from tests.ray_local import init_local_ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster is already running in this process")
+    init_local_ray(num_cpus=1)
+    try:
+
+        @ray.remote(num_cpus=0)
+        class Probe:
+            def niceness(self) -> int:
+                return os.nice(0)
+
+        assert ray.get(Probe.remote().niceness.remote()) == os.nice(0)
+    finally:
+        ray.shutdown()

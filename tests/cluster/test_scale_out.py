@@ -20,6 +20,7 @@ from miniverl.step.controller import StrictSyncController, combine_rank_metrics
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
+from tests.ray_local import init_local_ray
 from tests.test_batch_contracts import make_batch
 
 LORA = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"), init_seed=0)
@@ -101,7 +102,7 @@ def test_two_logical_gpus_train_like_one(tmp_path, student_dir, teacher_dir):
     from miniverl.main import train
     from tests.test_config import with_models
 
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=4, num_gpus=2)
     try:
         results = {}
         for gpus, scorer_gpus in ((1, 0), (2, 0), (1, 1)):

@@ -11,6 +11,7 @@ import pytest
 from miniverl.observe.dashboard import STEP_GAUGES, RunGauges
 from miniverl.observe.plots import MISSING_MATPLOTLIB, write_plots
 from miniverl.observe.tracking import REPLACED_METRICS, trim_metrics
+from tests.ray_local import init_local_ray
 
 STEP = {
     "reverse_kl": 0.5,
@@ -55,7 +56,7 @@ def test_dashboard_gauges_carry_step_phases_throughput_kl_accuracy_and_memory():
 
 def test_ray_gauges_record_in_a_ray_session():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=1)
     try:
         RunGauges().record(1, STEP)  # real ray.util.metrics gauges accept every name, tag and value
     finally:

@@ -20,6 +20,7 @@ from miniverl.routing import (
 )
 from miniverl.workers.scorer import ScorerWorker
 from miniverl.workers.teachers import TeacherLoad, TeachersScorerWorker
+from tests.ray_local import init_local_ray
 from tests.step.test_controller import CPU
 from tests.test_config import load
 
@@ -238,7 +239,7 @@ def test_one_named_teacher_trains_like_the_single_teacher_config_and_two_teacher
             "+model.teacher_by_source.sort=srt",
         ),
     }
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2)
     try:
         summaries = {}
         for name, extra in runs.items():
