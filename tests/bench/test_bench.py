@@ -188,3 +188,16 @@ def test_every_vllm_plan_of_a_committed_bench_builds_its_engine_settings(name):
             typo = dataclasses.replace(plan, attributes={**plan.attributes, "refresh": "copy"})
             with pytest.raises(ConfigError, match="rollout.vllm.refresh='copy': use one of adapter, merged"):
                 constructor_options(cfg, typo)
+
+
+def test_sglang_cells_are_not_run_by_the_bench_yet_and_say_why():
+    """rollout=sglang is a product backend now, but the bench builds no engine settings for it until its first GPU
+    run (issue 37): its cells are reported as not run, with the reason, and nothing is constructed."""
+    from miniverl.bench.config import BackendPlan
+    from miniverl.bench.runner import CellResult, run_backend
+
+    cells = [CellResult("sglang", "sglang", 16, 2, 2)]
+    said = []
+    run_backend(None, BackendPlan("sglang", 1, 0, None, 60.0), cells, said.append)  # no context: nothing is built
+    assert cells[0].status == "not_run" and "not in the bench yet" in cells[0].reasons[0]
+    assert said == [f"[bench] sglang: not run ({cells[0].reasons[0]})"]

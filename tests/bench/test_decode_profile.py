@@ -55,7 +55,7 @@ def test_a_bench_peer_runs_the_same_cells_and_an_untraced_cell_has_no_trace(tmp_
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"backend": "sglang"}, "'sglang' is not a rollout backend or a bench peer; choose one of"),
+        ({"backend": "tgi"}, "'tgi' is not a rollout backend or a bench peer; choose one of"),
         ({"backend_args": "{logprobs: false}"}, "--backend-args is not JSON"),
         ({"backend_args": "[1]"}, "--backend-args must be a JSON object"),
         ({"backend": "hf_generate", "backend_args": '{"logprobs": false}'}, "--backend-args do not fit hf_generate"),
