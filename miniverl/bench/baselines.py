@@ -47,7 +47,7 @@ class RawVllm:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if engine_process == "inprocess" else "1"
         from vllm import LLM
 
-        from miniverl.rollout.vllm import adapter_template
+        from miniverl.models.lora import adapter_template
         from miniverl.rollout.vllm_settings import AdapterStore, adapter_config, vllm_lora_rank
 
         self.logprobs = logprobs

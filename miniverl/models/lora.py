@@ -267,3 +267,18 @@ def load_adapter_state(model, weights: dict[str, torch.Tensor]) -> None:
 
     check_adapter_names(get_peft_model_state_dict(model), weights)  # names only: no copy off the device
     set_peft_model_state_dict(model, weights)
+
+
+def adapter_template(model_dir: str, lora: LoraSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A zero adapter under the learner's peft names and shapes, built on the meta device (no weights read)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        peft = get_peft_model(
+            model,
+            LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), bias="none"),
+        )
+    return {k: torch.zeros(v.shape, dtype=dtype) for k, v in get_peft_model_state_dict(peft).items()}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.errors import ConfigError
-from miniverl.models.lora import LoraSettings
+from miniverl.models.lora import LoraSettings, adapter_template
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.served_policy import probe_tolerance
@@ -130,8 +130,6 @@ class SglangBackend:
             raise ConfigError("rollout=sglang needs a CUDA GPU; use rollout=hf_cached on the CPU")
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # read when SGLang's sampler is imported
         import sglang
-
-        from miniverl.rollout.vllm import adapter_template  # a meta-device peft model; imports no vLLM
 
         self.settings, self.lora, self.model_path = settings, lora, model_path
         self.probe_tolerance = probe_tolerance(dtype)  # bf16 engine vs bf16 learner: unmeasured for SGLang

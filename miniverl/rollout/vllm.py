@@ -22,7 +22,7 @@ import torch
 
 from miniverl.config.rollout import SEEDING
 from miniverl.errors import ConfigError
-from miniverl.models.lora import LoraSettings
+from miniverl.models.lora import LoraSettings, adapter_template
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import (
@@ -36,22 +36,6 @@ from miniverl.rollout.vllm_settings import (
     vllm_lora_rank,
 )
 from miniverl.served_policy import probe_tolerance
-
-
-def adapter_template(model_dir: str, lora: LoraSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A zero adapter under the learner's peft names and shapes, built on the meta device (no weights read)."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-        peft = get_peft_model(
-            model,
-            LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), bias="none"),
-        )
-    return {k: torch.zeros(v.shape, dtype=dtype) for k, v in get_peft_model_state_dict(peft).items()}
-
 
 # How generate may seed its requests: the product's rollout.vllm.seeding values, and "none" for bench peers.
 REQUEST_SEEDINGS = (*SEEDING, "none")
