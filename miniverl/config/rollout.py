@@ -155,7 +155,11 @@ class RolloutConfig:
             )
         return "hf_cached", "the fast HF sampler, the same tokens as the hf_reference oracle"
 
+    def largest_call(self, data) -> int:
+        """Rows of the run's largest generate call: a step's data.prompts_per_step x rollout.n or the evaluation's
+        data.eval_prompts (`data`: DataConfig)."""
+        return max(data.prompts_per_step * self.n, data.eval_prompts)
+
     def engine_rows(self, data) -> int:
-        """Rows the vLLM engine decodes at once: rollout.vllm.max_num_seqs, or (0) the run's largest generate call,
-        a step's data.prompts_per_step x rollout.n rows or the evaluation's data.eval_prompts (`data`: DataConfig)."""
-        return self.vllm.max_num_seqs or max(data.prompts_per_step * self.n, data.eval_prompts)
+        """Rows the vLLM engine decodes at once: rollout.vllm.max_num_seqs, or (0) the run's largest generate call."""
+        return self.vllm.max_num_seqs or self.largest_call(data)

@@ -58,7 +58,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> Sg
         attention_backend=s.attention_backend,
         sampling_backend=s.sampling_backend,
         mem_fraction_static=s.mem_fraction_static,
-        max_running_requests=r.engine_rows(d),
+        max_running_requests=r.largest_call(d),  # rollout.vllm.max_num_seqs is vLLM's knob, not SGLang's
         context_length=d.max_prompt_length + r.max_new_tokens,
         gpu_share=gpu_share,
         gpu_cap_gib=gpu_cap_gib,

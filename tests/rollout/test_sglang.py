@@ -59,7 +59,13 @@ def test_sglang_settings_and_combinations_are_refused_before_ray(overrides, mess
 
 
 def test_a_good_sglang_config_passes_and_its_settings_follow_the_run():
-    cfg = load("rollout=sglang", "rollout.sglang.mem_fraction_static=0.3", "data.prompts_per_step=8", "rollout.n=4")
+    cfg = load(
+        "rollout=sglang",
+        "rollout.sglang.mem_fraction_static=0.3",
+        "data.prompts_per_step=8",
+        "rollout.n=4",
+        "rollout.vllm.max_num_seqs=5",  # vLLM's own knob: not SGLang's
+    )
     validate(cfg)
     s = settings_from_config(cfg, 0.4, 12.0)
     assert s.mem_fraction_static == 0.3 and s.gpu_share == 0.4 and s.gpu_cap_gib == 12.0
