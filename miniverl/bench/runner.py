@@ -137,10 +137,10 @@ def run_backend(ctx: Context, plan: BackendPlan, results: list[CellResult], log,
         log(f"[bench] {plan.backend}: not run ({results[0].reasons[0]})")
         return
     if plan.backend in ("vllm", "raw_vllm"):
-        from miniverl.rollout.vllm_settings import require_vllm
+        from miniverl.rollout import require_engine
 
         try:
-            require_vllm(ctx.device)
+            require_engine("vllm", ctx.device)
         except ConfigError as e:
             for r in results:
                 r.stop("not_run", str(e))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from miniverl.errors import ConfigError
 from miniverl.registry import Registry
 from miniverl.rollout.sampling import SamplingParams
 
@@ -56,3 +58,32 @@ BACKENDS.register("hf_reference", "miniverl.rollout.hf_reference:HFReferenceBack
 BACKENDS.register("hf_cached", "miniverl.rollout.hf_cached:HFCachedBackend")
 BACKENDS.register("vllm", "miniverl.rollout.vllm:VllmBackend")
 BACKENDS.register("sglang", "miniverl.rollout.sglang:SglangBackend")  # written for sglang 0.5.17; no GPU run yet
+
+# The backends that run an inference engine of their own: CUDA only, each its package and how to install it.
+ENGINES = {
+    "vllm": (
+        "vllm",
+        "vLLM is not installed; pip install -e '.[vllm]' (vLLM 0.26.0, built for torch 2.11 + CUDA 13), or use"
+        " rollout=hf_cached",
+    ),
+    "sglang": (
+        "sglang",
+        "SGLang is not installed; install sglang 0.5.17 (built for torch 2.11 + CUDA 13:"
+        " docs/benchmarks/sglang-feasibility.md), or use rollout=hf_cached or rollout=vllm",
+    ),
+}
+
+
+def require_engine(backend: str, device: str) -> None:
+    """Fail before any actor starts when `backend`'s engine cannot run here, saying what to install or change; the
+    HF backends need nothing."""
+    if backend not in ENGINES:
+        return
+    if device != "cuda":
+        raise ConfigError(
+            f"rollout={backend} needs a CUDA GPU but this run computes on the CPU; use rollout=hf_cached"
+            " (or hf_reference) on a machine without a GPU"
+        )
+    package, missing = ENGINES[backend]
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"rollout={backend} but {missing}")

@@ -19,7 +19,6 @@ Importing this module imports no SGLang; constructing the backend does.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -79,20 +78,6 @@ def static_fraction(settings: SglangSettings, total_bytes: int) -> float:
             " rollout.sglang.mem_fraction_static"
         )
     return fraction
-
-
-def require_sglang(device: str) -> None:
-    """Fail before any actor starts when SGLang cannot run here, saying what to install or change."""
-    if device != "cuda":
-        raise ConfigError(
-            "rollout=sglang needs a CUDA GPU but this run computes on the CPU; use rollout=hf_cached (or"
-            " hf_reference) on a machine without a GPU"
-        )
-    if importlib.util.find_spec("sglang") is None:
-        raise ConfigError(
-            "rollout=sglang but SGLang is not installed; install sglang 0.5.17 (built for torch 2.11 + CUDA 13:"
-            " docs/benchmarks/sglang-feasibility.md), or use rollout=hf_cached or rollout=vllm"
-        )
 
 
 def request_params(params: SamplingParams, seed: int) -> dict:

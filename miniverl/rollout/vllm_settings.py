@@ -6,7 +6,6 @@ miniverl/rollout/vllm.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from dataclasses import dataclass, fields
@@ -51,20 +50,6 @@ class VllmSettings:
     kv_cache_gib: float | None  # explicit KV budget; None derives it
     adapter_root: str  # where adapter versions are written (shared memory, not the run directory)
     quantization: str  # model.student.quantization: nf4 serves the base through vLLM's bitsandbytes loader
-
-
-def require_vllm(device: str) -> None:
-    """Fail before any actor starts when vLLM cannot run here, saying what to install or change."""
-    if device != "cuda":
-        raise ConfigError(
-            "rollout=vllm needs a CUDA GPU but this run computes on the CPU; use rollout=hf_cached"
-            " (or hf_reference) on a machine without a GPU"
-        )
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(
-            "rollout=vllm but vLLM is not installed; pip install -e '.[vllm]' (vLLM 0.26.0, built for torch 2.11"
-            " + CUDA 13), or use rollout=hf_cached"
-        )
 
 
 def vllm_lora_rank(rank: int) -> int:

@@ -32,9 +32,8 @@ from miniverl.models.stops import resolve_stop_ids
 from miniverl.models.vocab_kernels import kernels_available
 from miniverl.objectives import Objective, build_objective
 from miniverl.rewards import SourceReward, build_reward
+from miniverl.rollout import require_engine
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.rollout.sglang import require_sglang
-from miniverl.rollout.vllm_settings import require_vllm
 from miniverl.routing import TeacherRouting, check_sources_routed, routing_of, teacher_specs
 from miniverl.setup.fit import apply_choices, card_plan
 from miniverl.setup.preflight import (
@@ -152,10 +151,7 @@ def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
         validate(cfg)
         device = resolve_device(cfg.resources.device)
     chosen_backend = choose_rollout_backend(cfg, log)
-    if cfg.rollout.backend == "vllm":
-        require_vllm(device)
-    if cfg.rollout.backend == "sglang":
-        require_sglang(device)
+    require_engine(cfg.rollout.backend, device)
     teachers = teacher_specs(cfg.model)
     for role, spec in (("student", cfg.model.student), *teachers.items()):
         require_quantization(spec.quantization, device, f"model.{role}.quantization")

@@ -9,13 +9,13 @@ import torch
 
 from miniverl.config import validate
 from miniverl.errors import ConfigError
+from miniverl.rollout import require_engine
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.sglang import (
     SglangBackend,
     SglangSettings,
     completion,
     request_params,
-    require_sglang,
     settings_from_config,
     static_fraction,
 )
@@ -75,10 +75,10 @@ def test_a_good_sglang_config_passes_and_its_settings_follow_the_run():
 
 def test_sglang_on_the_cpu_or_without_the_package_is_refused_with_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match="rollout=sglang needs a CUDA GPU but this run computes on the CPU"):
-        require_sglang("cpu")
+        require_engine("sglang", "cpu")
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ConfigError, match="rollout=sglang but SGLang is not installed; install sglang 0.5.17"):
-        require_sglang("cuda")
+        require_engine("sglang", "cuda")
     with pytest.raises(ConfigError, match="rollout=sglang needs a CUDA GPU; use rollout=hf_cached on the CPU"):
         SglangBackend("unused", None, torch.bfloat16, "cpu", settings())
 

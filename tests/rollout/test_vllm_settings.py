@@ -13,6 +13,7 @@ import torch
 from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings, adapter_state, build_lora_model
+from miniverl.rollout import require_engine
 from miniverl.rollout.sampling import SamplingParams, row_seeds
 from miniverl.rollout.vllm import sampling_requests
 from miniverl.rollout.vllm_settings import (
@@ -24,7 +25,6 @@ from miniverl.rollout.vllm_settings import (
     check_settings,
     memory_plan,
     merged_weights,
-    require_vllm,
     served_weight_bytes,
     settings_from_config,
     vllm_lora_rank,
@@ -109,14 +109,15 @@ def test_memory_plan_refuses_a_cap_the_weights_do_not_fit_with_the_numbers():
         memory_plan(settings(gpu_cap_gib=6.0, kv_cache_gib=5.5), 140 * GIB, GIB)
 
 
-def test_require_vllm_explains_what_is_missing(monkeypatch):
+def test_a_vllm_engine_that_cannot_run_here_is_explained(monkeypatch):
+    require_engine("hf_cached", "cpu")  # the HF backends run their engine in-process, on either device
     with pytest.raises(ConfigError, match="needs a CUDA GPU.*rollout=hf_cached"):
-        require_vllm("cpu")
+        require_engine("vllm", "cpu")
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"pip install -e '.\[vllm\]'"):
-        require_vllm("cuda")
+        require_engine("vllm", "cuda")
 
 
 def test_a_vllm_run_on_the_cpu_stops_before_any_actor(student_dir, teacher_dir):
