@@ -70,15 +70,16 @@ BELOW_THE_STEP = ("miniverl.rollout", "miniverl.models", "miniverl.objectives", 
 ABOVE_THEM = ("miniverl.step", "miniverl.cluster", "miniverl.observe", "miniverl.main")
 
 
-def upward_imports(modules) -> list[str]:
-    """Module-level imports from a package below the step to one above it ('a -> b')."""
+def upward_imports(modules, below=BELOW_THE_STEP, above=ABOVE_THEM, lazy=False) -> list[str]:
+    """Imports from a package in `below` to one in `above` ('a -> b'): module-level ones, or with `lazy` those inside
+    functions too."""
 
     def under(name: str, packages: tuple[str, ...]) -> bool:
         return any(name == p or name.startswith(p + ".") for p in packages)
 
     return sorted(
-        f"{m.name} -> {t}" for m in modules.values() if under(m.name, BELOW_THE_STEP) for t in m.eager
-        if under(t, ABOVE_THEM)
+        f"{m.name} -> {t}" for m in modules.values() if under(m.name, below)
+        for t in (m.imports if lazy else m.eager) if under(t, above)
     )  # fmt: skip
 
 
@@ -97,14 +98,7 @@ THE_ACTORS_AND_UP = (*ABOVE_THEM, "miniverl.workers", "miniverl.setup", "miniver
 
 def lazy_upward_imports(modules) -> list[str]:
     """Any import, inside a function too, from config/ or a package below the step to the actors or above."""
-
-    def under(name: str, packages: tuple[str, ...]) -> bool:
-        return any(name == p or name.startswith(p + ".") for p in packages)
-
-    return sorted(
-        f"{m.name} -> {t}" for m in modules.values() if under(m.name, BELOW_THE_ACTORS) for t in m.imports
-        if under(t, THE_ACTORS_AND_UP)
-    )  # fmt: skip
+    return upward_imports(modules, BELOW_THE_ACTORS, THE_ACTORS_AND_UP, lazy=True)
 
 
 def test_nothing_below_the_actors_imports_them_or_the_setup_even_lazily():
@@ -112,13 +106,19 @@ def test_nothing_below_the_actors_imports_them_or_the_setup_even_lazily():
     assert lazy_upward_imports(g.build_graph()) == []
 
 
-def test_the_layer_check_catches_an_upward_import(tmp_path):
-    g = graph_module()
+def made_up_package(tmp_path, *packages: str):
+    """A package `miniverl` under tmp_path with the empty subpackages `packages`; returns its root."""
     root = tmp_path / "miniverl"
-    for package in ("rollout", "step"):
+    for package in packages:
         (root / package).mkdir(parents=True)
         (root / package / "__init__.py").write_text("")
     (root / "__init__.py").write_text("")
+    return root
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path):
+    g = graph_module()
+    root = made_up_package(tmp_path, "rollout", "step")
     (root / "step" / "probe.py").write_text("x = 1\n")
     (root / "rollout" / "engine.py").write_text("from miniverl.step.probe import x\n")
     (root / "rollout" / "lazy.py").write_text("def f():\n    from miniverl.step import probe\n")
@@ -127,11 +127,7 @@ def test_the_layer_check_catches_an_upward_import(tmp_path):
 
 def test_the_lazy_layer_check_catches_an_import_inside_a_function(tmp_path):
     g = graph_module()
-    root = tmp_path / "miniverl"
-    for package in ("config", "setup"):
-        (root / package).mkdir(parents=True)
-        (root / package / "__init__.py").write_text("")
-    (root / "__init__.py").write_text("")
+    root = made_up_package(tmp_path, "config", "setup")
     (root / "setup" / "teachers.py").write_text("x = 1\n")
     (root / "config" / "model.py").write_text("def check():\n    from miniverl.setup.teachers import x\n")
     assert lazy_upward_imports(g.build_graph(root)) == ["miniverl.config.model -> miniverl.setup.teachers"]

@@ -9,6 +9,17 @@ import pytest
 from tests.test_config import load
 
 
+def actor_niceness(ray) -> int:
+    """The niceness a Ray actor of the running cluster sees."""
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def niceness(self) -> int:
+            return os.nice(0)
+
+    return ray.get(Probe.remote().niceness.remote())
+
+
 @pytest.mark.slow
 def test_the_actors_of_a_started_cluster_run_at_the_drivers_priority():
     """Ray starts workers at niceness 15: beside two busy processes on 2 cores, a run's actors got ~3% of a core
@@ -21,13 +32,7 @@ def test_the_actors_of_a_started_cluster_run_at_the_drivers_priority():
     cfg = load("resources.dashboard=false")
     assert start_ray(cfg, log=lambda *_: None)
     try:
-
-        @ray.remote(num_cpus=0)
-        class Probe:
-            def niceness(self) -> int:
-                return os.nice(0)
-
-        assert ray.get(Probe.remote().niceness.remote()) == os.nice(0)
+        assert actor_niceness(ray) == os.nice(0)
     finally:
         ray.shutdown()
 
@@ -43,12 +48,6 @@ def test_the_tests_own_ray_clusters_run_their_workers_at_the_drivers_priority_to
         pytest.skip("a Ray cluster is already running in this process")
     init_local_ray(num_cpus=1)
     try:
-
-        @ray.remote(num_cpus=0)
-        class Probe:
-            def niceness(self) -> int:
-                return os.nice(0)
-
-        assert ray.get(Probe.remote().niceness.remote()) == os.nice(0)
+        assert actor_niceness(ray) == os.nice(0)
     finally:
         ray.shutdown()

@@ -11,19 +11,25 @@ import pytest
 import torch
 
 from miniverl.batches import PromptBatch
-from miniverl.bench.oracle import logprob_gaps
 from miniverl.errors import PolicyMismatchError
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.process import ProcessSettings
 from miniverl.rollout.hf_reference import HFReferenceBackend
-from miniverl.rollout.sampling import SamplingParams, row_seeds
+from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.sglang import SglangSettings
 from miniverl.step.controller import StrictSyncController
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker
 from tests.random_models import save_random_qwen2
-from tests.rollout.test_vllm_gpu import GAP_MEAN_MAX, LORA, STOPS, VOCAB, _teacher_forced, adapter, prompts
+from tests.rollout.test_vllm_gpu import (
+    LORA,
+    VOCAB,
+    probe_follows_every_refresh,
+    prompts,
+    row_seeds_decide_samples,
+    samples_match_the_oracle_and_stop,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,51 +58,15 @@ def engine(model_dir):
 
 
 def test_samples_match_the_oracle_and_stop(engine):
-    backend, oracle = engine
-    weights = adapter(backend.adapter_weights(), 1)
-    backend.load_adapter(weights)
-    oracle.load_adapter(weights)
-    ps = prompts(8)
-    out = backend.generate(ps, SamplingParams(n=4, max_new_tokens=64, stop_token_ids=STOPS), row_seeds(3, 32))
-    assert len(out) == 32
-    for c in out:
-        assert len(c.token_ids) == len(c.logprobs) >= 1
-        if c.finished:
-            assert c.token_ids[-1] in STOPS and not set(c.token_ids[:-1]) & set(STOPS)
-        else:
-            assert len(c.token_ids) == 64 and not set(c.token_ids) & set(STOPS)
-    assert sum(c.finished for c in out) >= 16
-    gaps = logprob_gaps(oracle, ps, 4, out)
-    assert float(gaps.mean()) < GAP_MEAN_MAX, float(gaps.mean())
+    samples_match_the_oracle_and_stop(*engine)
 
 
 def test_row_seeds_decide_samples(engine):
-    backend, _ = engine
-    ps = prompts(4)
-    params = SamplingParams(n=2, max_new_tokens=16)
-    a = backend.generate(ps, params, row_seeds(5, 8))
-    b = backend.generate(ps, params, row_seeds(5, 8))
-    c = backend.generate(ps, params, row_seeds(6, 8))
-    assert [x.token_ids for x in a] == [x.token_ids for x in b]
-    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    row_seeds_decide_samples(engine[0])
 
 
 def test_probe_follows_every_refresh(engine):
-    backend, oracle = engine
-    seqs = prompts(6)
-    seen = []
-    for seed in (11, 12, 13):
-        weights = adapter(backend.adapter_weights(), seed)
-        backend.load_adapter(weights)
-        oracle.load_adapter(weights)
-        served = backend.probe_logprobs(seqs)
-        assert [len(s) for s in served] == [len(s) - 1 for s in seqs]
-        ref = [g.tolist() for g in _teacher_forced(oracle, seqs)]
-        worst = max(abs(x - y) for s, r in zip(served, ref) for x, y in zip(s, r))
-        assert worst < backend.probe_tolerance, worst
-        seen.append(served)
-    moved = max(abs(x - y) for s, r in zip(seen[0], seen[1]) for x, y in zip(s, r))
-    assert moved > backend.probe_tolerance / 10
+    probe_follows_every_refresh(*engine)
 
 
 class FreezingWorker(RolloutWorker):

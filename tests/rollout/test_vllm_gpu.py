@@ -84,7 +84,11 @@ def engine(request, model_dir):
 
 
 def test_samples_match_the_oracle_and_stop(engine):
-    backend, oracle = engine
+    samples_match_the_oracle_and_stop(*engine)
+
+
+def samples_match_the_oracle_and_stop(backend, oracle):
+    """Shared with tests/rollout/test_sglang_gpu.py: any engine backend against the HF oracle."""
     weights = adapter(backend.adapter_weights(), 1)
     backend.load_adapter(weights)
     oracle.load_adapter(weights)
@@ -104,7 +108,10 @@ def test_samples_match_the_oracle_and_stop(engine):
 
 
 def test_row_seeds_decide_samples(engine):
-    backend, _ = engine
+    row_seeds_decide_samples(engine[0])
+
+
+def row_seeds_decide_samples(backend):
     ps = prompts(4)
     params = SamplingParams(n=2, max_new_tokens=16, temperature=1.0)
     a = backend.generate(ps, params, row_seeds(5, 8))
@@ -116,6 +123,13 @@ def test_row_seeds_decide_samples(engine):
 
 def test_probe_follows_every_refresh(engine):
     backend, oracle = engine
+    probe_follows_every_refresh(backend, oracle)
+    if backend.store is not None:  # adapter mode: one adapter in the engine and one folder in /dev/shm
+        assert backend.served_adapters() == [backend.version]
+        assert backend.store.versions() == [f"v{backend.version}"]
+
+
+def probe_follows_every_refresh(backend, oracle):
     seqs = prompts(6)
     seen = []
     for seed in (11, 12, 13):
@@ -130,9 +144,6 @@ def test_probe_follows_every_refresh(engine):
         seen.append(served)
     moved = max(abs(x - y) for s, r in zip(seen[0], seen[1]) for x, y in zip(s, r))
     assert moved > backend.probe_tolerance / 10
-    if backend.store is not None:  # adapter mode: one adapter in the engine and one folder in /dev/shm
-        assert backend.served_adapters() == [backend.version]
-        assert backend.store.versions() == [f"v{backend.version}"]
 
 
 def _teacher_forced(oracle, seqs):
