@@ -1,7 +1,8 @@
-"""LearnerWorker: the student with a LoRA adapter, AdamW and the objective; publishes, updates and checkpoints.
+"""LearnerWorker: the student with a LoRA adapter, AdamW and the objective; updates and checkpoints.
 
-What it checks of a batch before a step lives in workers/batch_checks.py (the lag, the sampler-gap and version-test
-sums), its micro-batch token budget in workers/token_budget.py (sizing, the shrink after an out-of-memory update).
+Publishing its adapter and the strict-sync probe live in workers/publisher.py; what it checks of a batch before a
+step in workers/batch_checks.py (the lag, the sampler-gap and version-test sums), its micro-batch token budget in
+workers/token_budget.py (sizing, the shrink after an out-of-memory update).
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,22 +19,20 @@ from miniverl.batches import RolloutBatch, TeacherScores, stack_rows
 from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
 from miniverl.errors import MiniVerlError
 from miniverl.models.loading import torch_dtype
-from miniverl.models.logprobs import packed_logprobs, packed_token_loss, sequence_logprobs
+from miniverl.models.logprobs import packed_logprobs, packed_token_loss
 from miniverl.models.lora import (
     LoraSettings,
     RoundedAdapter,
     adapter_state,
     build_lora_model,
-    check_adapter_names,
     live_adapter,
     load_adapter_state,
 )
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.objectives.sampler_check import VERSION_TESTS, SamplerGapError, judge_step, version_test_rows
-from miniverl.policy import FlatCopy, PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
+from miniverl.policy import PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
 from miniverl.process import ProcessSettings, gpu_uuid, memory_report, setup_process
-from miniverl.served_policy import PROBE_TOKENS, draw_probe
 from miniverl.workers.batch_checks import (
     StaleBatchError,
     check_lag,
@@ -44,6 +41,7 @@ from miniverl.workers.batch_checks import (
     sum_over_ranks,
     version_test_sums,
 )
+from miniverl.workers.publisher import PolicyPublisher
 from miniverl.workers.token_budget import learner_shape, shrink_after_oom, size_micro_batches
 
 if TYPE_CHECKING:
@@ -114,6 +112,7 @@ class LearnerWorker:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.objective = objective
+        self.publisher = PolicyPublisher(self.model, self.params)
         # what every step's sampler gap is held to: the objective's bound until the conformance gate calibrates it
         self.gap_bound = objective.sampler_tolerance.step_bound()
         self.dropout = lora.dropout  # > 0: the training forward is not the policy; the gap takes an eval forward
@@ -140,7 +139,6 @@ class LearnerWorker:
         # of its rows under v - 1's for the version test (`_version_votes`)
         self.behaviour: dict[int, dict[str, torch.Tensor]] = {}
         self.window = (0.0, 0.0)  # wall-clock start and end (epoch s) of the last update call
-        self._outbox: FlatCopy | None = None  # the adapter's own tensors and the flat buffer it is published in
 
     def distributed_address(self) -> tuple[str, int]:
         """Host and a free port for rank 0 to host the process-group rendezvous."""
@@ -169,26 +167,13 @@ class LearnerWorker:
         alone), and its weights unless only the identity is needed (ranks > 0): CPU copies, or with
         `on_device` (every replica on this GPU: miniverl/step/sync.py) one flat buffer in this GPU's memory
         that the replicas map by its CUDA IPC handle (miniverl/policy.py): no adapter-sized host copy.
-        O(adapter) work: one multi-tensor copy into the buffer and its digest, on the adapter's device."""
-        outbox = self._adapter_outbox()
-        digest = outbox.digest()  # waits for the copy: a replica mapping the buffer reads finished bytes
-        weights = outbox.cpu_copies() if include_weights and not on_device else {}
-        self.published = PolicyIdentity(self.version, digest)
+        The adapter is kept for the sampler-gap check of this version's batches (`behaviour`)."""
+        snapshot, kept = self.publisher.publish(self.version, include_weights, on_device)
+        self.published = snapshot.identity
         # the versions a batch may still come from and the one before the oldest; older ones are dropped
         self.behaviour = {v: w for v, w in self.behaviour.items() if v >= self.version - self.staleness - 1}
-        self.behaviour[self.version] = weights or outbox.cpu_copies()
-        return PolicySnapshot(self.published, weights, outbox.shared() if include_weights and on_device else None)
-
-    def _adapter_outbox(self) -> FlatCopy:
-        """The adapter's own tensors (no copy) and the flat buffer they are published in, found once: peft's
-        get_peft_model_state_dict walks every module of the model (40-70 ms of Python at the 0.5B shape with r32
-        on every linear layer, measured on the CPU), while the tensors stay the same ones (the optimizer and
-        load_adapter_state write them in place). Found again should a parameter's storage ever be replaced, so
-        the digest always names what the model computes with."""
-        storage = {p.data_ptr() for p in self.params}
-        if self._outbox is None or any(t.data_ptr() not in storage for t in self._outbox.tensors.values()):
-            self._outbox = FlatCopy(live_adapter(self.model))
-        return self._outbox
+        self.behaviour[self.version] = kept
+        return snapshot
 
     def device_uuid(self) -> str | None:
         """The physical GPU this learner computes on (None on the CPU): sync publishes on the device when
@@ -196,49 +181,20 @@ class LearnerWorker:
         return gpu_uuid(self.device)
 
     def probe_sequences(self) -> list[list[int]]:
-        """The run's fixed strict-sync probe, drawn from this student's vocabulary (miniverl/served_policy.py)."""
-        cfg = self.model.get_base_model().config
-        return draw_probe(cfg.vocab_size, getattr(cfg, "max_position_embeddings", PROBE_TOKENS))
+        """The run's fixed strict-sync probe, drawn from this student's vocabulary (workers/publisher.py)."""
+        return self.publisher.probe_sequences()
 
     def probe_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The learner's log-probs of the probe under the current policy (peft model, eval mode, no grad)."""
-        self.model.eval()  # update() sets train mode again; LoRA dropout must not touch the probe
-        return sequence_logprobs(self.model, sequences)
+        return self.publisher.probe_logprobs(sequences)
 
     def trial_snapshot(self, seed: int, std: float) -> PolicySnapshot:
-        """A non-zero adapter for the conformance gate (lora_B ~ N(0, std), lora_A as trained), under a
-        name no published policy carries (version -1). The learner's own adapter is unchanged: at v0
-        lora_B is 0, where a wrong merge or a dropped adapter term serves exactly what it should."""
-        g = torch.Generator().manual_seed(seed)
-        weights = {
-            k: (torch.randn(v.shape, generator=g) * std).to(v.dtype) if "lora_B" in k else v
-            for k, v in sorted(adapter_state(self.model).items())
-        }
-        return PolicySnapshot(PolicyIdentity(-1, weights_digest(weights)), weights)
+        """A non-zero adapter for the conformance gate under version -1 (workers/publisher.py)."""
+        return self.publisher.trial_snapshot(seed, std)
 
     def probe_logprobs_with(self, snapshot: PolicySnapshot, sequences: list[list[int]]) -> list[list[float]]:
         """probe_logprobs under another adapter (a trial snapshot's), then the learner's own is put back."""
-        with self._adapter(snapshot.weights):
-            return self.probe_logprobs(sequences)
-
-    @contextmanager
-    def _adapter(self, weights: dict[str, torch.Tensor], partial: bool = False) -> Iterator[None]:
-        """The model under another adapter (a trial snapshot's, a published version's; with `partial`, only the
-        named tensors replaced) inside the block; the learner's own adapter is put back afterwards, also when the
-        block raises. One multi-tensor copy each way into the adapter's own tensors: no module walk, and the
-        learner's own values stay on its device."""
-        live = self._adapter_outbox().tensors
-        check_adapter_names(live, weights, partial)
-        names = sorted(weights)
-        targets = [live[k] for k in names]
-        with torch.no_grad():
-            own = [t.clone() for t in targets]
-            torch._foreach_copy_(targets, [weights[k].to(t.device, t.dtype) for k, t in zip(names, targets)])
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(targets, own)
+        return self.publisher.probe_logprobs_with(snapshot, sequences)
 
     def update(
         self,
@@ -269,7 +225,7 @@ class LearnerWorker:
         # advantage) under the current one; at lag 0 both are the update's own, so nothing extra is computed
         behaviour = None
         if lag:
-            with self._adapter(self.behaviour[batch.policy_version]):
+            with self.publisher.swapped(self.behaviour[batch.policy_version]):
                 behaviour = self.sampled_logprobs(batch)
         elif self.dropout:  # the update's own forward drops adapter inputs: the gap is taken on the policy itself
             behaviour = self.sampled_logprobs(batch)
@@ -422,15 +378,15 @@ class LearnerWorker:
             return [0.0] * 4 * len(VERSION_TESTS)
         rows = version_test_rows(batch.response_mask.sum(-1).tolist())
         part = batch.select(rows)
-        live = self._adapter_outbox().tensors
-        with self._adapter({k: torch.zeros_like(v) for k, v in live.items() if "lora_B" in k}, partial=True):
+        live = self.publisher.adapter_outbox().tensors
+        with self.publisher.swapped({k: torch.zeros_like(v) for k, v in live.items() if "lora_B" in k}, partial=True):
             base = self.sampled_logprobs(part)  # the adapter's delta is 0: the base model, as disable_adapter()
         if previous is None:
             before = None
         elif batch.policy_version == 1:  # v0 is the base model
             before = base
         else:
-            with self._adapter(previous):
+            with self.publisher.swapped(previous):
                 before = self.sampled_logprobs(part)
         olders = (before, base)  # VERSION_TESTS' order
         return version_test_sums(part.rollout_log_probs, recomputed[rows], part.response_mask, olders)

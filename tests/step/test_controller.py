@@ -86,17 +86,19 @@ def test_the_learner_publishes_its_adapter_as_it_is_now(parts):
 
     learner = parts[2]
     first = learner.publish_policy()
-    outbox = learner._outbox
+    outbox = learner.publisher._outbox
     with torch.no_grad():
         for p in learner.params:
             p.add_(0.01)
     second = learner.publish_policy()
-    assert learner._outbox is outbox and second.identity.digest != first.identity.digest
+    assert learner.publisher._outbox is outbox and second.identity.digest != first.identity.digest
     assert second.identity.digest == weights_digest(live_adapter(learner.model))
     with torch.no_grad():
         learner.params[0].data = learner.params[0].data + 0.5  # new storage under the same parameter
     third = learner.publish_policy()
-    assert learner._outbox is not outbox and third.identity.digest == weights_digest(live_adapter(learner.model))
+    assert learner.publisher._outbox is not outbox and third.identity.digest == weights_digest(
+        live_adapter(learner.model)
+    )
 
 
 def test_learner_refuses_batches_of_another_version(parts, student_dir):

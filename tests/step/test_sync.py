@@ -186,4 +186,4 @@ def test_a_cpu_run_publishes_through_the_host(parts, student_dir):
     prompts = parts[1]
     ctl, learner = build(parts, student_dir, RolloutWorker, "hf_cached", "float32", 2e-3)
     ctl.step(prompts, PARAMS)
-    assert ctl.sync.on_device is False and learner._outbox._shared is None  # no CUDA IPC handle was made
+    assert ctl.sync.on_device is False and learner.publisher._outbox._shared is None  # no CUDA IPC handle was made
