@@ -4,7 +4,8 @@ Owns the batch's lag (`check_lag`: refused with StaleBatchError unless this lear
 sampled it, at most trainer.staleness versions back) and the per-step sums the sampler-gap check judges: the gap
 (`gap_sums`), the version test's (`version_test_sums`) and their total over data-parallel ranks (`sum_over_ranks`);
 objectives/sampler_check.py `judge_step` decides on them. `lag_metrics` reports how far a lagging step's policy
-sits from its sampler. The learner (workers/learner.py) computes the log-probs under each policy and calls these.
+sits from its sampler. The learner (workers/learner.py) computes the log-probs under each policy and calls these,
+the sampler-gap check (workers/sampler_gap.py) the version test's sums.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """LearnerWorker: the student with a LoRA adapter, AdamW and the objective; updates and checkpoints.
 
-Publishing its adapter and the strict-sync probe live in workers/publisher.py; what it checks of a batch before a
-step in workers/batch_checks.py (the lag, the sampler-gap and version-test sums), its micro-batch token budget in
-workers/token_budget.py (sizing, the shrink after an out-of-memory update).
+Publishing its adapter and the strict-sync probe live in workers/publisher.py; the sampler-gap check's bound, kept
+adapters and version test in workers/sampler_gap.py; what it checks of a batch before a step in
+workers/batch_checks.py (the lag, the per-step sums), its micro-batch token budget in workers/token_budget.py
+(sizing, the shrink after an out-of-memory update).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from pathlib import Path
@@ -30,7 +30,7 @@ from miniverl.models.lora import (
 )
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
-from miniverl.objectives.sampler_check import VERSION_TESTS, SamplerGapError, judge_step, version_test_rows
+from miniverl.objectives.sampler_check import SamplerGapError, judge_step
 from miniverl.policy import PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
 from miniverl.process import ProcessSettings, gpu_uuid, memory_report, setup_process
 from miniverl.workers.batch_checks import (
@@ -39,9 +39,9 @@ from miniverl.workers.batch_checks import (
     gap_sums,
     lag_metrics,
     sum_over_ranks,
-    version_test_sums,
 )
 from miniverl.workers.publisher import PolicyPublisher
+from miniverl.workers.sampler_gap import SamplerGapCheck
 from miniverl.workers.token_budget import learner_shape, shrink_after_oom, size_micro_batches
 
 if TYPE_CHECKING:
@@ -112,9 +112,8 @@ class LearnerWorker:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
         self.objective = objective
+        self.sampler_gap = SamplerGapCheck(objective.sampler_tolerance)  # its bound and the versions' adapters
         self.publisher = PolicyPublisher(self.model, self.params)
-        # what every step's sampler gap is held to: the objective's bound until the conformance gate calibrates it
-        self.gap_bound = objective.sampler_tolerance.step_bound()
         self.dropout = lora.dropout  # > 0: the training forward is not the policy; the gap takes an eval forward
         self.max_grad_norm = max_grad_norm
         self.micro_batch_size = micro_batch_size
@@ -134,10 +133,6 @@ class LearnerWorker:
         self.on_nonfinite = on_nonfinite  # skip | stop (trainer.on_nonfinite)
         self.staleness = staleness
         self.loss_weight_by_source = dict(loss_weight_by_source or {})
-        # version -> adapter weights of every version published within the lag window and the one before it: a
-        # batch of version v is scored under v's adapter for the sampler-gap check (docs/objectives.md), and some
-        # of its rows under v - 1's for the version test (`_version_votes`)
-        self.behaviour: dict[int, dict[str, torch.Tensor]] = {}
         self.window = (0.0, 0.0)  # wall-clock start and end (epoch s) of the last update call
 
     def distributed_address(self) -> tuple[str, int]:
@@ -167,12 +162,10 @@ class LearnerWorker:
         alone), and its weights unless only the identity is needed (ranks > 0): CPU copies, or with
         `on_device` (every replica on this GPU: miniverl/step/sync.py) one flat buffer in this GPU's memory
         that the replicas map by its CUDA IPC handle (miniverl/policy.py): no adapter-sized host copy.
-        The adapter is kept for the sampler-gap check of this version's batches (`behaviour`)."""
+        The adapter is kept for the sampler-gap check of this version's batches (workers/sampler_gap.py)."""
         snapshot, kept = self.publisher.publish(self.version, include_weights, on_device)
         self.published = snapshot.identity
-        # the versions a batch may still come from and the one before the oldest; older ones are dropped
-        self.behaviour = {v: w for v, w in self.behaviour.items() if v >= self.version - self.staleness - 1}
-        self.behaviour[self.version] = kept
+        self.sampler_gap.keep(self.version, kept, self.staleness)
         return snapshot
 
     def device_uuid(self) -> str | None:
@@ -217,7 +210,8 @@ class LearnerWorker:
         ratio stays against the sampler's; the step's `reverse_kl` is importance-weighted to the current policy.
         """
         start = time.time()
-        lag = check_lag(self.version, self.published, batch.policy_version, self.staleness, self.behaviour)
+        kept = self.sampler_gap.behaviour
+        lag = check_lag(self.version, self.published, batch.policy_version, self.staleness, kept)
         if scores.teacher_log_probs.shape != batch.responses.shape:
             raise ValueError("teacher scores do not match the rollout batch shape")
         ref = self._reference_logprobs(batch) if self.objective.needs_reference else None
@@ -225,7 +219,7 @@ class LearnerWorker:
         # advantage) under the current one; at lag 0 both are the update's own, so nothing extra is computed
         behaviour = None
         if lag:
-            with self.publisher.swapped(self.behaviour[batch.policy_version]):
+            with self.publisher.swapped(kept[batch.policy_version]):
                 behaviour = self.sampled_logprobs(batch)
         elif self.dropout:  # the update's own forward drops adapter inputs: the gap is taken on the policy itself
             behaviour = self.sampled_logprobs(batch)
@@ -251,8 +245,8 @@ class LearnerWorker:
             _, metrics = self.objective.loss_from_terms(logprobs, terms, batch, scores, advantages, num_tokens)
         weight = int(mask.sum()) / num_tokens
         extra = {k: float(v) * weight for k, v in metrics.items()}
-        gap_abs, gap_max, gap_tail = gap_sums(gap, self.gap_bound.tail)
-        votes = self._version_votes(batch, recomputed)
+        gap_abs, gap_max, gap_tail = gap_sums(gap, self.sampler_gap.bound.tail)
+        votes = self.sampler_gap.version_votes(batch, recomputed, self.publisher, self.sampled_logprobs)
         loss = loss_sum.item()
         # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
         # teacher's scores come straight from the scorer: a sum over this rank's tokens / the step's tokens.
@@ -353,11 +347,9 @@ class LearnerWorker:
         return self.window
 
     def calibrate_sampler_gap(self, gate_mean: float, gate_p99: float, gate_std: float) -> dict[str, float | str]:
-        """Hold every later step to the bound calibrated from the conformance gate's honest gap (mean, p99 and
-        per-token std in nats, of this run's backend, dtype and model; objectives/ratios.py, step_bound). Returns
-        the bound."""
-        self.gap_bound = self.objective.sampler_tolerance.step_bound(gate_mean, gate_p99, gate_std)
-        return dataclasses.asdict(self.gap_bound)
+        """Hold every later step to the bound calibrated from the conformance gate's honest gap (nats; see
+        SamplerGapCheck.calibrate). Returns the bound."""
+        return self.sampler_gap.calibrate(gate_mean, gate_p99, gate_std)
 
     def sampled_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The sampled tokens' log-probs under the current adapter as an update computes them (its micro-batches
@@ -368,42 +360,20 @@ class LearnerWorker:
         finally:
             self.model.train()
 
-    def _version_votes(self, batch: RolloutBatch, recomputed: torch.Tensor) -> list[float]:
-        """The version test's sums (objectives/sampler_check.py, version_votes and vote_sums; VERSION_TESTS' order)
-        over up to VERSION_TEST_ROWS rows spread over the batch, recomputed under the version before the batch's and
-        under the base model (lora_B set to 0: v0). Zeros for a comparison that cannot differ or is not held: v0's
-        batches, the previous version after a restore. Shapes: recomputed [B, Tr]."""
-        previous = self.behaviour.get(batch.policy_version - 1)
-        if batch.policy_version == 0:
-            return [0.0] * 4 * len(VERSION_TESTS)
-        rows = version_test_rows(batch.response_mask.sum(-1).tolist())
-        part = batch.select(rows)
-        live = self.publisher.adapter_outbox().tensors
-        with self.publisher.swapped({k: torch.zeros_like(v) for k, v in live.items() if "lora_B" in k}, partial=True):
-            base = self.sampled_logprobs(part)  # the adapter's delta is 0: the base model, as disable_adapter()
-        if previous is None:
-            before = None
-        elif batch.policy_version == 1:  # v0 is the base model
-            before = base
-        else:
-            with self.publisher.swapped(previous):
-                before = self.sampled_logprobs(part)
-        olders = (before, base)  # VERSION_TESTS' order
-        return version_test_sums(part.rollout_log_probs, recomputed[rows], part.response_mask, olders)
-
     def _check_sampler_gap(
         self, gap_abs: float, gap_max: float, gap_tail: int, votes: list[float], num_tokens: int, version: int
     ) -> dict[str, float]:
         """Refuse the step before optimizer.step() when the sampler's log-probs of the step's tokens sit further
-        from the learner's than this run's bound (`gap_bound`: calibrated at the conformance gate from the honest
-        gap of this backend and dtype, else the objective's): the mean, or the share of tokens beyond its tail; or
-        when they sit nearer the learner's previous version or its base model than the batch's `version` (the
-        version test, `votes`). Every rank sees the whole step. Returns the version test's metrics: each comparison's
-        z (mean vote / its error) and the tokens it recomputed."""
+        from the learner's than this run's bound (`sampler_gap.bound`: calibrated at the conformance gate from the
+        honest gap of this backend and dtype, else the objective's): the mean, or the share of tokens beyond its
+        tail; or when they sit nearer the learner's previous version or its base model than the batch's `version`
+        (the version test, `votes`). Every rank sees the whole step. Returns the version test's metrics: each
+        comparison's z (mean vote / its error) and the tokens it recomputed."""
         if self.world_size > 1:
             gap_abs, gap_max, gap_tail, votes = sum_over_ranks(gap_abs, gap_max, gap_tail, votes, self.device)
+        bound = self.sampler_gap.bound
         try:
-            return judge_step(self.gap_bound, gap_abs, gap_max, gap_tail, votes, num_tokens, version, self.version)
+            return judge_step(bound, gap_abs, gap_max, gap_tail, votes, num_tokens, version, self.version)
         except SamplerGapError:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step reaches the adapter
             raise
@@ -479,7 +449,7 @@ class LearnerWorker:
         set_rng_state(torch.load(path / "rng.pt", weights_only=False))
         self.version = int(state["policy_version"])
         self.published = None
-        self.behaviour = {}  # a batch sampled before the checkpoint is never trained on after it (step/cadence.py)
+        self.sampler_gap.forget()  # a batch sampled before the checkpoint is never trained on after it
         live = live_adapter(self.model)
         restored = PolicyIdentity(self.version, weights_digest(live))
         if not digest_matches(live, state["policy_digest"], restored.digest):

@@ -166,8 +166,11 @@ def test_the_gate_calibrates_the_bound_every_step_is_held_to(parts, student_dir)
     ctl, learner = build(parts, student_dir, RolloutWorker, "hf_cached", "float32", 2e-3)
     lines = []
     out = gate(ctl, parts[1], "hf_cached", lines)
-    assert out["step_bound"] == dataclasses.asdict(learner.gap_bound) and learner.gap_bound.source == "gate"
-    assert learner.gap_bound.mean == STEP_MEAN_FLOOR  # fp32: the honest gap is rounding
+    assert (
+        out["step_bound"] == dataclasses.asdict(learner.sampler_gap.bound)
+        and learner.sampler_gap.bound.source == "gate"
+    )
+    assert learner.sampler_gap.bound.mean == STEP_MEAN_FLOOR  # fp32: the honest gap is rounding
     assert "every step's sampler gap is held to mean 1.00e-04 nats (+ " in lines[1]
     metrics = ctl.step(parts[1], PARAMS)
     assert metrics["sampler_gap_mean"] < 1e-5 and metrics["sampler_gap_tail_frac"] == 0.0
@@ -201,7 +204,7 @@ def test_a_step_whose_tail_lies_beyond_the_bound_is_refused(parts, student_dir):
     batch = rollout.generate(prompts, PARAMS)
     tokens = int(batch.response_mask.sum())
     batch.rollout_log_probs -= 0.05 * batch.response_mask  # every token 0.05 off: beyond the tail
-    assert learner.gap_bound.mean_at(tokens) > 0.05
+    assert learner.sampler_gap.bound.mean_at(tokens) > 0.05
     with pytest.raises(SamplerGapError, match=r"100\.0% of tokens beyond 0\.04\) .* of tokens beyond 0\.04\); the"):
         learner.update(batch, scorer.score(batch, 0, 1.0), None)
     assert learner.version == 0

@@ -70,7 +70,7 @@ def test_an_honest_replica_is_never_flagged(parts, student_dir, backend, dtype, 
     prompts = parts[1]
     ctl, learner = build(parts, student_dir, RolloutWorker, backend, dtype, lr, probe_every=1)
     gate(ctl, prompts, backend)
-    assert learner.gap_bound.source == "gate"
+    assert learner.sampler_gap.bound.source == "gate"
     moved, served, noise = [], [], []
     for _ in range(HONEST_STEPS):
         metrics = ctl.step(prompts, PARAMS)
