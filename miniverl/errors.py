@@ -17,3 +17,7 @@ class BatchError(MiniVerlError, ValueError):
 
 class PolicyMismatchError(MiniVerlError):
     """Strict sync was violated: data or an engine does not match the published policy."""
+
+
+class NonFiniteError(MiniVerlError):
+    """A NaN or inf loss, gradient or weight; nothing poisoned was applied, published or saved."""

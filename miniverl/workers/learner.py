@@ -1,45 +1,32 @@
-"""LearnerWorker: the student with a LoRA adapter, AdamW and the objective; updates and checkpoints.
+"""LearnerWorker: the student's update, one optimizer step of the objective on a batch, under its LoRA adapter.
 
-Publishing its adapter and the strict-sync probe live in workers/publisher.py; the sampler-gap check's bound, kept
-adapters and version test in workers/sampler_gap.py; what it checks of a batch before a step in
-workers/batch_checks.py (the lag, the per-step sums), its micro-batch token budget in workers/token_budget.py
-(sizing, the shrink after an out-of-memory update).
+The actor Ray serves (cluster/actors.py) is this class; what it composes lives beside it: publishing the adapter and
+the strict-sync probe (workers/publisher.py), the sampler-gap check's bound, kept adapters and version test
+(workers/sampler_gap.py), checkpoints (workers/learner_checkpoint.py), what it checks of a batch (workers/
+batch_checks.py: the lag, the per-step sums) and its micro-batch token budget (workers/token_budget.py: sizing, the
+shrink after an out-of-memory update).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from miniverl.batches import RolloutBatch, TeacherScores, stack_rows
-from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
-from miniverl.errors import MiniVerlError
+from miniverl.errors import NonFiniteError
 from miniverl.models.loading import torch_dtype
 from miniverl.models.logprobs import packed_logprobs, packed_token_loss
-from miniverl.models.lora import (
-    LoraSettings,
-    RoundedAdapter,
-    adapter_state,
-    build_lora_model,
-    live_adapter,
-    load_adapter_state,
-)
+from miniverl.models.lora import LoraSettings, RoundedAdapter, build_lora_model
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.objectives.sampler_check import SamplerGapError, judge_step
-from miniverl.policy import PolicyIdentity, PolicySnapshot, digest_matches, weights_digest
+from miniverl.policy import PolicyIdentity, PolicySnapshot
 from miniverl.process import ProcessSettings, gpu_uuid, memory_report, setup_process
-from miniverl.workers.batch_checks import (
-    StaleBatchError,
-    check_lag,
-    gap_sums,
-    lag_metrics,
-    sum_over_ranks,
-)
+from miniverl.workers.batch_checks import StaleBatchError, check_lag, gap_sums, lag_metrics, sum_over_ranks
+from miniverl.workers.learner_checkpoint import check_restored, restore_learner, save_learner
 from miniverl.workers.publisher import PolicyPublisher
 from miniverl.workers.sampler_gap import SamplerGapCheck
 from miniverl.workers.token_budget import learner_shape, shrink_after_oom, size_micro_batches
@@ -47,12 +34,8 @@ from miniverl.workers.token_budget import learner_shape, shrink_after_oom, size_
 if TYPE_CHECKING:
     from miniverl.objectives.interface import Objective
 
-# Callers import these from here; they live in the learner's helper modules.
+# Callers import these from here; they live in errors.py and the learner's helper modules.
 __all__ = ["LearnerWorker", "NonFiniteError", "StaleBatchError", "learner_shape"]
-
-
-class NonFiniteError(MiniVerlError):
-    """A NaN or inf loss, gradient or weight; nothing poisoned was applied, published or saved."""
 
 
 class LearnerWorker:
@@ -426,38 +409,16 @@ class LearnerWorker:
 
     def save_checkpoint(self, directory: str, meta: dict | None = None) -> str:
         """Write adapter, optimizer, RNG states and `meta` (step, config) atomically; refuses a poisoned adapter."""
-        weights = adapter_state(self.model)
-        bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
-        if bad:
-            raise NonFiniteError(
-                f"the adapter holds NaN/inf values ({bad[0]} and {len(bad) - 1} more); refusing to save it over"
-                " the last good checkpoint. Resume from that one with trainer.resume=auto and a lower trainer.lr"
-            )
-        identity = PolicyIdentity(self.version, weights_digest(live_adapter(self.model)))
-        meta = {"step": self.version, **(meta or {})}
-        return str(write_checkpoint(Path(directory), self.model, self.optimizer, identity, meta))
+        return save_learner(directory, self.model, self.optimizer, self.version, meta)
 
     def load_checkpoint(self, directory: str) -> PolicyIdentity:
         """Restore adapter, optimizer, policy version and RNG states; the restored weights must hash to the
         digest the checkpoint recorded. The next publish_policy serves this policy to the rollout side."""
-        from safetensors.torch import load_file
-
-        path = Path(directory)
-        state = read_state(path)
-        load_adapter_state(self.model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.device))
-        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        state = restore_learner(directory, self.model, self.optimizer, self.device)
         self.version = int(state["policy_version"])
         self.published = None
         self.sampler_gap.forget()  # a batch sampled before the checkpoint is never trained on after it
-        live = live_adapter(self.model)
-        restored = PolicyIdentity(self.version, weights_digest(live))
-        if not digest_matches(live, state["policy_digest"], restored.digest):
-            raise CheckpointError(
-                f"the adapter restored from {directory} hashes to {restored.short()} but the checkpoint recorded"
-                f" {state['policy_digest'][:12]}; the checkpoint is corrupt, resume from an older one"
-            )
-        return restored
+        return check_restored(directory, self.model, self.version, state["policy_digest"])
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)
