@@ -299,13 +299,6 @@ class CachedDecoder:
         return y, F.linear(y[..., y.shape[-1] - lora.rank :], lora.sb_cast)
 
     @staticmethod
-    def _base_gemm(x: torch.Tensor, w: dict, group: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`_gemm`'s first GEMM only, and the adapter's s B that a fused kernel multiplies x A^T by itself.
-        Shapes: x [..., E] -> y [..., O + R], s B [O, R] or None without an adapter."""
-        lora = w[f"{group}_lora"]
-        return F.linear(x, w[group], w[f"{group}_bias"]), None if lora is None else lora.sb_cast
-
-    @staticmethod
     def _project(x: torch.Tensor, w: dict, group: str) -> torch.Tensor:
         """One (fused) projection with its adapter's term added. Shapes: [..., E] -> [..., O]."""
         y, t = CachedDecoder._gemm(x, w, group)
@@ -334,9 +327,8 @@ class CachedDecoder:
 
     def decode_fused(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """One decode step's final-norm hidden states through the fused CUDA kernels (rollout/decode_kernels.py):
-        per layer q/k/v's GEMM pair of `_gemm`, the other three projections' base GEMMs (their B products run
-        inside the kernels) and three kernels, `attention(layer, y, t, cos, sin)` being the caller's cache-writing
-        decode_attention. The same function as `hidden` for one token per row.
+        per layer the four GEMM pairs of `_gemm` and three kernels, `attention(layer, y, t, cos, sin)` being the
+        caller's cache-writing decode_attention. The same function as `hidden` for one token per row.
 
         Shapes: ids, positions [W] -> [W, E].
         """
@@ -347,10 +339,11 @@ class CachedDecoder:
         for i, w in enumerate(self.weights):
             y, t = self._gemm(x, w, "qkv")
             attn = attention(i, y, t, cos, sin)  # [W, H * D]
-            h, x = decode_kernels.residual_norm(*self._base_gemm(attn, w, "o"), h, w["norm2"], self.eps)
-            m = decode_kernels.silu_mul(*self._base_gemm(x, w, "gate_up"), self.intermediate)  # [W, I]
+            h, x = decode_kernels.residual_norm(*self._gemm(attn, w, "o"), h, w["norm2"], self.eps)
+            y, t = self._gemm(x, w, "gate_up")
+            m = decode_kernels.silu_mul(y, t, self.intermediate)  # [W, I]
             after = self.weights[i + 1]["norm1"] if i + 1 < len(self.weights) else self.final_norm
-            h, x = decode_kernels.residual_norm(*self._base_gemm(m, w, "down"), h, after, self.eps)
+            h, x = decode_kernels.residual_norm(*self._gemm(m, w, "down"), h, after, self.eps)
         return x
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

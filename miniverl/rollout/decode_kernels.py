@@ -1,6 +1,5 @@
-"""hf_cached's decode step on CUDA as eight launches a layer: the four projection GEMMs (the adapter's A stacked
-under each base weight), the q/k/v adapter's B GEMM and these three Triton kernels, each doing what the eager path
-spreads over many launches.
+"""hf_cached's decode step on CUDA as twelve launches a layer: the four projection GEMM pairs and these three Triton
+kernels, each doing what the eager path spreads over many launches.
 
 Profiled on an H200 at 256 rows x 24 layers (docs/benchmarks/decode-profile.md), the eager step launched about
 1,200 kernels and the GPU, not the host, set its pace: small elementwise kernels (norm casts, rotary halves,
@@ -10,21 +9,17 @@ every row, masked or not. Here:
   key/value stored into the cache at `column`, then an online softmax over the row's own columns
   [first_column, column] only; one program per (row, KV head) serves that head's G query heads (grouped-query
   attention reads the keys once for the G of them);
-- `residual_norm`: the projection's output plus its LoRA term (x A^T)(s B)^T, computed in the kernel from the
-  GEMM's x A^T columns, added to the residual stream, and RMSNorm of the sum (the next sublayer's input), over a
-  tile of rows that reads s B once;
-- `silu_mul`: SiLU(gate) * up from the gate/up GEMM's output plus its LoRA term, a tensor-core dot per tile.
-Folding the o, gate/up and down adapters' B products into these kernels removed three GEMM launches a layer (run 1's
-profile: ~3.4 us each, 12% of the step). Each rounds where the eager bf16 path rounds (every op's result to the
-model's dtype, the LoRA term included; the norm's statistics and the softmax in fp32), so the same inputs give the
-same values up to the order of fp32 sums (the RMS, the scores, the LoRA term's rank sum); the attention keeps its
-scores in fp32 where eager rounds them to bf16 first. `TRITON_INTERPRET=1` runs the kernels on the CPU, which is how
-the tests compare them with float64 references and hf_cached's fused path with the oracle. The CPU decodes eagerly
-(rollout/cached_decoder.py `hidden`).
+- `residual_norm`: the projection's output (+ its LoRA term) added to the residual stream, and RMSNorm of the
+  sum (the next sublayer's input), in one pass over a row;
+- `silu_mul`: SiLU(gate) * up from the gate/up GEMM's output (+ its LoRA term).
+Each rounds where the eager bf16 path rounds (every op's result to the model's dtype; the norm's statistics and
+the softmax in fp32), so the same inputs give the same values up to the order of fp32 sums (the RMS, the scores);
+the attention keeps its scores in fp32 where eager rounds them to bf16 first. `TRITON_INTERPRET=1` runs the
+kernels on the CPU, which is how the tests compare them with float64 references and hf_cached's fused path with
+the oracle. The CPU decodes eagerly (rollout/cached_decoder.py `hidden`).
 
 Shapes: W rows decoded, E hidden, H query heads, Hkv KV heads, G = H / Hkv, D head dim, L cache columns,
-I intermediate size; a GEMM output y is [W, O + R] (the base's O columns, then x A^T's R), its LoRA term t [W, O],
-s B [O, R] (the adapter's B scaled, in the model's dtype; block-diagonal for a fused group).
+I intermediate size; a GEMM output y is [W, O + R] (the base's O columns, then x A^T's R), its LoRA term t [W, O].
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ import torch
 
 BLOCK_COLUMNS = 64  # cache columns per iteration: a [64, D] key tile and a [G, 64] score tile in registers
 MIN_DOT = 16  # tl.dot needs every dimension >= 16: the G query heads are padded up to it
-BLOCK_INTERMEDIATE = 64  # SiLU * up: columns per program (of MIN_DOT rows: one tensor-core tile of the LoRA term)
-NORM_ROWS = 4  # residual + RMSNorm: rows per program (each reads s B once for them)
+BLOCK_INTERMEDIATE = 1024  # SiLU * up: columns per program
 # Triton 3.9's interpreter multiplies bf16 tl.dot operands wrongly (off by 1e10 on 16 x 16 random values): under
 # it the dots widen their operands to fp32 first (the values are the same; the products are exact in fp32).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -104,51 +98,27 @@ def decode_attention(
     return out
 
 
-def _adapter(y: torch.Tensor, sb: torch.Tensor | None, outputs: int) -> tuple[torch.Tensor, int, bool]:
-    """s B's pointer, its rank and presence (y stands in for an absent one: never read), checking that y holds
-    the outputs and then x A^T's `rank` columns (the extended base GEMM's output, CachedDecoder._gemm)."""
-    if y.stride(-1) != 1:
-        raise ValueError("the decode kernels need each row's columns contiguous")
-    if sb is None:
-        return y, 0, False
-    rank = sb.shape[1]
-    if sb.shape[0] != outputs or not sb.is_contiguous() or y.shape[1] < outputs + rank:
-        raise ValueError(
-            f"the LoRA term needs s B as a contiguous [{outputs}, R] and y's R columns of x A^T after its"
-            f" {outputs} outputs; got s B {tuple(sb.shape)} and y {tuple(y.shape)}"
-        )
-    return sb, rank, True
-
-
 def residual_norm(
-    y: torch.Tensor, sb: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor, eps: float
+    y: torch.Tensor, t: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h + (y + t) (the residual stream after a sublayer) and RMSNorm of it times `weight` (the next sublayer's
-    input), t the unmerged adapter's term (x A^T)(s B)^T computed here from y's x A^T columns (no GEMM of its
-    own). Shapes: y [W, E + R] (R = 0 without an adapter), sb [E, R] or None, h [W, E] -> ([W, E], [W, E]) in
-    h's dtype."""
+    input). Shapes: y [W, >= E], t [W, E] or None, h [W, E] -> ([W, E], [W, E]) in h's dtype."""
     w, n = h.shape
-    lora, rank, has_lora = _adapter(y, sb, n)
+    lora, lora_row, has_lora = _lora(y, t)
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
-    _kernels()[1][(-(-w // NORM_ROWS),)](
-        y, lora, h, weight, h_out, x_out, y.stride(0), h.stride(0), w, n, rank, eps,
-        ROWS=NORM_ROWS, BLOCK=(block := 1 << (n - 1).bit_length()), HAS_LORA=has_lora,
-        num_warps=max(4, min(16, NORM_ROWS * block // 512)),  # a row tile's fp32 values: 16 per thread
+    _kernels()[1][(w,)](
+        y, lora, h, weight, h_out, x_out, y.stride(0), lora_row, h.stride(0), n, eps,
+        BLOCK=1 << (n - 1).bit_length(), HAS_LORA=has_lora,
     )  # fmt: skip
     return h_out, x_out
 
 
-def silu_mul(y: torch.Tensor, sb: torch.Tensor | None, intermediate: int) -> torch.Tensor:
-    """SiLU(gate) * up, gate and up the first and second `intermediate` columns of y + t, t the unmerged adapter's
-    term (x A^T)(s B)^T computed here, as tensor-core dots over tiles of rows, from y's x A^T columns.
-    Shapes: y [W, 2 I + R] (R = 0 without an adapter), sb [2 I, R] or None -> [W, I] in y's dtype."""
+def silu_mul(y: torch.Tensor, t: torch.Tensor | None, intermediate: int) -> torch.Tensor:
+    """SiLU(gate) * up, gate and up the first and second `intermediate` columns of y + t.
+    Shapes: y [W, >= 2 I], t [W, 2 I] or None -> [W, I] in y's dtype."""
     w = y.shape[0]
-    lora, rank, has_lora = _adapter(y, sb, 2 * intermediate)
+    lora, lora_row, has_lora = _lora(y, t)
     out = torch.empty(w, intermediate, dtype=y.dtype, device=y.device)
-    grid = (-(-w // MIN_DOT), -(-intermediate // BLOCK_INTERMEDIATE))
-    _kernels()[2][grid](
-        y, lora, out, y.stride(0), w, intermediate, rank,
-        ROWS=MIN_DOT, BLOCK=BLOCK_INTERMEDIATE, RP=max(MIN_DOT, 1 << (max(rank, 1) - 1).bit_length()),
-        HAS_LORA=has_lora, IEEE=y.dtype == torch.float32 or _INTERPRETED,
-    )  # fmt: skip
+    grid = (w, -(-intermediate // BLOCK_INTERMEDIATE))
+    _kernels()[2][grid](y, lora, out, y.stride(0), lora_row, intermediate, BLOCK=BLOCK_INTERMEDIATE, HAS_LORA=has_lora)
     return out

@@ -110,60 +110,28 @@ def decode_attention_kernel(
 
 @triton.jit
 def residual_norm_kernel(
-    y_ptr, sb_ptr, h_ptr, w_ptr, h_out_ptr, x_out_ptr, y_row, h_row, width, n, rank, eps,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_LORA: tl.constexpr,
+    y_ptr, t_ptr, h_ptr, w_ptr, h_out_ptr, x_out_ptr, y_row, t_row, h_row, n, eps,
+    BLOCK: tl.constexpr, HAS_LORA: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row = tl.program_id(0).to(tl.int64)
     dtype = h_out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
-    live, inside = rows < width, cols < n
-    mask = live[:, None] & inside[None, :]
-    y_at = y_ptr + rows[:, None] * y_row
-    out = tl.load(y_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [ROWS, BLOCK]
-    if HAS_LORA:  # (x A^T)(s B)^T: x A^T is y's `rank` columns after the n outputs; one rank column at a time
-        term = tl.zeros((ROWS, BLOCK), tl.float32)
-        for r in range(rank):
-            xa = tl.load(y_ptr + rows * y_row + n + r, mask=live, other=0.0).to(tl.float32)  # [ROWS]
-            sb = tl.load(sb_ptr + cols * rank + r, mask=inside, other=0.0).to(tl.float32)  # [BLOCK]
-            term += xa[:, None] * sb[None, :]
-        out = rounded(out + rounded(term, dtype), dtype)
-    at = rows[:, None] * h_row + cols[None, :]
-    h = rounded(tl.load(h_ptr + at, mask=mask, other=0.0).to(tl.float32) + out, dtype)
-    tl.store(h_out_ptr + rows[:, None] * n + cols[None, :], cast(h, dtype), mask=mask)
-    normed = rounded(h * (1.0 / tl.sqrt(tl.sum(h * h, 1) / n + eps))[:, None], dtype)  # RMSNorm in fp32, then cast
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(x_out_ptr + rows[:, None] * n + cols[None, :], cast(w[None, :] * normed, dtype), mask=mask)
+    mask = cols < n
+    out = load_sum(y_ptr + row * y_row, t_ptr + row * t_row, cols, mask, HAS_LORA, dtype)
+    h = rounded(tl.load(h_ptr + row * h_row + cols, mask=mask, other=0.0).to(tl.float32) + out, dtype)
+    tl.store(h_out_ptr + row * n + cols, cast(h, dtype), mask=mask)
+    normed = rounded(h * (1.0 / tl.sqrt(tl.sum(h * h, 0) / n + eps)), dtype)  # RMSNorm in fp32, then cast
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_out_ptr + row * n + cols, cast(w * normed, dtype), mask=mask)
 
 
 @triton.jit
-def lora_term(xa, sb_ptr, outputs, inside, rank, r, IEEE: tl.constexpr, dtype: tl.constexpr):
-    """(x A^T)(s B)^T at columns `outputs` of the projection, rounded as the eager GEMM's output: xa [ROWS, RP]
-    (x A^T, zero past `rank`) times s B's rows `outputs` ([O, rank] row-major), as one tensor-core dot."""
-    sb = tl.load(sb_ptr + outputs[None, :] * rank + r[:, None], mask=(r < rank)[:, None] & inside[None, :], other=0.0)
-    if IEEE:  # noqa: SIM108 (Triton)
-        term = tl.dot(xa.to(tl.float32), sb.to(tl.float32), input_precision="ieee")
-    else:
-        term = tl.dot(xa, sb)
-    return rounded(term, dtype)
-
-
-@triton.jit
-def silu_mul_kernel(
-    y_ptr, sb_ptr, out_ptr, y_row, width, n, rank,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, RP: tl.constexpr, HAS_LORA: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+def silu_mul_kernel(y_ptr, t_ptr, out_ptr, y_row, t_row, n, BLOCK: tl.constexpr, HAS_LORA: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     dtype = out_ptr.dtype.element_ty
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live, inside = rows < width, cols < n
-    mask = live[:, None] & inside[None, :]
-    y_at = y_ptr + rows[:, None] * y_row
-    gate = tl.load(y_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [ROWS, BLOCK]
-    up = tl.load(y_at + n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_LORA:  # x A^T is y's `rank` columns after the 2n outputs
-        r = tl.arange(0, RP)
-        xa = tl.load(y_at + 2 * n + r[None, :], mask=live[:, None] & (r < rank)[None, :], other=0.0)  # [ROWS, RP]
-        gate = rounded(gate + lora_term(xa, sb_ptr, cols, inside, rank, r, IEEE, dtype), dtype)
-        up = rounded(up + lora_term(xa, sb_ptr, n + cols, inside, rank, r, IEEE, dtype), dtype)
+    mask = cols < n
+    gate = load_sum(y_ptr + row * y_row, t_ptr + row * t_row, cols, mask, HAS_LORA, dtype)
+    up = load_sum(y_ptr + row * y_row, t_ptr + row * t_row, n + cols, mask, HAS_LORA, dtype)
     act = rounded(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + rows[:, None] * n + cols[None, :], cast(act * up, dtype), mask=mask)
+    tl.store(out_ptr + row * n + cols, cast(act * up, dtype), mask=mask)
