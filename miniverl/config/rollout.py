@@ -11,7 +11,6 @@ ENGINE_PROCESSES = ("inprocess", "subprocess")  # rollout.vllm.engine_process
 SEEDING = ("row", "prompt")  # rollout.vllm.seeding
 AUTO_BACKEND = "auto"  # rollout.backend chosen from the student (RolloutConfig.chosen_backend)
 SGLANG_ATTENTION = ("triton", "flashinfer", "fa3")  # rollout.sglang.attention_backend
-SGLANG_SAMPLING = ("pytorch", "flashinfer")  # rollout.sglang.sampling_backend
 
 
 @dataclass
@@ -75,12 +74,13 @@ class VllmRolloutConfig:
 
 @dataclass
 class SglangRolloutConfig:
-    """rollout=sglang only (miniverl/rollout/sglang.py; written against sglang 0.5.17, not yet run on a GPU)."""
+    """rollout=sglang only (miniverl/rollout/sglang.py; written against sglang 0.5.17; its engine started on the H200,
+    its GPU tests not yet run). No sampler choice: row seeds need SGLang's deterministic inference, which samples
+    with its pytorch sampler."""
 
     # triton: the device bundle leaves out FlashAttention-3's 1.1 GB library (docs/benchmarks/sglang-feasibility.md);
     # fa3 is SGLang's Hopper default where that library is installed; flashinfer compiles its kernels on first use
     attention_backend: str = "triton"
-    sampling_backend: str = "pytorch"  # pytorch: no kernel compiled on first use (FlashInfer's are, with nvcc)
     # SGLang's mem_fraction_static: the fraction of the WHOLE device for weights and the KV pool; null = derived
     # from the rollout actor's share (its emulated cap on a capped card) less the engine's overhead
     mem_fraction_static: float | None = None
@@ -89,10 +89,6 @@ class SglangRolloutConfig:
         require(
             self.attention_backend in SGLANG_ATTENTION,
             f"rollout.sglang.attention_backend={self.attention_backend!r}: use one of {', '.join(SGLANG_ATTENTION)}",
-        )
-        require(
-            self.sampling_backend in SGLANG_SAMPLING,
-            f"rollout.sglang.sampling_backend={self.sampling_backend!r}: use one of {', '.join(SGLANG_SAMPLING)}",
         )
         require(
             self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,

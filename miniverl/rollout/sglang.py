@@ -1,13 +1,19 @@
 """The SGLang rollout backend: SGLang's Engine inside the rollout actor, token ids in and out (issue 37).
 
 Written against sglang 0.5.17, the newest release whose pins match the GPU machine's torch 2.11
-(docs/benchmarks/sglang-feasibility.md), from its source; NOT YET RUN ON A GPU. What it relies on:
+(docs/benchmarks/sglang-feasibility.md), from its source. On the H200 (run 1, docs/benchmarks/sglang-gpu/run1.md) its
+engine imports and starts only with the registration shim below, and honours `sampling_seed` only with deterministic
+inference on; its GPU tests have not run yet. What it relies on:
 - `Engine(skip_tokenizer_init=True)`: token ids in (`input_ids`), token ids out (`output_ids`), stopping on
   `stop_token_ids` only;
 - `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (set before SGLang is imported): `return_logprob=True` gives each sampled
   token's log-prob before temperature, top-k and top-p, the untempered policy's, which is what
   RolloutBatch.rollout_log_probs means;
-- one request per row, seeded by its row seed (`sampling_seed`), as vLLM's `seeding=row`;
+- one request per row, seeded by its row seed (`sampling_seed`), as vLLM's `seeding=row`. SGLang reads the seed only
+  with `enable_deterministic_inference=True` (sampling_batch_info.py; without it run 1 drew other tokens for the same
+  seed), which also fixes its sampler to the pytorch one: a draw from (seed, position);
+- sglang_compat/sitecustomize.py in every engine process: sglang 0.5.17 re-registers model types transformers 5.17
+  already has, which transformers refuses (run 1: the scheduler died at import);
 - every policy version is a new adapter loaded from the learner's tensors under a new name
   (`load_lora_adapter_from_tensors`), the previous one unloaded; the radix cache keys its entries by adapter, and
   `flush_cache()` empties it at every refresh (SGLang flushes only when no request is in flight: a refresh comes
@@ -22,6 +28,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -42,7 +49,6 @@ class SglangSettings:
     """What the engine is started with: rollout.sglang plus the sizes the rest of the run implies."""
 
     attention_backend: str
-    sampling_backend: str
     mem_fraction_static: float | None  # null: derived from the share (static_fraction)
     max_running_requests: int  # the run's largest generate call, in rows
     context_length: int  # data.max_prompt_length + rollout.max_new_tokens
@@ -55,7 +61,6 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> Sg
     s, r, d = cfg.rollout.sglang, cfg.rollout, cfg.data
     return SglangSettings(
         attention_backend=s.attention_backend,
-        sampling_backend=s.sampling_backend,
         mem_fraction_static=s.mem_fraction_static,
         max_running_requests=r.largest_call(d),  # rollout.vllm.max_num_seqs is vLLM's knob, not SGLang's
         context_length=d.max_prompt_length + r.max_new_tokens,
@@ -105,6 +110,16 @@ def completion(output: dict) -> Completion:
     return Completion(ids, logprobs, (meta.get("finish_reason") or {}).get("type") == "stop")
 
 
+def use_compat_shim() -> None:
+    """sglang_compat/sitecustomize.py in this process and, through PYTHONPATH, in every process the engine starts."""
+    import miniverl.rollout.sglang_compat.sitecustomize as shim
+
+    folder = str(Path(shim.__file__).parent)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *paths])
+
+
 class SglangBackend:
     """Serves the published policy through an SGLang engine; each policy version a new adapter."""
 
@@ -114,6 +129,7 @@ class SglangBackend:
         if device != "cuda" or not torch.cuda.is_available():
             raise ConfigError("rollout=sglang needs a CUDA GPU; use rollout=hf_cached on the CPU")
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # read when SGLang's sampler is imported
+        use_compat_shim()
         import sglang
 
         self.settings, self.lora, self.model_path = settings, lora, model_path
@@ -134,7 +150,7 @@ class SglangBackend:
                 context_length=settings.context_length,
                 max_running_requests=settings.max_running_requests,
                 attention_backend=settings.attention_backend,
-                sampling_backend=settings.sampling_backend,
+                enable_deterministic_inference=True,  # else sampling_seed is ignored; sampling runs on pytorch
                 enable_lora=True,
                 max_lora_rank=lora.rank,
                 lora_target_modules=list(lora.target_modules),

@@ -9,6 +9,7 @@ import torch
 
 from miniverl.config import validate
 from miniverl.errors import ConfigError
+from miniverl.models.lora import LoraSettings
 from miniverl.rollout import require_engine
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.sglang import (
@@ -27,7 +28,6 @@ GIB = 2**30
 def settings(**kw) -> SglangSettings:
     base = dict(
         attention_backend="triton",
-        sampling_backend="pytorch",
         mem_fraction_static=None,
         max_running_requests=64,
         context_length=256,
@@ -41,7 +41,6 @@ def settings(**kw) -> SglangSettings:
     "overrides, message",
     [
         (["rollout.sglang.attention_backend=fa4"], "rollout.sglang.attention_backend='fa4': use one of triton"),
-        (["rollout.sglang.sampling_backend=cuda"], "rollout.sglang.sampling_backend='cuda': use one of pytorch"),
         (["rollout.sglang.mem_fraction_static=0"], r"rollout.sglang.mem_fraction_static=0.0: a fraction of the device"),
         (
             ["rollout=sglang", "resources.colocate=true"],
@@ -146,7 +145,6 @@ class StandInEngine:
 
 
 def stand_in(engine: StandInEngine) -> SglangBackend:
-    from miniverl.models.lora import LoraSettings
 
     backend = object.__new__(SglangBackend)  # no engine start: __init__ needs CUDA and sglang
     backend.lora = LoraSettings(4, 8.0, 0.0, ("q_proj",), 0)
@@ -179,3 +177,46 @@ def test_a_refused_flush_stops_the_run():
     backend = stand_in(StandInEngine(flushes=False))
     with pytest.raises(RuntimeError, match="refused to flush its radix cache after loading policy version 1"):
         backend.load_adapter({"a.lora_A.weight": torch.ones(4, 8)})
+
+
+def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(monkeypatch, tmp_path):
+    """sglang 0.5.17 re-registers model types that transformers 5.17 has, which transformers refuses (run 1 on the
+    H200); the shim, first on the PYTHONPATH the engine's processes inherit, lets it. Checked in a child process as
+    the engine's scheduler would start: with the shim a second registration passes, without it transformers
+    refuses it (what broke the scheduler). And the engine is asked for deterministic inference, without which
+    SGLang ignores sampling_seed (run 1: other tokens for the same seed)."""
+    import os
+    import subprocess
+    import sys
+
+    from miniverl.rollout import sglang as backend
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    backend.use_compat_shim()
+    backend.use_compat_shim()  # once on the path, however often a backend starts
+    paths = os.environ["PYTHONPATH"].split(os.pathsep)
+    assert paths[0].endswith("sglang_compat") and paths[1:] == ["/elsewhere"]
+    again = "from transformers import AutoConfig, PretrainedConfig\n"
+    again += "class C(PretrainedConfig):\n    model_type = 'qwen2'\nAutoConfig.register('qwen2', C)\nprint('ok')\n"
+    script = tmp_path / "register_again.py"
+    script.write_text(again)
+    shimmed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=os.environ.copy())
+    assert shimmed.returncode == 0 and "ok" in shimmed.stdout, shimmed.stderr[-2000:]
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env={**os.environ,
+                           "PYTHONPATH": "/elsewhere"})  # fmt: skip
+    assert plain.returncode != 0 and "already used by a Transformers config" in plain.stderr
+
+    started = {}
+
+    class FakeSglang:
+        @staticmethod
+        def Engine(**kwargs):
+            started.update(kwargs)
+            return StandInEngine()
+
+    monkeypatch.setitem(sys.modules, "sglang", FakeSglang)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: type("P", (), {"total_memory": 140 * GIB}))
+    monkeypatch.setattr(backend, "adapter_template", lambda *a: {})
+    backend.SglangBackend("m", LoraSettings(4, 8.0, 0.0, ("q_proj",), 0), torch.bfloat16, "cuda", settings())
+    assert started["enable_deterministic_inference"] is True and "sampling_backend" not in started
