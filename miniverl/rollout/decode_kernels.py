@@ -39,12 +39,17 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @functools.cache
 def _kernels():
-    """The Triton kernels (attention, residual norm, SiLU mul), or None where they cannot be built (no triton)."""
+    """The Triton kernels (attention, residual norm, SiLU mul, the sampler's hash), or None without triton."""
     try:
         from miniverl.rollout import decode_triton
     except ImportError:
         return None
-    return decode_triton.decode_attention_kernel, decode_triton.residual_norm_kernel, decode_triton.silu_mul_kernel
+    return (
+        decode_triton.decode_attention_kernel,
+        decode_triton.residual_norm_kernel,
+        decode_triton.silu_mul_kernel,
+        decode_triton.hash_uniform_kernel,
+    )
 
 
 def available(device: str, head_dim: int) -> bool:
@@ -121,4 +126,29 @@ def silu_mul(y: torch.Tensor, t: torch.Tensor | None, intermediate: int) -> torc
     out = torch.empty(w, intermediate, dtype=y.dtype, device=y.device)
     grid = (w, -(-intermediate // BLOCK_INTERMEDIATE))
     _kernels()[2][grid](y, lora, out, y.stride(0), lora_row, intermediate, BLOCK=BLOCK_INTERMEDIATE, HAS_LORA=has_lora)
+    return out
+
+
+HASH_BLOCK = 1024  # rows per program of hash_uniforms
+
+
+def hash_uniforms(
+    seeds: torch.Tensor, step: torch.Tensor | int, stream: int, multipliers: tuple[int, int], bits: int
+) -> torch.Tensor | None:
+    """rollout/sampling.py's counter_uniforms as one kernel (the same integer hash, so the same numbers), or None
+    where it does not run (not CUDA nor Triton's interpreter, or no triton): the caller's torch ops then. In torch the
+    hash is about fifty launches of a few int64 ops each, 56 us of a 2.07 ms decode step at 256 rows
+    (docs/benchmarks/decode-profile.md, run 1's trace).
+
+    Shapes: seeds [B] int64 >= 0, step [] / [1] int64 tensor or int -> [B] float32."""
+    if not (seeds.is_cuda or _INTERPRETED) or _kernels() is None or seeds.numel() == 0:
+        return None
+    if not isinstance(step, torch.Tensor):
+        step = torch.tensor([step], dtype=torch.int64, device=seeds.device)
+    seeds = seeds.contiguous()
+    out = torch.empty(seeds.shape, dtype=torch.float32, device=seeds.device)
+    _kernels()[3][(-(-seeds.numel() // HASH_BLOCK),)](
+        seeds, step, out, seeds.numel(),
+        STREAM=stream, C0=multipliers[0], C1=multipliers[1], BITS=bits, BLOCK=HASH_BLOCK,
+    )  # fmt: skip
     return out

@@ -135,3 +135,29 @@ def silu_mul_kernel(y_ptr, t_ptr, out_ptr, y_row, t_row, n, BLOCK: tl.constexpr,
     up = load_sum(y_ptr + row * y_row, t_ptr + row * t_row, n + cols, mask, HAS_LORA, dtype)
     act = rounded(gate / (1.0 + tl.exp(-gate)), dtype)
     tl.store(out_ptr + row * n + cols, cast(act * up, dtype), mask=mask)
+
+
+@triton.jit
+def mix32(x, C0: tl.constexpr, C1: tl.constexpr):
+    """rollout/sampling.py's `_mix32` on uint64 values below 2**32: each product stays below 2**64 and is masked back
+    to 32 bits, so the integers are sampling.py's exactly."""
+    x = x ^ (x >> 16)
+    x = (x * C0) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * C1) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def hash_uniform_kernel(
+    seed_ptr, step_ptr, out_ptr, n,
+    STREAM: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    seed = tl.load(seed_ptr + i, mask=live, other=0).to(tl.uint64)  # seeds are >= 0: the same bits
+    step = tl.load(step_ptr).to(tl.uint64)
+    h = mix32((seed & 0xFFFFFFFF) ^ STREAM, C0, C1)
+    h = mix32(h ^ (seed >> 32), C0, C1)
+    h = mix32(h ^ (step & 0xFFFFFFFF), C0, C1)
+    tl.store(out_ptr + i, (h >> (32 - BITS)).to(tl.float32) * (1.0 / (1 << BITS)), mask=live)

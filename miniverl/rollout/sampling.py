@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.models.vocab_kernels import row_logsumexp, segment_logsumexp
+from miniverl.rollout.decode_kernels import hash_uniforms
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,14 @@ def counter_uniforms(seeds: torch.Tensor, step: torch.Tensor | int) -> torch.Ten
     batch rows differently (hf_reference, hf_cached) draw the same numbers. All 63 bits of a seed count (torch's CPU
     generator keeps only the low 32 of a manual seed).
 
+    On CUDA the same integers come from one Triton kernel (rollout/decode_kernels.py `hash_uniforms`), not from
+    about fifty small torch launches.
+
     Shapes: seeds [B] int64 (>= 0), step [] / [1] int64 tensor or int -> [B] float32, multiples of 2**-24.
     """
+    fused = hash_uniforms(seeds, step, STREAM_KEY, MIX_MULTIPLIERS, UNIFORM_BITS)
+    if fused is not None:
+        return fused
     h = _mix32((seeds & MASK32) ^ STREAM_KEY)
     h = _mix32(h ^ (seeds >> 32))
     h = _mix32(h ^ (step & MASK32))

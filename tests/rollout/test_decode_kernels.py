@@ -217,3 +217,36 @@ def test_hf_cached_kernel_path_samples_what_the_oracle_samples(tmp_path):
     model_dir = save_random_qwen2(tmp_path / "d16", hidden_size=64, intermediate_size=128, vocab_size=64)  # D = 16
     check = "from tests.rollout.test_decode_kernels import check_hf_cached_kernel_path as c"
     in_child(f"{check}; c({str(model_dir)!r})")
+
+
+def check_hash_uniforms(device: str) -> None:
+    """The sampler's counter hash as one kernel gives the torch ops' numbers exactly: seeds using all 63 bits, the
+    step as a device tensor (as the captured decode step holds it) and as an int, more rows than one program."""
+    from miniverl.rollout import sampling
+    from miniverl.rollout.decode_kernels import hash_uniforms
+
+    g = torch.Generator().manual_seed(3)
+    seeds = torch.cat([
+        torch.tensor([0, 1, 2**32 - 1, 2**32, 2**63 - 1]),
+        torch.randint(0, 2**62, (2000,), generator=g),
+    ])  # fmt: skip
+    args = (sampling.STREAM_KEY, sampling.MIX_MULTIPLIERS, sampling.UNIFORM_BITS)
+    for step in (0, 7, 2**31 + 5, torch.tensor([12345])):
+        want = sampling._mix32(sampling._mix32((seeds & sampling.MASK32) ^ sampling.STREAM_KEY) ^ (seeds >> 32))
+        want = sampling._mix32(want ^ (step & sampling.MASK32))
+        want = (want >> (32 - sampling.UNIFORM_BITS)).float() * 2.0**-sampling.UNIFORM_BITS
+        dev_step = step.to(device) if isinstance(step, torch.Tensor) else step
+        got = hash_uniforms(seeds.to(device), dev_step, *args)
+        assert got is not None and torch.equal(got.cpu(), want), step
+        assert torch.equal(sampling.counter_uniforms(seeds.to(device), dev_step).cpu(), want)
+
+
+@pytest.mark.parametrize("device", ["interpret", CUDA])
+def test_the_samplers_hash_as_one_kernel_draws_the_same_numbers(device):
+    if device == "cuda":
+        check_hash_uniforms("cuda")
+    else:
+        in_child("from tests.rollout.test_decode_kernels import check_hash_uniforms as c; c('cpu')")
+    from miniverl.rollout.decode_kernels import hash_uniforms
+
+    assert hash_uniforms(torch.tensor([1, 2]), 0, 1, (3, 5), 24) is None  # a CPU tensor: the caller's torch ops
