@@ -11,7 +11,9 @@ every row, masked or not. Here:
   attention reads the keys once for the G of them);
 - `residual_norm`: the projection's output (+ its LoRA term) added to the residual stream, and RMSNorm of the
   sum (the next sublayer's input), in one pass over a row;
-- `silu_mul`: SiLU(gate) * up from the gate/up GEMM's output (+ its LoRA term).
+- `silu_mul`: SiLU(gate) * up from the gate/up GEMM's output (+ its LoRA term);
+- `hash_uniforms`: the sampler's per-row counter hash (rollout/sampling.py `counter_uniforms`) in one launch, the
+  same integers, instead of about fifty small int64 ones.
 Each rounds where the eager bf16 path rounds (every op's result to the model's dtype; the norm's statistics and
 the softmax in fp32), so the same inputs give the same values up to the order of fp32 sums (the RMS, the scores);
 the attention keeps its scores in fp32 where eager rounds them to bf16 first. `TRITON_INTERPRET=1` runs the
