@@ -13,7 +13,9 @@ every row, masked or not. Here:
   sum (the next sublayer's input), in one pass over a row;
 - `silu_mul`: SiLU(gate) * up from the gate/up GEMM's output (+ its LoRA term);
 - `hash_uniforms`: the sampler's per-row counter hash (rollout/sampling.py `counter_uniforms`) in one launch, the
-  same integers, instead of about fifty small int64 ones.
+  same integers, instead of about fifty small int64 ones;
+- `inverse_cdf`: the sampler's two-level inverse CDF after its segment sums (rollout/sampling.py
+  `_two_level_inverse_cdf`), one program per row, instead of about 25 small launches.
 Each rounds where the eager bf16 path rounds (every op's result to the model's dtype; the norm's statistics and
 the softmax in fp32), so the same inputs give the same values up to the order of fp32 sums (the RMS, the scores);
 the attention keeps its scores in fp32 where eager rounds them to bf16 first. `TRITON_INTERPRET=1` runs the
@@ -51,6 +53,7 @@ def _kernels():
         decode_triton.residual_norm_kernel,
         decode_triton.silu_mul_kernel,
         decode_triton.hash_uniform_kernel,
+        decode_triton.inverse_cdf_kernel,
     )
 
 
@@ -154,3 +157,26 @@ def hash_uniforms(
         STREAM=stream, C0=multipliers[0], C1=multipliers[1], BITS=bits, BLOCK=HASH_BLOCK,
     )  # fmt: skip
     return out
+
+
+def inverse_cdf(
+    x: torch.Tensor, seg: torch.Tensor, u: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rollout/sampling.py `_two_level_inverse_cdf` after its segment sums, one program per row: the segments'
+    CDF, the segment holding u times the row's mass, the CDF of that segment's `width` columns and the column in it;
+    or None where it does not run (the caller's torch ops then). The same steps in the same order; its exp and log
+    are Triton's, so a draw may land one column over where torch's CDF and this one straddle the target (both are
+    the inverse CDF of the same distribution), and the CPU never runs it outside the tests' interpreter.
+
+    Shapes: x [B, V], seg [B, S] float32, u [B] float32 -> tokens [B] long, log of the row's mass [B] float32."""
+    if not (x.is_cuda or _INTERPRETED) or _kernels() is None or x.shape[0] == 0 or x.stride(1) != 1:
+        return None
+    rows, segments = seg.shape
+    seg, u = seg.contiguous(), u.contiguous()
+    tokens = torch.empty(rows, dtype=torch.long, device=x.device)
+    total = torch.empty(rows, dtype=torch.float32, device=x.device)
+    _kernels()[4][(rows,)](
+        x, seg, u, tokens, total, x.stride(0), seg.stride(0), x.shape[1], segments, torch.finfo(torch.float32).tiny,
+        SP=max(MIN_DOT, 1 << (segments - 1).bit_length()), WIDTH=width,
+    )  # fmt: skip
+    return tokens, total

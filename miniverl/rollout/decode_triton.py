@@ -161,3 +161,27 @@ def hash_uniform_kernel(
     h = mix32(h ^ (seed >> 32), C0, C1)
     h = mix32(h ^ (step & 0xFFFFFFFF), C0, C1)
     tl.store(out_ptr + i, (h >> (32 - BITS)).to(tl.float32) * (1.0 / (1 << BITS)), mask=live)
+
+
+@triton.jit
+def inverse_cdf_kernel(
+    x_ptr, seg_ptr, u_ptr, token_ptr, total_ptr, x_row, seg_row, v, segments, tiny,
+    SP: tl.constexpr, WIDTH: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, SP)
+    seg = tl.load(seg_ptr + row * seg_row + j, mask=j < segments, other=float("-inf"))  # [SP]
+    top = tl.max(seg, 0)
+    total = top + tl.log(tl.sum(tl.exp(seg - top), 0))  # log of the row's whole mass
+    cdf = tl.cumsum(tl.exp(seg - total), 0)  # [SP]: past the last segment it stays at the last value
+    last = tl.sum(tl.where(j == segments - 1, cdf, 0.0), 0)
+    target = tl.maximum(tl.load(u_ptr + row) * last, tiny)
+    s = tl.minimum(tl.sum((cdf < target).to(tl.int32), 0), segments - 1)  # searchsorted (left) on a monotone cdf
+    before = tl.sum(tl.where(j == s - 1, cdf, 0.0), 0)  # 0 for the first segment
+    cols = s * WIDTH + tl.arange(0, WIDTH)
+    inside = tl.load(x_ptr + row * x_row + cols, mask=cols < v, other=float("-inf")).to(tl.float32)
+    inner = tl.cumsum(tl.exp(inside - total), 0) + before  # [WIDTH] absolute CDF
+    aim = tl.minimum(target, tl.max(inner, 0))  # never past the segment's own last value
+    pick = tl.minimum(tl.sum((inner < aim).to(tl.int32), 0), WIDTH - 1)
+    tl.store(token_ptr + row, (s * WIDTH + pick).to(tl.int64))
+    tl.store(total_ptr + row, total)

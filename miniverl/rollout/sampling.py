@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.models.vocab_kernels import row_logsumexp, segment_logsumexp
-from miniverl.rollout.decode_kernels import hash_uniforms
+from miniverl.rollout.decode_kernels import hash_uniforms, inverse_cdf
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,9 @@ def _two_level_inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tens
     v = x.shape[1]
     width = min(SAMPLE_SEGMENT, 1 << max(0, v - 1).bit_length())
     seg = segment_logsumexp(x, width)  # [B, S]
+    fused = inverse_cdf(x, seg, u, width)  # on CUDA: the steps below in one launch
+    if fused is not None:
+        return fused
     total = torch.logsumexp(seg, dim=-1)  # [B]
     cdf = (seg - total[:, None]).exp_().cumsum_(dim=-1)  # [B, S]
     target = (u * cdf[:, -1]).clamp(min=torch.finfo(torch.float32).tiny)  # [B]

@@ -250,3 +250,48 @@ def test_the_samplers_hash_as_one_kernel_draws_the_same_numbers(device):
     from miniverl.rollout.decode_kernels import hash_uniforms
 
     assert hash_uniforms(torch.tensor([1, 2]), 0, 1, (3, 5), 24) is None  # a CPU tensor: the caller's torch ops
+
+
+def check_inverse_cdf(device: str) -> None:
+    """The sampler's two-level inverse CDF as one kernel picks the torch steps' tokens and the same row mass: a
+    vocabulary of several 4,096-column segments with a short last one, peaked and flat rows, u near 0 and 1, and a
+    vocabulary narrower than one segment."""
+    from miniverl.rollout import sampling
+    from miniverl.rollout.decode_kernels import inverse_cdf
+
+    g = torch.Generator().manual_seed(5)
+    for rows, vocab, dtype in ((33, 3 * 4096 + 100, torch.bfloat16), (9, 64, torch.float32)):
+        x = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+        x[0, 17] = 40.0  # one token holds almost all the mass
+        x[1] = 0.0  # flat
+        u = torch.rand(rows, generator=g)
+        u[2], u[3] = 0.0, 1.0 - 2.0**-24
+        width = min(sampling.SAMPLE_SEGMENT, 1 << max(0, vocab - 1).bit_length())
+        seg = sampling.segment_logsumexp(x, width)
+        total = torch.logsumexp(seg, dim=-1)
+        cdf = (seg - total[:, None]).exp().cumsum(dim=-1)
+        target = (u * cdf[:, -1]).clamp(min=torch.finfo(torch.float32).tiny)
+        s = torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=seg.shape[1] - 1)
+        before = torch.where(s > 0, cdf.gather(-1, (s - 1).clamp(min=0)[:, None]).squeeze(-1), 0.0)
+        cols = s[:, None] * width + torch.arange(width)
+        inside = x.gather(-1, cols.clamp(max=vocab - 1)).float().masked_fill(cols >= vocab, float("-inf"))
+        inner = (inside - total[:, None]).exp().cumsum(dim=-1) + before[:, None]
+        aim = torch.minimum(target, inner[:, -1])[:, None]
+        want = s * width + torch.searchsorted(inner, aim).squeeze(-1).clamp(max=width - 1)
+        got = inverse_cdf(x.to(device), seg.to(device), u.to(device), width)
+        assert got is not None
+        assert torch.equal(got[0].cpu(), want), (got[0].cpu() != want).nonzero()
+        assert torch.allclose(got[1].cpu(), total, rtol=1e-6, atol=1e-6)
+        assert got[0][0].item() == 17
+
+
+@pytest.mark.parametrize("device", ["interpret", CUDA])
+def test_the_samplers_inverse_cdf_as_one_kernel_picks_the_same_tokens(device):
+    if device == "cuda":
+        check_inverse_cdf("cuda")
+    else:
+        in_child("from tests.rollout.test_decode_kernels import check_inverse_cdf as c; c('cpu')")
+    from miniverl.rollout.decode_kernels import inverse_cdf
+
+    x = torch.zeros(2, 8)
+    assert inverse_cdf(x, torch.zeros(2, 1), torch.zeros(2), 8) is None  # a CPU tensor: the caller's torch ops
