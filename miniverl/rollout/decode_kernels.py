@@ -137,6 +137,11 @@ def silu_mul(y: torch.Tensor, t: torch.Tensor | None, intermediate: int) -> torc
 HASH_BLOCK = 1024  # rows per program of hash_uniforms
 
 
+def _runs_on(t: torch.Tensor) -> bool:
+    """Whether the sampler's kernels serve a tensor there: CUDA (or Triton's interpreter) with Triton installed."""
+    return (t.is_cuda or _INTERPRETED) and _kernels() is not None
+
+
 def hash_uniforms(
     seeds: torch.Tensor, step: torch.Tensor | int, stream: int, multipliers: tuple[int, int], bits: int
 ) -> torch.Tensor | None:
@@ -146,7 +151,7 @@ def hash_uniforms(
     (docs/benchmarks/decode-profile.md, run 1's trace).
 
     Shapes: seeds [B] int64 >= 0, step [] / [1] int64 tensor or int -> [B] float32."""
-    if not (seeds.is_cuda or _INTERPRETED) or _kernels() is None or seeds.numel() == 0:
+    if not _runs_on(seeds) or seeds.numel() == 0:
         return None
     if not isinstance(step, torch.Tensor):
         step = torch.tensor([step], dtype=torch.int64, device=seeds.device)
@@ -169,7 +174,7 @@ def inverse_cdf(
     the inverse CDF of the same distribution), and the CPU never runs it outside the tests' interpreter.
 
     Shapes: x [B, V], seg [B, S] float32, u [B] float32 -> tokens [B] long, log of the row's mass [B] float32."""
-    if not (x.is_cuda or _INTERPRETED) or _kernels() is None or x.shape[0] == 0 or x.stride(1) != 1:
+    if not _runs_on(x) or x.shape[0] == 0 or x.stride(1) != 1:
         return None
     rows, segments = seg.shape
     seg, u = seg.contiguous(), u.contiguous()

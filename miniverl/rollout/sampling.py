@@ -89,8 +89,11 @@ def counter_uniforms(seeds: torch.Tensor, step: torch.Tensor | int) -> torch.Ten
     Shapes: seeds [B] int64 (>= 0), step [] / [1] int64 tensor or int -> [B] float32, multiples of 2**-24.
     """
     fused = hash_uniforms(seeds, step, STREAM_KEY, MIX_MULTIPLIERS, UNIFORM_BITS)
-    if fused is not None:
-        return fused
+    return _hashed_uniforms(seeds, step) if fused is None else fused
+
+
+def _hashed_uniforms(seeds: torch.Tensor, step: torch.Tensor | int) -> torch.Tensor:
+    """counter_uniforms in torch ops (the CPU's path, and the kernel's reference in the tests)."""
     h = _mix32((seeds & MASK32) ^ STREAM_KEY)
     h = _mix32(h ^ (seeds >> 32))
     h = _mix32(h ^ (step & MASK32))
@@ -159,9 +162,16 @@ def _two_level_inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tens
     v = x.shape[1]
     width = min(SAMPLE_SEGMENT, 1 << max(0, v - 1).bit_length())
     seg = segment_logsumexp(x, width)  # [B, S]
-    fused = inverse_cdf(x, seg, u, width)  # on CUDA: the steps below in one launch
-    if fused is not None:
-        return fused
+    fused = inverse_cdf(x, seg, u, width)  # on CUDA: _segment_inverse_cdf's steps in one launch
+    return _segment_inverse_cdf(x, seg, u, width) if fused is None else fused
+
+
+def _segment_inverse_cdf(
+    x: torch.Tensor, seg: torch.Tensor, u: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """_two_level_inverse_cdf after its segment sums, in torch ops (the CPU's path, and the kernel's reference in the
+    tests). Shapes: x [B, V], seg [B, S] float32, u [B] -> tokens [B] long, log of the total mass [B] float32."""
+    v = x.shape[1]
     total = torch.logsumexp(seg, dim=-1)  # [B]
     cdf = (seg - total[:, None]).exp_().cumsum_(dim=-1)  # [B, S]
     target = (u * cdf[:, -1]).clamp(min=torch.finfo(torch.float32).tiny)  # [B]

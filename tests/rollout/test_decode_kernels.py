@@ -232,21 +232,15 @@ def check_hash_uniforms(device: str) -> None:
     ])  # fmt: skip
     args = (sampling.STREAM_KEY, sampling.MIX_MULTIPLIERS, sampling.UNIFORM_BITS)
     for step in (0, 7, 2**31 + 5, torch.tensor([12345])):
-        want = sampling._mix32(sampling._mix32((seeds & sampling.MASK32) ^ sampling.STREAM_KEY) ^ (seeds >> 32))
-        want = sampling._mix32(want ^ (step & sampling.MASK32))
-        want = (want >> (32 - sampling.UNIFORM_BITS)).float() * 2.0**-sampling.UNIFORM_BITS
+        want = sampling._hashed_uniforms(seeds, step)  # the torch ops
         dev_step = step.to(device) if isinstance(step, torch.Tensor) else step
         got = hash_uniforms(seeds.to(device), dev_step, *args)
         assert got is not None and torch.equal(got.cpu(), want), step
         assert torch.equal(sampling.counter_uniforms(seeds.to(device), dev_step).cpu(), want)
 
 
-@pytest.mark.parametrize("device", ["interpret", CUDA])
-def test_the_samplers_hash_as_one_kernel_draws_the_same_numbers(device):
-    if device == "cuda":
-        check_hash_uniforms("cuda")
-    else:
-        in_child("from tests.rollout.test_decode_kernels import check_hash_uniforms as c; c('cpu')")
+def test_the_samplers_hash_as_one_kernel_draws_the_same_numbers(run):
+    run(check_hash_uniforms)
     from miniverl.rollout.decode_kernels import hash_uniforms
 
     assert hash_uniforms(torch.tensor([1, 2]), 0, 1, (3, 5), 24) is None  # a CPU tensor: the caller's torch ops
@@ -268,16 +262,7 @@ def check_inverse_cdf(device: str) -> None:
         u[2], u[3] = 0.0, 1.0 - 2.0**-24
         width = min(sampling.SAMPLE_SEGMENT, 1 << max(0, vocab - 1).bit_length())
         seg = sampling.segment_logsumexp(x, width)
-        total = torch.logsumexp(seg, dim=-1)
-        cdf = (seg - total[:, None]).exp().cumsum(dim=-1)
-        target = (u * cdf[:, -1]).clamp(min=torch.finfo(torch.float32).tiny)
-        s = torch.searchsorted(cdf, target[:, None]).squeeze(-1).clamp(max=seg.shape[1] - 1)
-        before = torch.where(s > 0, cdf.gather(-1, (s - 1).clamp(min=0)[:, None]).squeeze(-1), 0.0)
-        cols = s[:, None] * width + torch.arange(width)
-        inside = x.gather(-1, cols.clamp(max=vocab - 1)).float().masked_fill(cols >= vocab, float("-inf"))
-        inner = (inside - total[:, None]).exp().cumsum(dim=-1) + before[:, None]
-        aim = torch.minimum(target, inner[:, -1])[:, None]
-        want = s * width + torch.searchsorted(inner, aim).squeeze(-1).clamp(max=width - 1)
+        want, total = sampling._segment_inverse_cdf(x, seg, u, width)  # the torch ops
         got = inverse_cdf(x.to(device), seg.to(device), u.to(device), width)
         assert got is not None
         assert torch.equal(got[0].cpu(), want), (got[0].cpu() != want).nonzero()
@@ -285,12 +270,8 @@ def check_inverse_cdf(device: str) -> None:
         assert got[0][0].item() == 17
 
 
-@pytest.mark.parametrize("device", ["interpret", CUDA])
-def test_the_samplers_inverse_cdf_as_one_kernel_picks_the_same_tokens(device):
-    if device == "cuda":
-        check_inverse_cdf("cuda")
-    else:
-        in_child("from tests.rollout.test_decode_kernels import check_inverse_cdf as c; c('cpu')")
+def test_the_samplers_inverse_cdf_as_one_kernel_picks_the_same_tokens(run):
+    run(check_inverse_cdf)
     from miniverl.rollout.decode_kernels import inverse_cdf
 
     x = torch.zeros(2, 8)
