@@ -15,7 +15,8 @@ LoRA (the RL-size bench's model and adapter), then reports:
 `--stop-median M` gives every row stop tokens: a set of ~ln(2) V / M token ids, so on a random-init model (nearly
 uniform next-token distribution) lengths are geometric with median ~M, capped by max new tokens (a long tail: a
 share of rows runs to the cap). The measured length distribution is reported with the cell.
-`--backend` is a rollout backend (`hf_cached`, `hf_reference`) or a peer the bench measures beside them
+`--backend` is a rollout backend (`hf_cached`, `hf_reference`, `sglang`: its `--backend-args` are rollout.sglang keys
+and `gpu_share`, default half the GPU) or a peer the bench measures beside them
 (miniverl/bench/baselines.py: `raw_vllm`, `hf_generate`), built with `--backend-args` (a JSON object of keyword
 arguments, e.g. raw vLLM's tuned settings `{"async_scheduling": true, "engine_process": "subprocess",
 "logprobs": false}`), so the peers run the same prompts, stop tokens and lengths. `--profile-steps 0` skips the
@@ -45,6 +46,7 @@ import torch
 
 from miniverl.bench.config import AdapterSpec, ModelShape
 from miniverl.bench.workload import build_random_model, lora_settings, make_adapter, real_shape
+from miniverl.errors import ConfigError
 from miniverl.rollout.sampling import SamplingParams, row_seeds
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -254,8 +256,8 @@ def judge_rows(oracle, prompts: list[list[int]], n: int, out: list, rows: int, s
 
 
 def backend_class(args, cells, longest_prompt: int) -> tuple[type, dict]:
-    """The class `--backend` names and its keyword arguments from `--backend-args` (raw vLLM sized for the widest and
-    longest cell), refused with the fix before any model is built."""
+    """The class `--backend` names and its keyword arguments from `--backend-args` (raw vLLM and SGLang sized for the
+    widest and longest cell), refused with the fix before any model is built."""
     from miniverl.bench.baselines import BASELINES
     from miniverl.rollout import BACKENDS
 
@@ -270,6 +272,14 @@ def backend_class(args, cells, longest_prompt: int) -> tuple[type, dict]:
             longest = longest_prompt + max(t for _, _, t in cells)
             kwargs = {"max_num_seqs": max(g * n for g, n, _ in cells), "max_model_len": longest} | kwargs
         return BASELINES[args.backend], kwargs
+    if args.backend == "sglang":  # an engine sized at start, as raw vLLM; --backend-args are rollout.sglang keys
+        from miniverl.rollout.sglang import bench_settings
+
+        rows, longest = max(g * n for g, n, _ in cells), longest_prompt + max(t for _, _, t in cells)
+        try:
+            kwargs = {"settings": bench_settings(rows, longest, kwargs)}
+        except ConfigError as e:
+            raise SystemExit(f"--backend-args do not fit sglang: {e}") from None
     if args.backend in BACKENDS:
         return BACKENDS.get(args.backend), kwargs
     known = ", ".join(sorted([*BACKENDS.names(), *BASELINES]))

@@ -131,16 +131,11 @@ def run_backend(ctx: Context, plan: BackendPlan, results: list[CellResult], log,
             )
         log(f"[bench] {plan.backend}: not run ({results[0].reasons[0]})")
         return
-    if plan.backend == "sglang":  # its engine settings are not built by the bench yet (issue 37: first GPU run pending)
-        for r in results:
-            r.stop("not_run", "rollout=sglang is not in the bench yet: its engine has not run on a GPU (issue 37)")
-        log(f"[bench] {plan.backend}: not run ({results[0].reasons[0]})")
-        return
-    if plan.backend in ("vllm", "raw_vllm"):
+    if plan.backend in ("vllm", "raw_vllm", "sglang"):
         from miniverl.rollout import require_engine
 
         try:
-            require_engine("vllm", ctx.device)
+            require_engine("sglang" if plan.backend == "sglang" else "vllm", ctx.device)
         except ConfigError as e:
             for r in results:
                 r.stop("not_run", str(e))
@@ -178,7 +173,7 @@ def run_backend(ctx: Context, plan: BackendPlan, results: list[CellResult], log,
 def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict]:
     """Split a plan's attributes into constructor options and attributes set afterwards.
 
-    vllm and raw_vllm are sized at construction: their attributes are constructor arguments, and the bench's
+    vllm, raw_vllm and sglang are sized at construction: their attributes are constructor arguments, and the bench's
     cells fix the engine's row count and context length. Other backends get attributes set on the instance.
     """
     rows = max(g * n for g, n in cfg.shapes)
@@ -216,6 +211,10 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
         )
         check_settings(settings)  # a plan's attributes are rollout.vllm values that no validate has seen
         return {"settings": settings}, {}
+    if plan.backend == "sglang":  # sized at construction too; its attributes are rollout.sglang keys (or gpu_share)
+        from miniverl.rollout.sglang import bench_settings
+
+        return {"settings": bench_settings(rows, context, plan.attributes)}, {}
     return {}, dict(plan.attributes)
 
 

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
+from miniverl.config import SglangRolloutConfig
 from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings, adapter_template
 from miniverl.rollout import Completion
@@ -67,6 +68,25 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> Sg
         gpu_share=gpu_share,
         gpu_cap_gib=gpu_cap_gib,
     )
+
+
+def bench_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
+    """A bench's engine (miniverl.bench, decode_profile): sized for its widest call and longest row, half the GPU and
+    rollout.sglang's defaults unless `attributes` (rollout.sglang keys, or gpu_share) say otherwise, checked as
+    validate checks rollout.sglang."""
+    a = {"gpu_share": 0.5} | dict(attributes)
+    share = a.pop("gpu_share")
+    known = {f.name for f in fields(SglangRolloutConfig)}
+    if set(a) - known:
+        raise ConfigError(
+            f"the bench's sglang settings {sorted(set(a) - known)} are not rollout.sglang keys; use"
+            f" {', '.join(sorted(known))} or gpu_share"
+        )
+    if not (isinstance(share, int | float) and 0 < share <= 1):
+        raise ConfigError(f"the bench's sglang gpu_share={share!r}: a fraction of the GPU in (0, 1]")
+    section = SglangRolloutConfig(**a)
+    section.check()
+    return SglangSettings(section.attention_backend, section.mem_fraction_static, rows, context, share, None)
 
 
 def static_fraction(settings: SglangSettings, total_bytes: int) -> float:

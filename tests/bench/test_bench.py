@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -190,14 +192,38 @@ def test_every_vllm_plan_of_a_committed_bench_builds_its_engine_settings(name):
                 constructor_options(cfg, typo)
 
 
-def test_sglang_cells_are_not_run_by_the_bench_yet_and_say_why():
-    """rollout=sglang is a product backend now, but the bench builds no engine settings for it until its first GPU
-    run (issue 37): its cells are reported as not run, with the reason, and nothing is constructed."""
+def test_sglang_cells_are_not_run_on_the_cpu_and_say_why():
+    """The bench runs rollout=sglang only where its engine can run: on the CPU its cells are not run, with the
+    product's reason, and nothing is constructed."""
     from miniverl.bench.config import BackendPlan
     from miniverl.bench.runner import CellResult, run_backend
 
     cells = [CellResult("sglang", "sglang", 16, 2, 2)]
     said = []
-    run_backend(None, BackendPlan("sglang", 1, 0, None, 60.0), cells, said.append)  # no context: nothing is built
-    assert cells[0].status == "not_run" and "not in the bench yet" in cells[0].reasons[0]
+    ctx = SimpleNamespace(device="cpu")  # run_backend must stop before it builds anything from it
+    run_backend(ctx, BackendPlan("sglang", 1, 0, None, 60.0), cells, said.append)
+    assert cells[0].status == "not_run" and "rollout=sglang needs a CUDA GPU" in cells[0].reasons[0]
     assert said == [f"[bench] sglang: not run ({cells[0].reasons[0]})"]
+
+
+def test_an_sglang_plan_is_sized_for_the_bench_and_its_attributes_checked_as_rollout_sglang():
+    """The engine is sized for the widest cell and the longest row; a plan's attributes are rollout.sglang keys
+    (plus gpu_share), refused by name when they are not or hold a bad value."""
+    from omegaconf import OmegaConf
+
+    from miniverl.bench.config import BackendPlan
+    from miniverl.bench.runner import constructor_options
+    from miniverl.rollout.sglang import SglangSettings
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "bench" / "rollout-smoke.yaml")
+    plan = BackendPlan("sglang", 1, 0, None, 60.0, attributes={"mem_fraction_static": 0.3})
+    options, attributes = constructor_options(cfg, plan)
+    assert attributes == {}
+    assert options["settings"] == SglangSettings("triton", 0.3, 4, 9 + 12, 0.5, None)
+    for bad, message in [
+        ({"attention_backend": "fa2"}, "rollout.sglang.attention_backend='fa2': use one of triton, flashinfer, fa3"),
+        ({"mem_fraction": 0.3}, "['mem_fraction'] are not rollout.sglang keys"),
+        ({"gpu_share": 0}, "gpu_share=0: a fraction of the GPU in (0, 1]"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            constructor_options(cfg, dataclasses.replace(plan, attributes=bad))

@@ -59,6 +59,7 @@ def test_a_bench_peer_runs_the_same_cells_and_an_untraced_cell_has_no_trace(tmp_
         ({"backend_args": "{logprobs: false}"}, "--backend-args is not JSON"),
         ({"backend_args": "[1]"}, "--backend-args must be a JSON object"),
         ({"backend": "hf_generate", "backend_args": '{"logprobs": false}'}, "--backend-args do not fit hf_generate"),
+        ({"backend": "sglang", "backend_args": '{"gpu_share": 2}'}, "--backend-args do not fit sglang: the bench's"),
     ],
 )
 def test_a_wrong_backend_or_argument_names_the_fix_before_any_cell_runs(tmp_path, changes, message):
