@@ -74,9 +74,9 @@ class VllmRolloutConfig:
 
 @dataclass
 class SglangRolloutConfig:
-    """rollout=sglang only (miniverl/rollout/sglang.py; written against sglang 0.5.17; its engine started on the H200,
-    its GPU tests not yet run). No sampler choice: row seeds need SGLang's deterministic inference, which samples
-    with its pytorch sampler."""
+    """rollout=sglang only (miniverl/rollout/sglang.py; sglang 0.5.17; run end to end on an H100, its GPU tests not yet
+    run: docs/benchmarks/sglang-gpu/run2.md). No sampler choice: row seeds need SGLang's deterministic inference,
+    which samples with its pytorch sampler (and runs its batch-invariant kernels: 4-11x slower than hf_cached)."""
 
     # triton: the device bundle leaves out FlashAttention-3's 1.1 GB library (docs/benchmarks/sglang-feasibility.md);
     # fa3 is SGLang's Hopper default where that library is installed; flashinfer compiles its kernels on first use
@@ -84,8 +84,16 @@ class SglangRolloutConfig:
     # SGLang's mem_fraction_static: the fraction of the WHOLE device for weights and the KV pool; null = derived
     # from the rollout actor's share (its emulated cap on a capped card) less the engine's overhead
     mem_fraction_static: float | None = None
+    # tokens in one prefill chunk; SGLang's own choice for a card under 20 GB (it picks 8,192 on an 80 GB one). Its
+    # fp32 logits are most of the engine's memory beside the static fraction (rollout/sglang.py engine_overhead_bytes)
+    chunked_prefill_size: int = 2048
 
     def check(self) -> None:
+        require(
+            self.chunked_prefill_size > 0,
+            f"rollout.sglang.chunked_prefill_size={self.chunked_prefill_size}: a positive number of tokens (2048 is"
+            " SGLang's own choice for a 16 GB card)",
+        )
         require(
             self.attention_backend in SGLANG_ATTENTION,
             f"rollout.sglang.attention_backend={self.attention_backend!r}: use one of {', '.join(SGLANG_ATTENTION)}",

@@ -3,7 +3,8 @@
 Written against sglang 0.5.17, the newest release whose pins match the GPU machine's torch 2.11
 (docs/benchmarks/sglang-feasibility.md), from its source. On the H200 (run 1, docs/benchmarks/sglang-gpu/run1.md) its
 engine imports and starts only with the registration shim below, and honours `sampling_seed` only with deterministic
-inference on; its GPU tests have not run yet. What it relies on:
+inference on; on an H100 (run 2) it sampled the policy's law 4-11x slower than hf_cached and ran the 4080 recipe
+end to end (52 refreshes, gate passed); its GPU tests have not run yet. What it relies on:
 - `Engine(skip_tokenizer_init=True)`: token ids in (`input_ids`), token ids out (`output_ids`), stopping on
   `stop_token_ids` only;
 - `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (set before SGLang is imported): `return_logprob=True` gives each sampled
@@ -34,15 +35,24 @@ import torch
 
 from miniverl.config import SglangRolloutConfig
 from miniverl.errors import ConfigError
+from miniverl.models.loading import load_model_config
 from miniverl.models.lora import LoraSettings, adapter_template
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.served_policy import probe_tolerance
 
-# What the engine holds outside its static fraction (weights and KV pool): activations, the sampler's logits, the
-# CUDA graphs' buffers and the CUDA context's share. Not measured: vLLM's figure (vllm_settings.ENGINE_OVERHEAD_GIB)
-# until a GPU run measures SGLang's.
-SGLANG_OVERHEAD_GIB = 1.5
+# What the engine's scheduler process holds beside its static fraction (weights and KV pool), modelled as the CUDA
+# context and graphs plus one prefill chunk's logits in fp32: the probe asks the log-prob of every prompt token, so a
+# whole chunk's logits exist at once. Measured once (run 2, docs/benchmarks/sglang-gpu/run2.md, H100): 4.73 GiB
+# beside the static fraction at SGLang's own H100 chunk of 8,192 tokens and a 151,936-token vocabulary; the model
+# gives 0.5 + 4.64 = 5.14 GiB there (0.41 GiB to spare). rollout.sglang.chunked_prefill_size (2,048) sets the chunk.
+SGLANG_CONTEXT_GIB = 0.5
+LOGIT_BYTES = 4  # fp32
+
+
+def engine_overhead_bytes(chunked_prefill_size: int, vocab_size: int) -> int:
+    """The engine's memory beside its static fraction (SGLANG_CONTEXT_GIB plus one chunk's fp32 logits)."""
+    return int(SGLANG_CONTEXT_GIB * 2**30) + chunked_prefill_size * vocab_size * LOGIT_BYTES
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class SglangSettings:
 
     attention_backend: str
     mem_fraction_static: float | None  # null: derived from the share (static_fraction)
+    chunked_prefill_size: int  # tokens in one prefill chunk (its logits are most of the engine's overhead)
     max_running_requests: int  # the run's largest generate call, in rows
     context_length: int  # data.max_prompt_length + rollout.max_new_tokens
     gpu_share: float  # the rollout actor's Ray share of its GPU
@@ -63,6 +74,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> Sg
     return SglangSettings(
         attention_backend=s.attention_backend,
         mem_fraction_static=s.mem_fraction_static,
+        chunked_prefill_size=s.chunked_prefill_size,
         max_running_requests=r.largest_call(d),  # rollout.vllm.max_num_seqs is vLLM's knob, not SGLang's
         context_length=d.max_prompt_length + r.max_new_tokens,
         gpu_share=gpu_share,
@@ -86,21 +98,27 @@ def bench_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
         raise ConfigError(f"the bench's sglang gpu_share={share!r}: a fraction of the GPU in (0, 1]")
     section = SglangRolloutConfig(**a)
     section.check()
-    return SglangSettings(section.attention_backend, section.mem_fraction_static, rows, context, share, None)
+    return SglangSettings(
+        section.attention_backend, section.mem_fraction_static, section.chunked_prefill_size, rows, context, share, None
+    )
 
 
-def static_fraction(settings: SglangSettings, total_bytes: int) -> float:
+def static_fraction(settings: SglangSettings, total_bytes: int, vocab_size: int) -> float:
     """SGLang's mem_fraction_static: a fraction of the WHOLE device for weights and the KV pool. The configured one,
-    else the actor's cap (or its share of the device) less SGLANG_OVERHEAD_GIB, over the device."""
+    else the actor's cap (or its share of the device) less the engine's overhead (engine_overhead_bytes), over the
+    device."""
     if settings.mem_fraction_static is not None:
         return settings.mem_fraction_static
     budget = settings.gpu_cap_gib * 2**30 if settings.gpu_cap_gib is not None else settings.gpu_share * total_bytes
-    fraction = (budget - SGLANG_OVERHEAD_GIB * 2**30) / total_bytes
+    overhead = engine_overhead_bytes(settings.chunked_prefill_size, vocab_size)
+    fraction = (budget - overhead) / total_bytes
     if fraction <= 0:
         raise ConfigError(
-            f"the SGLang rollout actor's budget is {budget / 2**30:.2f} GiB, no more than the ~{SGLANG_OVERHEAD_GIB}"
-            " GiB the engine needs beside its weights and KV pool; raise resources.rollout.num_gpus, or set"
-            " rollout.sglang.mem_fraction_static"
+            f"the SGLang rollout actor's budget is {budget / 2**30:.2f} GiB, no more than the"
+            f" {overhead / 2**30:.2f} GiB the engine needs beside its weights and KV pool (a"
+            f" {settings.chunked_prefill_size}-token prefill"
+            f" chunk's logits over {vocab_size:,} tokens, and its CUDA context); raise resources.rollout.num_gpus,"
+            " lower rollout.sglang.chunked_prefill_size, or set rollout.sglang.mem_fraction_static"
         )
     return fraction
 
@@ -158,7 +176,8 @@ class SglangBackend:
         self.adapter: str | None = None  # the adapter name now served
         self._weights = adapter_template(model_path, lora, dtype)  # zeros under the learner's names, until a load
         total = torch.cuda.get_device_properties(0).total_memory
-        fraction = static_fraction(settings, total)
+        vocab = load_model_config(model_path, "model.student.path", "check the student's config.json").vocab_size
+        fraction = static_fraction(settings, total, vocab)
         self.started_s = time.perf_counter()
         try:
             self.engine = sglang.Engine(
@@ -169,6 +188,9 @@ class SglangBackend:
                 mem_fraction_static=fraction,
                 context_length=settings.context_length,
                 max_running_requests=settings.max_running_requests,
+                # SGLang sizes these from the whole card (8,192 and 256 on an 80 GB one, run 2), not from the share
+                chunked_prefill_size=settings.chunked_prefill_size,
+                cuda_graph_max_bs_decode=settings.max_running_requests,  # the step's rows decode inside graphs
                 attention_backend=settings.attention_backend,
                 enable_deterministic_inference=True,  # else sampling_seed is ignored; sampling runs on pytorch
                 enable_lora=True,

@@ -504,8 +504,24 @@ def _rollout(cfg, size: ModelSize, adapter: int, share: int, fraction: float) ->
     kv_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * KV_BYTES
     plan = ActorPlan("rollout", fraction, share, weights, 0, "", calibrated=False)
     if r.backend == "sglang":  # SGLang takes its static fraction of the device, less its overhead, whole at start
-        plan.peak_bytes = share
-        plan.choice = "SGLang's KV pool fills what its weights leave of the share (not yet measured on a GPU)"
+        from miniverl.rollout.sglang import engine_overhead_bytes
+
+        overhead = engine_overhead_bytes(r.sglang.chunked_prefill_size, c.vocab_size)
+        kv = share - weights - adapter_bytes - overhead
+        plan.peak_bytes = weights + adapter_bytes + overhead + max(kv, 0)
+        at_once = max(kv, 0) // kv_per_token // max(columns, 1)
+        plan.choice = (
+            f"SGLang KV pool {human(max(kv, 0))}: {min(at_once, rows)} of the step's {rows} rows at full length at"
+            f" once ({human(overhead)} of engine overhead beside it: a {r.sglang.chunked_prefill_size}-token prefill"
+            " chunk's logits and the context, measured once in run 2)"
+        )
+        if kv <= 0:
+            plan.problem = (
+                f"SGLang's weights ({human(weights)}), adapter and {human(overhead)} engine overhead (a"
+                f" {r.sglang.chunked_prefill_size}-token prefill chunk's fp32 logits and its CUDA context) leave"
+                f" nothing for the KV pool in a {human(share)} share; raise resources.rollout.num_gpus or lower"
+                " rollout.sglang.chunked_prefill_size"
+            )
         return plan
     if r.backend == "vllm":
         overhead = int(ENGINE_OVERHEAD_GIB * 2**30)

@@ -16,6 +16,7 @@ from miniverl.rollout.sglang import (
     SglangBackend,
     SglangSettings,
     completion,
+    engine_overhead_bytes,
     request_params,
     settings_from_config,
     static_fraction,
@@ -29,6 +30,7 @@ def settings(**kw) -> SglangSettings:
     base = dict(
         attention_backend="triton",
         mem_fraction_static=None,
+        chunked_prefill_size=2048,
         max_running_requests=64,
         context_length=256,
         gpu_share=0.4,
@@ -42,6 +44,10 @@ def settings(**kw) -> SglangSettings:
     [
         (["rollout.sglang.attention_backend=fa4"], "rollout.sglang.attention_backend='fa4': use one of triton"),
         (["rollout.sglang.mem_fraction_static=0"], r"rollout.sglang.mem_fraction_static=0.0: a fraction of the device"),
+        (
+            ["rollout.sglang.chunked_prefill_size=0"],
+            "rollout.sglang.chunked_prefill_size=0: a positive number of tokens",
+        ),
         (
             ["rollout=sglang", "resources.colocate=true"],
             "resources.colocate=true with rollout=sglang: SGLang runs its scheduler in processes of its own",
@@ -68,6 +74,7 @@ def test_a_good_sglang_config_passes_and_its_settings_follow_the_run():
     validate(cfg)
     s = settings_from_config(cfg, 0.4, 12.0)
     assert s.mem_fraction_static == 0.3 and s.gpu_share == 0.4 and s.gpu_cap_gib == 12.0
+    assert s.chunked_prefill_size == 2048  # SGLang's own for a card under 20 GB, whatever card the run is on
     assert s.max_running_requests == max(8 * 4, cfg.data.eval_prompts)  # the run's largest generate call
     assert s.context_length == cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
 
@@ -83,12 +90,18 @@ def test_sglang_on_the_cpu_or_without_the_package_is_refused_with_the_fix(monkey
 
 
 def test_the_static_fraction_is_the_share_or_the_cap_less_the_engines_overhead():
-    total = 140 * GIB
-    assert static_fraction(settings(mem_fraction_static=0.25), total) == 0.25  # set by the user: kept
-    assert static_fraction(settings(gpu_share=0.4), total) == pytest.approx((0.4 * 140 - 1.5) / 140)
-    assert static_fraction(settings(gpu_cap_gib=6.0), total) == pytest.approx((6.0 - 1.5) / 140)  # capped card
-    with pytest.raises(ConfigError, match="no more than the ~1.5 GiB the engine needs"):
-        static_fraction(settings(gpu_cap_gib=1.0), total)
+    """The overhead is the context plus one prefill chunk's fp32 logits: run 2 measured 4.73 GiB beside the static
+    fraction at an 8,192-token chunk and Qwen2.5's vocabulary, which the model covers."""
+    total, vocab = 140 * GIB, 151936
+    overhead = engine_overhead_bytes(2048, vocab) / GIB
+    assert overhead == pytest.approx(0.5 + 2048 * vocab * 4 / GIB) and 1.6 < overhead < 1.7
+    assert 4.73 < engine_overhead_bytes(8192, vocab) / GIB < 5.2  # run 2's measurement, with little to spare
+    assert static_fraction(settings(mem_fraction_static=0.25), total, vocab) == 0.25  # set by the user: kept
+    assert static_fraction(settings(gpu_share=0.4), total, vocab) == pytest.approx((0.4 * 140 - overhead) / 140)
+    assert static_fraction(settings(gpu_cap_gib=6.0), total, vocab) == pytest.approx((6.0 - overhead) / 140)  # capped
+    with pytest.raises(ConfigError, match="no more than the 1.66 GiB the engine needs .* lower rollout.sglang.chunked"):
+        static_fraction(settings(gpu_cap_gib=1.5), total, vocab)
+    assert static_fraction(settings(gpu_cap_gib=1.5, chunked_prefill_size=512), total, vocab) > 0  # a smaller chunk
 
 
 def test_each_row_is_one_request_with_its_own_seed_and_sglangs_top_k():
@@ -218,5 +231,11 @@ def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(m
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: type("P", (), {"total_memory": 140 * GIB}))
     monkeypatch.setattr(backend, "adapter_template", lambda *a: {})
+    monkeypatch.setattr(backend, "load_model_config", lambda *a: type("C", (), {"vocab_size": 151936}))
     backend.SglangBackend("m", LoraSettings(4, 8.0, 0.0, ("q_proj",), 0), torch.bfloat16, "cuda", settings())
     assert started["enable_deterministic_inference"] is True and "sampling_backend" not in started
+    # sized from the run, not from the card: SGLang chose an 8,192-token chunk on the 80 GB H100 (run 2)
+    assert started["chunked_prefill_size"] == 2048 and started["cuda_graph_max_bs_decode"] == 64
+    assert started["mem_fraction_static"] == pytest.approx(
+        (0.4 * 140 - engine_overhead_bytes(2048, 151936) / GIB) / 140
+    )

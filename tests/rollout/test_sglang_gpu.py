@@ -37,7 +37,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang (0.5.17)"),
 ]
 GPU = ProcessSettings("cuda")
-SETTINGS = SglangSettings("triton", None, 64, 256, 0.2, None)
+SETTINGS = SglangSettings("triton", None, 2048, 64, 256, 0.2, None)
 
 
 @pytest.fixture(scope="module")

@@ -145,6 +145,27 @@ def test_the_7b_recipes_vllm_rollout_gets_from_the_engine_the_kv_cache_the_plan_
         memory_plan(engine, 140 * GIB, size.weight_bytes("none", 2), adapter)
 
 
+def test_an_sglang_rollout_is_planned_with_the_engines_own_overhead(qwen_configs):
+    """rollout=sglang (issue 37): run 2's engine took 8.1 GiB in a 4.9 GiB share, because SGLang sized its prefill
+    chunk from the 80 GB card. The plan and the engine now share one overhead (a rollout.sglang.chunked_prefill_size
+    chunk's logits and the context), so the static fraction the engine asks for is what the plan leaves, and a share
+    too small for it is refused, naming the chunk."""
+    from miniverl.process import emulated_cap_gib
+    from miniverl.rollout.sglang import engine_overhead_bytes, settings_from_config, static_fraction
+
+    cfg = recipe(rollout__backend="sglang")
+    rollout = plan(cfg, qwen_configs).actors[2]
+    assert rollout.problem is None and rollout.peak_bytes <= rollout.share_bytes
+    assert "SGLang KV pool" in rollout.choice and "of the step's 256 rows at full length at once" in rollout.choice
+    overhead = engine_overhead_bytes(2048, 151936)
+    cap = emulated_cap_gib(16, 0.35, "resources.rollout.num_gpus")
+    fraction = static_fraction(settings_from_config(cfg, 0.35, cap), 140 * GIB, 151936)
+    assert fraction * 140 * GIB + overhead == pytest.approx(cap * GIB)  # what the engine takes: the plan's share
+    cfg.resources.rollout.num_gpus = 0.12
+    starved = plan(cfg, qwen_configs).actors[2]
+    assert "lower rollout.sglang.chunked_prefill_size" in starved.problem
+
+
 def test_a_null_chunk_and_checkpointing_get_the_4080_recipes_hand_set_layout(qwen_configs):
     """Issue 34: the fast settings are the default. With trainer.logprob_chunk_tokens and
     trainer.gradient_checkpointing null, the recipe's shape and shares plan what gkd_4080.yaml sets by hand."""
