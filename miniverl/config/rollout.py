@@ -87,6 +87,10 @@ class SglangRolloutConfig:
     # tokens in one prefill chunk; SGLang's own choice for a card under 20 GB (it picks 8,192 on an 80 GB one). Its
     # fp32 logits are most of the engine's memory beside the static fraction (rollout/sglang.py engine_overhead_bytes)
     chunked_prefill_size: int = 2048
+    # deterministic inference (row seeds need it) also swaps cuBLAS for SGLang's batch-invariant Triton kernels, the
+    # likely cause of run 2's 4-11x gap to hf_cached; false keeps the row seeds and SGLang's usual kernels (not yet
+    # measured: run 3 times both)
+    batch_invariant: bool = True
 
     def check(self) -> None:
         require(

@@ -14,7 +14,8 @@ end to end (52 refreshes, gate passed); its GPU tests have not run yet. What it 
   with `enable_deterministic_inference=True` (sampling_batch_info.py; without it run 1 drew other tokens for the same
   seed), which also fixes its sampler to the pytorch one: a draw from (seed, position);
 - sglang_compat/sitecustomize.py in every engine process: sglang 0.5.17 re-registers model types transformers 5.17
-  already has, which transformers refuses (run 1: the scheduler died at import);
+  already has, which transformers refuses (run 1: the scheduler died at import); with rollout.sglang.batch_invariant
+  false it also keeps the batch-invariant kernels that deterministic inference switches on out of the engine;
 - every policy version is a new adapter loaded from the learner's tensors under a new name
   (`load_lora_adapter_from_tensors`), the previous one unloaded; the radix cache keys its entries by adapter, and
   `flush_cache()` empties it at every refresh (SGLang flushes only when no request is in flight: a refresh comes
@@ -47,6 +48,9 @@ from miniverl.served_policy import probe_tolerance
 # beside the static fraction at SGLang's own H100 chunk of 8,192 tokens and a 151,936-token vocabulary; the model
 # gives 0.5 + 4.64 = 5.14 GiB there (0.41 GiB to spare). rollout.sglang.chunked_prefill_size (2,048) sets the chunk.
 SGLANG_CONTEXT_GIB = 0.5
+# rollout.sglang.batch_invariant for sglang_compat/sitecustomize.py, which runs in every engine process (and holds
+# the same name: importing it here would patch transformers at import)
+BATCH_INVARIANT_ENV = "MINIVERL_SGLANG_BATCH_INVARIANT"
 LOGIT_BYTES = 4  # fp32
 
 
@@ -62,6 +66,7 @@ class SglangSettings:
     attention_backend: str
     mem_fraction_static: float | None  # null: derived from the share (static_fraction)
     chunked_prefill_size: int  # tokens in one prefill chunk (its logits are most of the engine's overhead)
+    batch_invariant: bool  # SGLang's batch-invariant kernels, which deterministic inference switches on
     max_running_requests: int  # the run's largest generate call, in rows
     context_length: int  # data.max_prompt_length + rollout.max_new_tokens
     gpu_share: float  # the rollout actor's Ray share of its GPU
@@ -75,6 +80,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> Sg
         attention_backend=s.attention_backend,
         mem_fraction_static=s.mem_fraction_static,
         chunked_prefill_size=s.chunked_prefill_size,
+        batch_invariant=s.batch_invariant,
         max_running_requests=r.largest_call(d),  # rollout.vllm.max_num_seqs is vLLM's knob, not SGLang's
         context_length=d.max_prompt_length + r.max_new_tokens,
         gpu_share=gpu_share,
@@ -99,7 +105,14 @@ def bench_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
     section = SglangRolloutConfig(**a)
     section.check()
     return SglangSettings(
-        section.attention_backend, section.mem_fraction_static, section.chunked_prefill_size, rows, context, share, None
+        section.attention_backend,
+        section.mem_fraction_static,
+        section.chunked_prefill_size,
+        section.batch_invariant,
+        rows,
+        context,
+        share,
+        None,
     )
 
 
@@ -167,6 +180,7 @@ class SglangBackend:
         if device != "cuda" or not torch.cuda.is_available():
             raise ConfigError("rollout=sglang needs a CUDA GPU; use rollout=hf_cached on the CPU")
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # read when SGLang's sampler is imported
+        os.environ[BATCH_INVARIANT_ENV] = "1" if settings.batch_invariant else "0"  # read by the shim in each process
         use_compat_shim()
         import sglang
 

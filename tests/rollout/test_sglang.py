@@ -4,6 +4,8 @@ and bookkeeping against a stand-in engine. The engine itself runs only on a GPU 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -31,6 +33,7 @@ def settings(**kw) -> SglangSettings:
         attention_backend="triton",
         mem_fraction_static=None,
         chunked_prefill_size=2048,
+        batch_invariant=True,
         max_running_requests=64,
         context_length=256,
         gpu_share=0.4,
@@ -236,6 +239,48 @@ def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(m
     assert started["enable_deterministic_inference"] is True and "sampling_backend" not in started
     # sized from the run, not from the card: SGLang chose an 8,192-token chunk on the 80 GB H100 (run 2)
     assert started["chunked_prefill_size"] == 2048 and started["cuda_graph_max_bs_decode"] == 64
+    assert os.environ[backend.BATCH_INVARIANT_ENV] == "1"  # the default: what run 2 measured
+    backend.SglangBackend("m", LoraSettings(4, 8.0, 0.0, ("q_proj",), 0), torch.bfloat16, "cuda",
+                          settings(batch_invariant=False))  # fmt: skip
+    assert os.environ[backend.BATCH_INVARIANT_ENV] == "0" and started["enable_deterministic_inference"] is True
     assert started["mem_fraction_static"] == pytest.approx(
         (0.4 * 140 - engine_overhead_bytes(2048, 151936) / GIB) / 140
     )
+
+
+def test_the_shim_keeps_sglangs_batch_invariant_mode_off_when_asked_and_only_then(tmp_path):
+    """rollout.sglang.batch_invariant=false: deterministic inference (for the row seeds) without the batch-invariant
+    kernels it turns on. In a child process started as the engine's scheduler is (the shim first on PYTHONPATH), a
+    stand-in sglang.srt.batch_invariant_ops is imported and its switch called the way model_runner.py calls it."""
+    import os
+    import subprocess
+    import sys
+
+    from miniverl.rollout import sglang as backend
+    from miniverl.rollout.sglang_compat import sitecustomize as shim
+
+    assert shim.BATCH_INVARIANT_ENV == backend.BATCH_INVARIANT_ENV  # one name on both sides of the process boundary
+    package = tmp_path / "sglang" / "srt" / "batch_invariant_ops"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "sglang", tmp_path / "sglang" / "srt"):
+        (folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("ENABLED = []\ndef enable_batch_invariant_mode():\n    ENABLED.append(1)\n")
+    script = tmp_path / "runner.py"
+    script.write_text(
+        "from sglang.srt.batch_invariant_ops import enable_batch_invariant_mode\n"
+        "enable_batch_invariant_mode()\n"
+        "import sglang.srt.batch_invariant_ops as ops\n"
+        "print('enabled' if ops.ENABLED else 'kept off')\n"
+    )
+    path = os.pathsep.join([str(Path(shim.__file__).parent), str(tmp_path)])
+
+    def run(value: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != shim.BATCH_INVARIANT_ENV} | {"PYTHONPATH": path}
+        if value is not None:
+            env[shim.BATCH_INVARIANT_ENV] = value
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert run("0") == "kept off"
+    assert run("1") == "enabled" and run(None) == "enabled"  # the default leaves SGLang alone

@@ -37,7 +37,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang (0.5.17)"),
 ]
 GPU = ProcessSettings("cuda")
-SETTINGS = SglangSettings("triton", None, 2048, 64, 256, 0.2, None)
+SETTINGS = SglangSettings("triton", None, 2048, True, 64, 256, 0.2, None)
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +99,22 @@ def test_a_stale_sglang_replica_is_caught_at_its_first_stale_refresh(model_dir, 
         assert learner.version == 1  # not one update on stale samples
     finally:
         rollout.backend.close()
+
+
+def test_without_batch_invariant_kernels_samples_still_match_the_oracle_and_follow_the_row_seeds(model_dir):
+    """rollout.sglang.batch_invariant=false (run 3 times it against the default): deterministic inference for the
+    row seeds, SGLang's usual kernels for the rest. The engine's processes keep the batch-invariant mode off through
+    the start-up shim; the rows still come from the policy's law and from their seeds."""
+    import dataclasses
+
+    from miniverl.rollout.sglang import SglangBackend
+
+    backend = SglangBackend(
+        str(model_dir), LORA, torch.bfloat16, "cuda", dataclasses.replace(SETTINGS, batch_invariant=False)
+    )
+    oracle = HFReferenceBackend(str(model_dir), LORA, torch.bfloat16, "cuda")
+    try:
+        samples_match_the_oracle_and_stop(backend, oracle)
+        row_seeds_decide_samples(backend)
+    finally:
+        backend.close()
