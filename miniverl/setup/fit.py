@@ -8,7 +8,8 @@ as the actors cap themselves: miniverl/process.py emulated_cap_gib):
   (models/sizing.py) chooses: what the learner itself will choose after loading;
 - scorer: every teacher's weights and the forward size the scorer will choose (models/sizing.py scorer_tokens);
 - rollout: vLLM takes its whole share up front (weights, ENGINE_OVERHEAD_GIB, the KV cache: rollout/vllm_settings.py
-  memory_plan); the HF backends hold the weights, a bf16 copy of the adapter, the decode cache of every row of the
+  memory_plan), and so does SGLang (weights, a prefill chunk's logits and its context: rollout/sglang.py
+  engine_overhead_bytes, the KV pool); the HF backends hold the weights, a bf16 copy of the adapter, the decode cache of every row of the
   step at full length (data.max_prompt_length + rollout.max_new_tokens: the longest a step can ask for) and the
   sampler's fp32 logits and the prefill's activations, calibrated on hf_cached (ROLLOUT_FIXED_BYTES).
 NF4 weights are estimated (models/loading.py NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16
