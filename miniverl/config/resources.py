@@ -8,14 +8,14 @@ from miniverl.config.base import require
 
 # The shares where no plan chose them: a run that computes on the CPU, where the fractions only count Ray's GPU
 # resources (the scale-out tests' logical GPUs), and the verl bridge's placement arithmetic. A GPU run plans its own
-# (setup/fit.py choose_shares).
+# (setup/layout.py choose_shares).
 UNPLANNED_SHARES = {"rollout": 0.4, "scorer": 0.3, "learner": 0.3}
 
 
 @dataclass
 class ActorResources:
     # Fraction of one GPU (used only when resources.device resolves to cuda). null: chosen before Ray from the
-    # models' shapes and the card, and printed with why (setup/fit.py choose_shares).
+    # models' shapes and the card, and printed with why (setup/layout.py choose_shares).
     num_gpus: float | None = None
     num_cpus: float = 0.5
 
@@ -61,7 +61,7 @@ class ResourcesConfig:
     switch_interval_ms: float | None = None
     # Each actor's share of the GPU (num_gpus); null shares are chosen before Ray for this card and these models:
     # the HF rollout its modelled peak + 10%, vLLM 0.4, the learner the least share holding 16k-token micro-batches,
-    # the scorer the rest (setup/fit.py choose_shares; `python -m miniverl.fit` prints them). Set them to place the
+    # the scorer the rest (setup/layout.py choose_shares; `python -m miniverl.fit` prints them). Set them to place the
     # actors yourself; a share you set is kept and the null ones divide what it leaves.
     rollout: ActorResources = field(default_factory=ActorResources)
     scorer: ActorResources = field(default_factory=ActorResources)

@@ -29,7 +29,7 @@ class TrainerConfig:
     # the loss run fused, chunk by chunk, forward and backward (models/fused_head.py), so no [rows, Tr, V]
     # tensor exists. 0 = a whole micro-batch's tokens at once (fine for tiny vocabularies). null = chosen before
     # Ray: 0 on the CPU and for vocabularies under 32k; on a GPU the largest of 1024/512/256/128 with which the
-    # learner and the scorer fit their shares (setup/fit.py choose_layout; the run prints the choice and why).
+    # learner and the scorer fit their shares (setup/layout.py choose_layout; the run prints the choice and why).
     logprob_chunk_tokens: int | None = None
     # Recompute decoder activations in backward (less memory, ~30% more compute per token). null = chosen before
     # Ray: off on the CPU; on a GPU on when without it the learner's micro-batches would be short (under 16k tokens

@@ -26,7 +26,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # emulation cap that profile sees the whole H200 free, so the KV size must come from us (issue 8).
 ENGINE_OVERHEAD_GIB = 1.5
 # resources.rollout.num_gpus left null with vLLM: the engine takes its whole share up front and sizes its KV cache
-# from what the share leaves, so no modelled peak says what it needs (setup/fit.py choose_shares)
+# from what the share leaves, so no modelled peak says what it needs (setup/layout.py choose_shares)
 AUTO_SHARE = 0.4
 
 
@@ -94,7 +94,7 @@ def memory_plan(
     than that is free (vllm/v1/worker/utils.py request_memory). Without a cap the actor's Ray share is that
     fraction and vLLM profiles the KV size itself. Under the 16 GB emulation cap the utilization becomes
     cap / device (so the free-memory check asks for what the cap allows) and the KV size is explicit:
-    cap - weights - adapter - ENGINE_OVERHEAD_GIB (what the fit planner plans: setup/fit.py), or
+    cap - weights - adapter - ENGINE_OVERHEAD_GIB (what the fit planner plans: setup/actor_plans.py), or
     rollout.vllm.kv_cache_gib.
     """
     explicit = None if s.kv_cache_gib is None else int(s.kv_cache_gib * 2**30)

@@ -125,7 +125,7 @@ class Setup:
     objective: Objective  # objectives/interface.py; built once here, used by every part after
     sampling: SamplingParams  # the training steps' sampling settings (each step sets its own seed)
     routing: TeacherRouting | None = None  # several teachers (model.teachers); None: model.teacher scores all
-    # what was chosen where the config left it null or auto, by dotted key (rollout.backend; setup/fit.py: the GPU
+    # what was chosen where the config left it null or auto, by dotted key (rollout.backend; setup/layout.py: the GPU
     # shares and the learner's layout on a GPU; the layout's CPU values), as the run applied it: in summary.json and
     # the tracker's config
     chosen: dict[str, Any] = field(default_factory=dict)
@@ -172,7 +172,7 @@ def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
     # the visible GPU), a student or teacher its learner or scorer share cannot hold refused with the arithmetic the
     # actor would print after loading (a 12 GiB card left the 1.5B bf16 teacher no room, and the scorer said so only
     # after Ray had started and the student had loaded: docs/benchmarks/staleness-gpu.md, session 8). The plan also
-    # chooses the LM-head chunk and gradient checkpointing where the config leaves them null (setup/fit.py
+    # chooses the LM-head chunk and gradient checkpointing where the config leaves them null (setup/layout.py
     # choose_layout); on the CPU they are off (the built-in models' logits are small, and time, not memory, binds).
     if device == "cuda":
         plan = card_plan(cfg, objective, paths, configs, vocab_size, kernels_available())  # as the actors decide

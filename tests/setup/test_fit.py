@@ -1,5 +1,6 @@
 """`python -m miniverl.fit`: each actor's planned GPU memory from the config and the models' shapes alone
-(miniverl/setup/fit.py), checked against the learner's and scorer's own sizing and the recipes' measured layout."""
+(miniverl/setup/fit.py, actor_plans.py, layout.py), checked against the learner's and scorer's own sizing and the
+recipes' measured layout."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from miniverl.errors import ConfigError
 from miniverl.fit import ERROR_EXIT_CODE, NO_FIT_EXIT_CODE, main
 from miniverl.models.loading import NF4_BYTES_PER_PARAM, ModelSize, model_size
 from miniverl.objectives import build_objective
-from miniverl.setup.fit import apply_choices, card_bytes, plan_fit, step_rows
+from miniverl.setup.actor_plans import step_rows
+from miniverl.setup.fit import apply_choices, card_bytes, plan_fit
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
