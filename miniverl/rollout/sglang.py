@@ -48,10 +48,10 @@ from miniverl.served_policy import probe_tolerance
 # beside the static fraction at SGLang's own H100 chunk of 8,192 tokens and a 151,936-token vocabulary; the model
 # gives 0.5 + 4.64 = 5.14 GiB there (0.41 GiB to spare). rollout.sglang.chunked_prefill_size (2,048) sets the chunk.
 SGLANG_CONTEXT_GIB = 0.5
+LOGIT_BYTES = 4  # fp32
 # rollout.sglang.batch_invariant for sglang_compat/sitecustomize.py, which runs in every engine process (and holds
 # the same name: importing it here would patch transformers at import)
 BATCH_INVARIANT_ENV = "MINIVERL_SGLANG_BATCH_INVARIANT"
-LOGIT_BYTES = 4  # fp32
 
 
 def engine_overhead_bytes(chunked_prefill_size: int, vocab_size: int) -> int:
