@@ -267,15 +267,14 @@ def backend_class(args, cells, longest_prompt: int) -> tuple[type, dict]:
         raise SystemExit(f"--backend-args is not JSON ({e}): give an object, e.g. '{{\"logprobs\": false}}'") from None
     if not isinstance(kwargs, dict):
         raise SystemExit(f"--backend-args must be a JSON object of keyword arguments, got {args.backend_args!r}")
+    rows, longest = max(g * n for g, n, _ in cells), longest_prompt + max(t for _, _, t in cells)  # engines' sizes
     if args.backend in BASELINES:
         if args.backend == "raw_vllm":
-            longest = longest_prompt + max(t for _, _, t in cells)
-            kwargs = {"max_num_seqs": max(g * n for g, n, _ in cells), "max_model_len": longest} | kwargs
+            kwargs = {"max_num_seqs": rows, "max_model_len": longest} | kwargs
         return BASELINES[args.backend], kwargs
     if args.backend == "sglang":  # an engine sized at start, as raw vLLM; --backend-args are rollout.sglang keys
         from miniverl.rollout.sglang import bench_settings
 
-        rows, longest = max(g * n for g, n, _ in cells), longest_prompt + max(t for _, _, t in cells)
         try:
             kwargs = {"settings": bench_settings(rows, longest, kwargs)}
         except ConfigError as e:
