@@ -54,7 +54,7 @@ def plan_run(cfg, log=print):
 
     check_values(cfg)  # every check a run makes of the config but the prompt files': memory does not depend on them
     choose_rollout_backend(cfg, log)  # the plan sizes the rollout the run will start
-    paths = resolve_model_paths(cfg, log)
+    paths = resolve_model_paths(cfg.model, cfg.data, log)
     configs = {role: load_model_config(p, f"model.{role}.path", USER_MODEL_FIX) for role, p in paths.items()}
     return card_plan(cfg, build_objective(cfg.objective), paths, configs, configs["student"].vocab_size)
 

@@ -1,4 +1,5 @@
-"""Several teachers in one run: which teacher scores a row, the teachers' roles, the step's metrics per source.
+"""Several teachers in one run: which teacher scores a row, the step's metrics per source (the teachers' roles are
+the config's: ModelConfig.teacher_roles).
 
 Multi-teacher on-policy distillation (docs/multi_teacher.md): the config names teachers (`model.teachers.<name>`)
 and routes rows to them by their verl `data_source` (`model.teacher_by_source`, then `model.default_teacher`;
@@ -15,8 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.errors import ConfigError, MiniVerlError
-
-SINGLE_TEACHER_ROLE = "teacher"  # setup.paths key of model.teacher; named teachers are "teachers.<name>"
 
 
 class RoutingError(MiniVerlError):
@@ -54,15 +53,6 @@ def routing_of(model) -> TeacherRouting | None:
     if not model.teachers:
         return None
     return TeacherRouting(dict(model.teacher_by_source), model.default_teacher)
-
-
-def teacher_specs(model) -> dict[str, object]:
-    """The run's teachers by setup role: {"teacher": model.teacher} or {"teachers.<name>": spec, ...}.
-
-    A role reads as the config key under `model.` (errors say `model.teachers.sort.path=...`)."""
-    if not model.teachers:
-        return {SINGLE_TEACHER_ROLE: model.teacher}
-    return {f"teachers.{name}": spec for name, spec in model.teachers.items()}
 
 
 def teacher_name(role: str) -> str:

@@ -35,14 +35,15 @@ def experiment_recipes() -> dict[BuiltinRecipe, tuple[str, ...]]:
     from hydra import compose, initialize_config_dir
 
     from miniverl.config import register_configs, to_config
-    from miniverl.setup.prepare import builtin_recipes
+    from miniverl.setup.prepare import builtin_recipes, builtin_refs
 
     register_configs()
     needs: dict[BuiltinRecipe, set[str]] = {}
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         for experiment in sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")):
             cfg = to_config(compose(config_name="config", overrides=[f"+experiment={experiment}"]))
-            for recipe, roles in builtin_recipes(cfg):
+            refs = builtin_refs(cfg.model.paths(), cfg.data.task)
+            for recipe, roles in builtin_recipes(refs, cfg.data.min_len, cfg.data.max_len):
                 needs.setdefault(recipe, set()).update(roles)
     return {recipe: tuple(sorted(roles, reverse=True)) for recipe, roles in needs.items()}
 

@@ -20,12 +20,21 @@ What is followed, statically (both branches of an if, each loop body once, a cal
   again (recursion); the walk stops after --events calls.
 Not followed: calls through objects of unknown class (registries, Protocols, Ray actors), nested defs and lambdas.
 Members are per class, not per object.
+
+`--follow config` follows the config itself instead of every value computed from it: a name is tracked only when it
+is bound to a tracked name, to a section of one (`cfg.trainer`, `cfg.model.teachers[name]`, `.items()`/`.values()`
+/`.get()` of a mapping of sections), a section being a field of a class of the package's `config` folder whose
+annotation names such a class; and a call is an event only when an argument or its receiver is such a value. So
+`f(cfg.trainer)` is an event and `f(cfg.trainer.total_steps)` is not: f gets a number, not the config. This is
+the walk of the issue's complaint (which modules read the config, back and forth); `--follow values` (the default)
+is the wider data flow.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +87,12 @@ class _Cut(Exception):
 class Walker:
     """The walk's state: the events so far, the call stack, and each class's tracked members."""
 
-    def __init__(self, package: Package, cap: int):
+    def __init__(self, package: Package, cap: int, follow: str = "values"):
         self.package, self.cap = package, cap
+        config = config_classes(package) if follow == "config" else {}
+        self.config_names = set(config)  # the config classes' names
+        # --follow config: the field names holding config sections; None: follow every value
+        self.sections = config_sections(config) if follow == "config" else None
         self.events: list[Func] = []
         self.stack: list[Func] = []
         self.members: dict[Klass, set[str]] = defaultdict(set)  # tracked `self.attr` names of each class
@@ -99,12 +112,38 @@ class Walker:
             self.stack.pop()
 
     def mentions(self, expr: ast.AST | None, frame: Frame) -> bool:
+        if self.sections is not None:
+            return expr is not None and self.is_config(expr, frame)
         members = self.members.get(frame.scope.klass, set())
         for node in ast.walk(expr) if expr is not None else ():
             if isinstance(node, ast.Name) and node.id in frame.tracked:
                 return True
             if isinstance(node, ast.Attribute) and member_of(node, frame.scope.self_name) in members:
                 return True
+        return False
+
+    def is_config(self, expr: ast.AST, frame: Frame) -> bool:
+        """--follow config: `expr` is the tracked config or one of its sections, not a value read from them."""
+        if isinstance(expr, ast.Name):
+            return expr.id in frame.tracked
+        if isinstance(expr, ast.Attribute):
+            if member_of(expr, frame.scope.self_name) == expr.attr and expr.attr in self.members.get(
+                frame.scope.klass, ()
+            ):
+                return True  # self.attr, a tracked member
+            return expr.attr in self.sections and self.is_config(expr.value, frame)
+        if isinstance(expr, ast.Subscript):
+            return self.is_config(expr.value, frame)
+        if isinstance(expr, ast.Call):  # a mapping of sections' items, or a function annotated to return sections
+            mapping = isinstance(expr.func, ast.Attribute) and expr.func.attr in ("items", "values", "get")
+            if mapping and self.is_config(expr.func.value, frame):
+                return True
+            found = self.package.resolve(expr.func, frame.scope)
+            returns = found.node.returns if isinstance(found, Func) and found.node is not None else None
+            return returns is not None and bool(self.config_names & names_in(returns))
+        if isinstance(expr, (ast.Tuple, ast.List, ast.Starred, ast.IfExp, ast.BoolOp)):
+            parts = (expr.body, expr.orelse) if isinstance(expr, ast.IfExp) else ast.iter_child_nodes(expr)
+            return any(self.is_config(p, frame) for p in parts)
         return False
 
     def bind(self, target: ast.expr, frame: Frame, carried: bool, value: ast.expr | None = None) -> None:
@@ -128,6 +167,15 @@ class Walker:
             if isinstance(target, ast.Name):
                 frame.tracked.add(target.id)
 
+    def assign(self, target: ast.expr, value: ast.expr, frame: Frame) -> None:
+        """`a, b = x, y` pairs each name with its own value; any other unpacking takes the whole value's."""
+        pairs = isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List))
+        if pairs and len(target.elts) == len(value.elts) and not any(isinstance(e, ast.Starred) for e in value.elts):
+            for element, part in zip(target.elts, value.elts):
+                self.assign(element, part, frame)
+            return
+        self.bind(target, frame, self.mentions(value, frame), value)
+
     def visit(self, node: ast.AST, frame: Frame) -> None:
         """Walk a statement or expression in the order it runs, binding names and following calls."""
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
@@ -137,7 +185,7 @@ class Walker:
                 return
             self.visit(node.value, frame)
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                self.bind(target, frame, self.mentions(node.value, frame), node.value)
+                self.assign(target, node.value, frame)
         elif isinstance(node, (ast.For, ast.AsyncFor)):
             self.visit(node.iter, frame)
             self.bind(node.target, frame, self.mentions(node.iter, frame))
@@ -189,6 +237,9 @@ class Walker:
             return frame.scope.klass if expr.id == self_name else frame.types.get(expr.id)
         if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == self_name:
             return self.package.member_type(frame.scope.klass, expr.attr)
+        if isinstance(expr, ast.Attribute):  # `x.attr` of an object of a known class: its annotated member
+            owner = self.type_of(expr.value, frame)
+            return self.package.member_type(owner, expr.attr) if owner is not None else None
         return self.package.made(expr, frame.scope)
 
     def call(self, call: ast.Call, frame: Frame) -> None:
@@ -238,9 +289,44 @@ class Walker:
         return tracked
 
 
-def walk(spec: str, events: int = DEFAULT_EVENTS, root: Path = ROOT) -> Trip:
+def names_in(annotation: ast.expr) -> set[str]:
+    """The names an annotation mentions, inside quotes too (`dict[str, "ModelSpec"] | None`: dict, str, ModelSpec)."""
+    out = set()
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            with contextlib.suppress(SyntaxError):  # a docstring-like constant, not a quoted name
+                out |= names_in(ast.parse(node.value, mode="eval").body)
+    return out
+
+
+def config_classes(package: Package) -> dict[str, Klass]:
+    """The classes of the package's `config` folder, by name."""
+    return {
+        name: klass
+        for module, classes in package.classes.items()
+        if module.split(".")[1:2] == ["config"]
+        for name, klass in classes.items()
+    }
+
+
+def config_sections(config: dict[str, Klass]) -> set[str]:
+    """The field names of the config classes whose annotation names one of them (`trainer`, `teachers`, ...)."""
+    return {
+        node.target.id
+        for klass in config.values()
+        for node in klass.node.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        if set(config) & names_in(node.annotation)
+    }
+
+
+def walk(spec: str, events: int = DEFAULT_EVENTS, root: Path = ROOT, follow: str = "values") -> Trip:
     """Follow `path:function:parameter` (path from the package's parent folder, function as `f` or `Class.m`) for
-    at most `events` calls, in the package at `root`."""
+    at most `events` calls, in the package at `root`; `follow` is "values" (all computed from it) or "config"."""
     if spec.count(":") != 2:
         raise ValueError(f"{spec!r} is not path:function:parameter")
     path, qualname, parameter = spec.split(":")
@@ -248,7 +334,9 @@ def walk(spec: str, events: int = DEFAULT_EVENTS, root: Path = ROOT) -> Trip:
     found = package.lookup(f"{module_name(root.parent / path, root)}.{qualname}")
     if not isinstance(found, Func):
         raise ValueError(f"no function {qualname} in {path}")
-    walker = Walker(package, events)
+    if follow not in ("values", "config"):
+        raise ValueError(f"follow={follow!r}: use values or config")
+    walker = Walker(package, events, follow)
     try:
         walker.enter(found, {parameter})
         cut = None
@@ -269,9 +357,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spec", help="path:function:parameter, e.g. miniverl/main.py:train:cfg")
     parser.add_argument("--events", type=int, default=DEFAULT_EVENTS, help="stop after this many calls")
+    parser.add_argument("--follow", choices=("values", "config"), default="values", help="what is followed")
     args = parser.parse_args()
     try:
-        trip = walk(args.spec, args.events)
+        trip = walk(args.spec, args.events, follow=args.follow)
     except ValueError as e:
         parser.error(str(e))
     for s in trip.stays:

@@ -14,7 +14,7 @@ from miniverl.config import MiniVerlConfig
 from miniverl.models.lora import LoraSettings
 from miniverl.process import COLOCATED_CONTEXT_GIB, ProcessSettings, emulated_cap_gib
 from miniverl.rollout.vllm_settings import settings_from_config
-from miniverl.routing import teacher_name, teacher_specs
+from miniverl.routing import teacher_name
 from miniverl.setup.prepare import Setup
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
@@ -135,7 +135,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
     if setup.routing is not None:  # several teachers: one scorer actor holds them all (workers/teachers.py)
         loads = {
             teacher_name(role): TeacherLoad(setup.paths[role], spec.dtype, spec.quantization)
-            for role, spec in teacher_specs(m).items()
+            for role, spec in m.teacher_roles().items()
         }
         scorers = [
             start(

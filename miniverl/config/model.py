@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from miniverl.config.base import require
 from miniverl.errors import ConfigError
 
+SINGLE_TEACHER_ROLE = "teacher"  # setup.paths key of model.teacher; named teachers are "teachers.<name>"
+
 
 @dataclass
 class ModelSpec:
@@ -63,6 +65,18 @@ class ModelConfig:
     teachers: dict[str, ModelSpec] = field(default_factory=dict)
     teacher_by_source: dict[str, str] = field(default_factory=dict)  # data_source -> a name in model.teachers
     default_teacher: str | None = None  # the teacher of sources teacher_by_source does not name (None: none)
+
+    def teacher_roles(self) -> dict[str, ModelSpec]:
+        """The run's teachers by setup role: {"teacher": model.teacher} or {"teachers.<name>": spec, ...}.
+
+        A role reads as the config key under `model.` (errors say `model.teachers.sort.path=...`)."""
+        if not self.teachers:
+            return {SINGLE_TEACHER_ROLE: self.teacher}
+        return {f"teachers.{name}": spec for name, spec in self.teachers.items()}
+
+    def paths(self) -> dict[str, str]:
+        """{role: model path} for the student and every teacher ("teacher" or "teachers.<name>")."""
+        return {"student": self.student.path, **{role: spec.path for role, spec in self.teacher_roles().items()}}
 
     def check(self) -> None:
         """The model section's own values, the named teachers and their routes included (they read no other

@@ -27,6 +27,16 @@ class MiniVerlConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
+    def apply(self, choices: dict) -> None:
+        """Set what the run chose where the config left it null or auto (Setup.chosen: values by dotted key, e.g.
+        rollout.backend, resources.learner.num_gpus), so the actors run with it."""
+        for key, value in choices.items():
+            *path, name = key.split(".")
+            node = self
+            for part in path:
+                node = getattr(node, part)
+            setattr(node, name, value)
+
 
 SCHEMA_NAME = "miniverl_schema"
 

@@ -7,7 +7,7 @@ from typing import Any
 from miniverl.cluster.actors import call
 from miniverl.cluster.colocate import processes
 from miniverl.config import MiniVerlConfig
-from miniverl.routing import teacher_name, teacher_specs
+from miniverl.routing import teacher_name
 from miniverl.setup.prepare import Setup
 from miniverl.step.evaluation import summary_by_source
 
@@ -41,7 +41,7 @@ def run_summary(
         "start_accuracy": result.first_eval["eval/accuracy"],
         "end_accuracy": result.last_eval["eval/accuracy"],
         "by_source": summary_by_source(result.first_eval, result.last_eval),
-        "teachers": {teacher_name(r): setup.paths[r] for r in teacher_specs(cfg.model)},
+        "teachers": {teacher_name(r): setup.paths[r] for r in cfg.model.teacher_roles()},
         "wall_seconds": wall_seconds,
         "checkpoint": result.checkpoint,
         "metrics_file": metrics_file,

@@ -113,9 +113,8 @@ def scorer_plan(
 ) -> ActorPlan:
     from miniverl.models.loading import torch_dtype
     from miniverl.models.sizing import check_scorer_fits, model_shape, scorer_chunk_entry_bytes, scorer_peak_bytes
-    from miniverl.routing import teacher_specs
 
-    specs, t = teacher_specs(cfg.model), cfg.trainer
+    specs, t = cfg.model.teacher_roles(), cfg.trainer
     weights = sum(
         sizes[r].weight_bytes(s.quantization, torch_dtype(s.dtype, "cuda").itemsize) for r, s in specs.items()
     )

@@ -147,16 +147,6 @@ def plan_fit(
     )
 
 
-def apply_choices(cfg: MiniVerlConfig, choices: dict) -> None:
-    """Set in `cfg` what a plan chose (FitPlan.layout: values by dotted key), so the actors run with it."""
-    for key, value in choices.items():
-        *path, name = key.split(".")
-        node = cfg
-        for part in path:
-            node = getattr(node, part)
-        setattr(node, name, value)
-
-
 def card_plan(
     cfg: MiniVerlConfig, objective, paths: dict[str, str], configs: dict, vocab: int, kernels: bool | None = None
 ) -> FitPlan:

@@ -1,5 +1,6 @@
 """What the driver checks and loads before any actor starts: the device, the models (built-in ones built on
-first use), vocabularies, stop ids, prompts and their rewards (Setup); prepare_run adds the run's other checks."""
+first use), vocabularies, stop ids, prompts and their rewards (Setup: load_setup); prepare_run adds the run's other
+checks and is the run's one way in (the config is validated once, there)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from miniverl.batches import PromptBatch
-from miniverl.config import AUTO_BACKEND, MiniVerlConfig, validate
+from miniverl.config import AUTO_BACKEND, DataConfig, MiniVerlConfig, ModelConfig, validate
 from miniverl.data.build import PromptStream, build_prompt_source
 from miniverl.errors import ConfigError
 from miniverl.models.builtin import (
@@ -34,8 +35,8 @@ from miniverl.objectives import Objective, build_objective
 from miniverl.rewards import SourceReward, build_reward
 from miniverl.rollout import require_engine
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.routing import TeacherRouting, check_sources_routed, routing_of, teacher_specs
-from miniverl.setup.fit import apply_choices, card_plan
+from miniverl.routing import TeacherRouting, check_sources_routed, routing_of
+from miniverl.setup.fit import card_plan
 from miniverl.setup.preflight import (
     ResumePoint,
     check_device_settings,
@@ -59,29 +60,25 @@ def resolve_device(requested: str) -> str:
 USER_MODEL_FIX = "re-save the model (save_pretrained) or download it again"
 
 
-def model_specs(cfg: MiniVerlConfig) -> dict[str, str]:
-    """{role: model path} for the student and every teacher ("teacher" or "teachers.<name>")."""
-    return {"student": cfg.model.student.path, **{r: s.path for r, s in teacher_specs(cfg.model).items()}}
-
-
-def builtin_refs(cfg: MiniVerlConfig) -> dict[str, tuple[str, str]]:
-    """{role: (built-in role, task)} for every role whose path is a `builtin:` ref."""
-    refs = {
-        role: parse_builtin_ref(path, cfg.data.task, f"model.{role}.path") for role, path in model_specs(cfg).items()
-    }
+def builtin_refs(paths: dict[str, str], task: str) -> dict[str, tuple[str, str]]:
+    """{role: (built-in role, task)} for every role whose path (ModelConfig.paths) is a `builtin:` ref; `task` is
+    data.task, the task a bare `builtin:teacher` names."""
+    refs = {role: parse_builtin_ref(path, task, f"model.{role}.path") for role, path in paths.items()}
     return {role: ref for role, ref in refs.items() if ref is not None}
 
 
-def builtin_recipes(cfg: MiniVerlConfig) -> list[tuple[BuiltinRecipe, tuple[str, ...]]]:
-    """The built-in recipes a run needs, each once and in order, with the roles it needs of each."""
-    refs = builtin_refs(cfg).values()
+def builtin_recipes(
+    refs: dict[str, tuple[str, str]], min_len: int, max_len: int
+) -> list[tuple[BuiltinRecipe, tuple[str, ...]]]:
+    """The built-in recipes of `refs` (builtin_refs), each once and in order, with the roles it needs of each;
+    `min_len`, `max_len`: data.min_len and data.max_len, the lengths the built-in models are trained on."""
     return [
-        (BuiltinRecipe(task, cfg.data.min_len, cfg.data.max_len), tuple(which for which, t in refs if t == task))
-        for task in dict.fromkeys(task for _, task in refs)
+        (BuiltinRecipe(task, min_len, max_len), tuple(which for which, t in refs.values() if t == task))
+        for task in dict.fromkeys(task for _, task in refs.values())
     ]
 
 
-def resolve_model_paths(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
+def resolve_model_paths(model: ModelConfig, data: DataConfig, log=print) -> dict[str, str]:
     """Model directories or hub ids for the student and every teacher; built-in models are cached on first use
     (copied from the shipped ones, or built).
 
@@ -90,15 +87,15 @@ def resolve_model_paths(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
     `builtin:teacher/<task>` names another task's teacher. A built-in teacher below
     model.builtin_min_teacher_accuracy stops the run.
     """
-    specs = model_specs(cfg)
-    builtin = builtin_refs(cfg)
+    specs = model.paths()
+    builtin = builtin_refs(specs, data.task)
     out = {
         role: resolve_model_ref(path, f"model.{role}.path", USER_MODEL_FIX)
         for role, path in specs.items()
         if role not in builtin
     }
-    for recipe, roles in builtin_recipes(cfg):
-        built = ensure_builtin_models(cfg.model.cache_dir, recipe, log, roles)
+    for recipe, roles in builtin_recipes(builtin, data.min_len, data.max_len):
+        built = ensure_builtin_models(model.cache_dir, recipe, log, roles)
         for role, (which, _) in ((r, ref) for r, ref in builtin.items() if ref[1] == recipe.task):
             fix = f"delete {built[which].parent} so the built-in models are rebuilt (scripts/build_models.py)"
             check_model_dir(built[which], f"model.{role}.path={specs[role]} (cached)", fix)
@@ -106,7 +103,7 @@ def resolve_model_paths(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
         if "teacher" in roles:
             accuracy = built_accuracy(built["teacher"])
             log(f"[miniverl] built-in teacher for task {recipe.task!r}: greedy accuracy {accuracy:.3f}")
-            require_competent_teacher(accuracy, cfg.model.builtin_min_teacher_accuracy, recipe, built["teacher"])
+            require_competent_teacher(accuracy, model.builtin_min_teacher_accuracy, recipe, built["teacher"])
     return out
 
 
@@ -142,20 +139,23 @@ def choose_rollout_backend(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
     return {"rollout.backend": backend}
 
 
-def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
-    """Resolve models, check vocabularies, the LoRA targets, stop ids, prompts and their rewards.
+def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
+    """The driver's Setup for a caller of its own (tests, scripts): the config's own checks and the device, then
+    load_setup. A run goes through prepare_run instead, which checks the run directory and tracking as well."""
+    validate(cfg)
+    return load_setup(cfg, resolve_device(cfg.resources.device), log)
 
-    `device`: the resolved device of a config prepare_run has validated; None (a caller of its own, tests and
-    scripts) validates the config and resolves the device here."""
-    if device is None:
-        validate(cfg)
-        device = resolve_device(cfg.resources.device)
+
+def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
+    """Resolve models, check vocabularies, the LoRA targets, stop ids, prompts and their rewards, for a config that
+    validate has passed and its resolved `device`."""
     chosen_backend = choose_rollout_backend(cfg, log)
     require_engine(cfg.rollout.backend, device)
-    teachers = teacher_specs(cfg.model)
+    objective = build_objective(cfg.objective)  # objectives/interface.py: what the plan and every actor read
+    teachers = cfg.model.teacher_roles()
     for role, spec in (("student", cfg.model.student), *teachers.items()):
         require_quantization(spec.quantization, device, f"model.{role}.quantization")
-    paths = resolve_model_paths(cfg, log)
+    paths = resolve_model_paths(cfg.model, cfg.data, log)  # after the cheap checks: it may build built-in models
     check_lora_targets(paths["student"], cfg.model.lora.target_modules)
     student_tok = load_tokenizer(paths["student"], "model.student.path", USER_MODEL_FIX)
     configs = {role: load_model_config(paths[role], f"model.{role}.path", USER_MODEL_FIX) for role in paths}
@@ -167,7 +167,6 @@ def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
         check_same_vocabulary(student_tok, teacher_tok, paths["student"], paths[role])
         vocab_size = shared_vocab_size(v_student, configs[role].vocab_size, len(student_tok))
     t, r = cfg.trainer, cfg.rollout
-    objective = build_objective(cfg.objective)
     # What `python -m miniverl.fit` prints, before any actor starts: shares known from the config (emulated card or
     # the visible GPU), a student or teacher its learner or scorer share cannot hold refused with the arithmetic the
     # actor would print after loading (a 12 GiB card left the 1.5B bf16 teacher no room, and the scorer said so only
@@ -187,7 +186,7 @@ def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
             chosen["trainer.logprob_chunk_tokens"] = 0
         if t.gradient_checkpointing is None:
             chosen["trainer.gradient_checkpointing"] = False
-    apply_choices(cfg, chosen)
+    cfg.apply(chosen)
     check_vocab_memory(
         cfg.data.prompts_per_step * r.n,
         r.max_new_tokens,
@@ -206,9 +205,9 @@ def prepare(cfg: MiniVerlConfig, log=print, device: str | None = None) -> Setup:
     reward_fn = build_reward(cfg.reward, student_tok)
     seen_sources = eval_batch.data_source + source.batch(0, d.prompts_per_step).data_source
     reward_fn.check_sources(seen_sources)
+    sampling = SamplingParams.from_config(cfg.rollout, stops)
     routing = routing_of(cfg.model)
     check_sources_routed(routing, seen_sources)
-    sampling = SamplingParams.from_config(cfg.rollout, stops)
     return Setup(
         device,
         paths,
@@ -248,4 +247,4 @@ def prepare_run(
     check_device_settings(cfg, device)
     check_gpu_request(cfg, device, cuda_device_count(), ray.is_initialized())
     check_tracking(cfg.tracking.wandb_mode)
-    return resume, prepare(cfg, log, device)  # models, vocabularies, the card's plan, prompts, rewards
+    return resume, load_setup(cfg, device, log)  # models, vocabularies, the card's plan, prompts, rewards

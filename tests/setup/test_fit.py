@@ -16,7 +16,7 @@ from miniverl.fit import ERROR_EXIT_CODE, NO_FIT_EXIT_CODE, main
 from miniverl.models.loading import NF4_BYTES_PER_PARAM, ModelSize, model_size
 from miniverl.objectives import build_objective
 from miniverl.setup.actor_plans import step_rows
-from miniverl.setup.fit import apply_choices, card_bytes, plan_fit
+from miniverl.setup.fit import card_bytes, plan_fit
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -275,7 +275,7 @@ def test_null_shares_give_the_rollout_its_peak_the_learner_enough_and_the_scorer
     )
     assert lines[3] == "  resources.scorer.num_gpus=0.34 (chosen: the rest of the card)"
     cfg = gkd_defaults()
-    apply_choices(cfg, chosen.layout)  # what the run then starts with
+    cfg.apply(chosen.layout)  # what the run then starts with
     assert (cfg.resources.rollout.num_gpus, cfg.resources.scorer.num_gpus) == (0.36, 0.34)
     assert (cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing) == (1024, True)
     assert plan(cfg, qwen_configs).lines()[1:] == [x for x in lines[1:] if "(chosen" not in x]  # nothing left to choose

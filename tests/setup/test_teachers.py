@@ -288,12 +288,12 @@ def test_a_checkpoint_does_not_resume_under_other_teachers_or_routes():
 
 
 def test_mopd_experiments_compose_and_validate():
-    from miniverl.routing import routing_of, teacher_specs
+    from miniverl.routing import routing_of
 
     mopd = load("+experiment=mopd")
     validate(mopd)
     assert mopd.data.task == "reverse+sort" and mopd.model.teacher_by_source == {"reverse": "reverse", "sort": "sort"}
-    assert {r: s.path for r, s in teacher_specs(mopd.model).items()} == {
+    assert {r: s.path for r, s in mopd.model.teacher_roles().items()} == {
         "teachers.reverse": "builtin:teacher/reverse",
         "teachers.sort": "builtin:teacher/sort",
     }
