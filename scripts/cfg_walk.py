@@ -91,6 +91,7 @@ class Walker:
         self.package, self.cap = package, cap
         config = config_classes(package) if follow == "config" else {}
         self.config_names = set(config)  # the config classes' names
+        self.config_classes = list(config.values())
         # --follow config: the field names holding config sections; None: follow every value
         self.sections = config_sections(config) if follow == "config" else None
         self.events: list[Func] = []
@@ -131,6 +132,8 @@ class Walker:
                 frame.scope.klass, ()
             ):
                 return True  # self.attr, a tracked member
+            if self.type_of(expr, frame) in self.config_classes:
+                return True  # annotated as a config class, whatever holds it (a record carrying the config)
             return expr.attr in self.sections and self.is_config(expr.value, frame)
         if isinstance(expr, ast.Subscript):
             return self.is_config(expr.value, frame)

@@ -264,11 +264,18 @@ def test_following_the_config_follows_its_sections_not_the_values_read_from_them
         config=CONFIG,
         low=LOW,
         top="""
+        from dataclasses import dataclass
+
         from toy.config import RunConfig, TrainerConfig
         from toy.low import leaf, quiet
 
+        @dataclass
+        class Holder:
+            settings: TrainerConfig
+
         def sections(cfg: RunConfig) -> TrainerConfig:
             return cfg.trainer
+
 
         def start(cfg: RunConfig):
             quiet(cfg.trainer.steps)  # a number read from the config: not an event
@@ -281,6 +288,9 @@ def test_following_the_config_follows_its_sections_not_the_values_read_from_them
             cfg.trainer.check()  # the section's own method, on its annotated type
             got = sections(cfg)
             quiet(got)  # a function annotated to return a section returns the config
+            holder = Holder(cfg.trainer)  # a record built from a section: an event; `holder` is not the config
+            quiet(holder)
+            leaf(holder.settings)  # but its member annotated as a config class is
         """,
     )
     assert cfg_walk.walk("toy/top.py:start:cfg", root=root, follow="config").events == [
@@ -289,9 +299,11 @@ def test_following_the_config_follows_its_sections_not_the_values_read_from_them
         "toy.config:TrainerConfig.check",
         "toy.top:sections",
         "toy.low:quiet",
+        "toy.top:Holder",
+        "toy.low:leaf",
     ]
     values = cfg_walk.walk("toy/top.py:start:cfg", root=root).events  # the default follows every value
-    assert values.count("toy.low:quiet") == 4 and values[0] == "toy.low:quiet"
+    assert values.count("toy.low:quiet") == 5 and values[0] == "toy.low:quiet"  # holder too, built from cfg
 
 
 def test_an_unknown_follow_is_refused(cfg_walk):
