@@ -1,4 +1,5 @@
-"""The student with a LoRA adapter (peft), built the same way by the learner and the HF rollout backends."""
+"""The student with a LoRA adapter (peft), built the same way by the learner and the HF rollout backends; the
+adapter's layers and size read from a model built on the meta device (the pre-flight checks and the fit planner)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ class LoraSettings:
     def from_config(cls, cfg) -> LoraSettings:
         """Built from the `model.lora` config section (the builder; the rest takes plain values)."""
         return cls(cfg.rank, cfg.alpha, cfg.dropout, tuple(cfg.target_modules), cfg.init_seed)
+
+
+def meta_linear_layers(config) -> list[tuple[str, object]]:
+    """(last name component, module) of every linear layer of the model of transformers `config`, built on the meta
+    device: no weights are read or allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def adapter_params(config, lora) -> int:
+    """Parameters of the LoRA adapter peft would put on the model of transformers `config`: r x (in + out) for every
+    linear layer whose last name component is in lora.target_modules, counted on the meta device (no weights)."""
+    targets = set(lora.target_modules)
+    return sum(
+        lora.rank * (m.in_features + m.out_features) for name, m in meta_linear_layers(config) if name in targets
+    )
 
 
 def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: str, quantization: str = "none"):

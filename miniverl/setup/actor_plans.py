@@ -80,7 +80,7 @@ def learner_shape(cfg, size: ModelSize, adapter: int, vocab: int):
 def learner_plan(
     cfg, objective, size: ModelSize, adapter: int, vocab: int, share: int, fraction: float, kernels: bool
 ) -> ActorPlan:
-    """`adapter`: the LoRA adapter's parameters (setup/preflight.py adapter_params)."""
+    """`adapter`: the LoRA adapter's parameters (models/lora.py adapter_params)."""
     from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes
 
     spec, t = cfg.model.student, cfg.trainer
@@ -142,7 +142,7 @@ def scorer_plan(
 
 
 def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float) -> ActorPlan:
-    """`adapter`: the LoRA adapter's parameters (setup/preflight.py adapter_params)."""
+    """`adapter`: the LoRA adapter's parameters (models/lora.py adapter_params)."""
     from miniverl.models.loading import torch_dtype
     from miniverl.rollout.vllm_settings import ENGINE_OVERHEAD_GIB
 

@@ -91,8 +91,8 @@ def plan_fit(
     """The plan of `cfg` on `card` ((bytes, where it came from)): `objective` the built objective, `sizes` by role
     ("student" and every teacher's role), `vocab` the logits distillation compares, `kernels` whether the learner and
     scorer will use the Triton vocabulary passes (a CUDA machine with Triton: models/vocab_kernels.py)."""
+    from miniverl.models.lora import adapter_params
     from miniverl.process import COLOCATED_CONTEXT_GIB, CUDA_CONTEXT_GIB
-    from miniverl.setup.preflight import adapter_params
 
     total, source = card
     adapter = adapter_params(sizes["student"].config, cfg.model.lora)  # a meta-device build: once

@@ -21,19 +21,9 @@ from miniverl.checkpoints.store import (
 )
 from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
+from miniverl.models.lora import meta_linear_layers
 
 WANDB_HOST = "api.wandb.ai"
-
-
-def meta_linear_layers(config) -> list[tuple[str, object]]:
-    """(last name component, module) of every linear layer of the model of transformers `config`, built on the meta
-    device: no weights are read or allocated."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
 def linear_layer_names(model_path: str) -> set[str]:
@@ -120,15 +110,6 @@ def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
             raise ConfigError(
                 f"model.{role}.dtype=float16 is a GPU dtype (many CPU kernels lack it); use auto or float32 on the CPU"
             )
-
-
-def adapter_params(config, lora) -> int:
-    """Parameters of the LoRA adapter peft would put on the model of transformers `config`: r x (in + out) for every
-    linear layer whose last name component is in lora.target_modules, counted on the meta device (no weights)."""
-    targets = set(lora.target_modules)
-    return sum(
-        lora.rank * (m.in_features + m.out_features) for name, m in meta_linear_layers(config) if name in targets
-    )
 
 
 @dataclass(frozen=True)

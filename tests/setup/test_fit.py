@@ -127,9 +127,9 @@ def test_the_7b_recipes_vllm_rollout_gets_from_the_engine_the_kv_cache_the_plan_
     weights and adapter, so they derive the same KV cache."""
     from transformers import AutoConfig
 
+    from miniverl.models.lora import adapter_params
     from miniverl.process import emulated_cap_gib
     from miniverl.rollout.vllm_settings import ENGINE_OVERHEAD_GIB, memory_plan, settings_from_config
-    from miniverl.setup.preflight import adapter_params
 
     cfg = recipe(rollout__backend="vllm")
     cfg.model.student = ModelSpec(path="x", quantization="nf4")

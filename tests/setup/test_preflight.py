@@ -199,10 +199,9 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     print after loading; adapter parameters are counted on the meta device as peft makes them; a 4-bit student is
     left to the learner."""
     import miniverl.setup.prepare as prep
-    from miniverl.models.lora import LoraSettings, build_lora_model
+    from miniverl.models.lora import LoraSettings, adapter_params, build_lora_model
     from miniverl.models.sizing import fit_tokens
     from miniverl.process import CUDA_CONTEXT_GIB
-    from miniverl.setup.preflight import adapter_params
     from miniverl.workers.token_budget import learner_shape
 
     lora = load().model.lora
