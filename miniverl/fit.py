@@ -20,13 +20,16 @@ def main(argv: list[str]) -> int:
 
     from miniverl.config import register_configs, to_config
     from miniverl.errors import MiniVerlError
-    from miniverl.main import CONF
+    from miniverl.main import CONF, check_objective_overrides
+    from miniverl.setup.argv import checked_command_line
 
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
     register_configs()
     try:
+        argv = checked_command_line(argv, None)  # as main refuses and rewrites them, before Hydra reads them
+        check_objective_overrides(argv)
         with initialize_config_dir(config_dir=str(CONF), version_base=None):
             composed = compose(config_name="config", overrides=argv)
         cfg = to_config(composed)
@@ -37,7 +40,8 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # Hydra's composition errors: a wrong override or config group
         if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
             raise
-        print(f"miniverl.fit: error: {e}", file=sys.stderr)
+        why = str(e.__cause__).strip().splitlines()[0] if e.__cause__ is not None else ""  # merge errors keep it there
+        print(f"miniverl.fit: error: {e}" + (f": {why}" if why and why not in str(e) else ""), file=sys.stderr)
         return ERROR_EXIT_CODE
     print("\n".join(plan.lines()))
     return 0 if not (plan.refusals or plan.warnings) else NO_FIT_EXIT_CODE

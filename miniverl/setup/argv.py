@@ -30,10 +30,11 @@ REMOVED_KEYS = {
 }
 
 
-def checked_command_line(argv: list[str], default_run_dir: str) -> list[str]:
+def checked_command_line(argv: list[str], default_run_dir: str | None) -> list[str]:
     """`argv` (sys.argv[1:]) with `~` paths expanded (home_expanded) and dict-valued keys in the form Hydra accepts
     (accepted_form). Raises ConfigError for a malformed override, a removed key (REMOVED_KEYS), several values
-    without --multirun, or a run directory (hydra.run.dir, else `default_run_dir`) that cannot be made."""
+    without --multirun, or a run directory (hydra.run.dir, else `default_run_dir`) that cannot be made; with
+    `default_run_dir` None (a command that writes no run directory: `python -m miniverl.fit`) none is checked."""
     from hydra._internal.utils import get_args_parser  # the parser @hydra.main uses: flags vs overrides
 
     argv = [home_expanded(arg) for arg in argv]
@@ -51,7 +52,8 @@ def checked_command_line(argv: list[str], default_run_dir: str) -> list[str]:
                 f"the override '{text}' sets {o.key_or_group}, which was removed: {REMOVED_KEYS[o.key_or_group]}"
             )
     run_dirs = [str(o.value()) for o in parsed.values() if o.key_or_group == RUN_DIR_KEY and not o.is_delete()]
-    check_run_dir(run_dirs[-1] if run_dirs else default_run_dir)
+    if default_run_dir is not None:
+        check_run_dir(run_dirs[-1] if run_dirs else default_run_dir)
     rewritten = {text: accepted_form(text, o) for text, o in parsed.items()}
     return [rewritten.get(arg, arg) for arg in argv]
 

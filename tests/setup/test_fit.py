@@ -424,3 +424,23 @@ def test_the_7b_recipe_plans_a_15b_student_and_a_7b_nf4_teacher_inside_16_gib(qw
     cfg.resources.rollout.num_gpus, cfg.resources.scorer.num_gpus = 0.2, 0.48  # vLLM's engine takes the rest
     starved = " ".join(plan(cfg, qwen_configs, student="1.5b", teacher="7b").refusals)
     assert "leave nothing for the KV cache in a 2.5 GiB share" in starved and "quantization=nf4" not in starved
+
+
+def test_the_command_refuses_what_main_refuses_with_the_same_fix(capsys, tmp_path):
+    """The arguments main takes, checked as main checks them before Hydra reads them (setup/argv.py, main's
+    check_objective_overrides), and Hydra's merge errors with their reason, not only 'Error merging override'."""
+    cases = {
+        "nonsense": "it has no '='",
+        "objective.kl_coef=0.1": "belongs to objective pg_k1",
+        "trainer.total_steps=abc": "could not be converted to Integer",
+        "data.prompts_per_step=1,2": "several values (a sweep)",
+    }
+    for override, reason in cases.items():
+        assert main(["+experiment=gkd", "resources.emulate_gpu_gib=16", override]) == ERROR_EXIT_CODE, override
+        err = capsys.readouterr().err
+        assert err.startswith("miniverl.fit: error:") and reason in err, (override, err)
+    # it writes no run directory, so one that could not be made is no reason to refuse the plan
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert main(["+experiment=gkd", "resources.emulate_gpu_gib=16", f"hydra.run.dir={blocked}/run"]) == 0
+    capsys.readouterr()
