@@ -30,4 +30,12 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from miniverl.errors import ConfigError
+    from miniverl.setup.argv import checked_command_line
+
+    try:  # a malformed override in one line with its fix, as main refuses it, not Hydra's parser trace
+        sys.argv[1:] = checked_command_line(sys.argv[1:], None)
+    except ConfigError as e:
+        print(f"miniverl.bench: error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -135,6 +135,18 @@ def test_missing_bench_choice_is_a_clear_error():
     assert out.returncode == 2 and "+bench=rollout-runtime-v2" in out.stderr
 
 
+def test_a_malformed_override_is_refused_in_one_line_with_its_fix():
+    out = subprocess.run(
+        [sys.executable, "-m", "miniverl.bench", "+bench=rollout-smoke", "nonsense"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("miniverl.bench: error: cannot read the override 'nonsense'") and "Fix:" in out.stderr
+
+
 def test_smoke_bench_end_to_end_reports_every_cell(tmp_path):
     """The CPU smoke config through the real command. The oracle's own time cap is set to 0 so one cell is
     invalid for a known reason; vllm needs a GPU, so on the CPU its cell is not run."""
