@@ -150,6 +150,8 @@ def test_other_overrides_pass_unchanged(tmp_path):
         "+model.teacher_by_source={openai/gsm8k: math}",
         "trainer.loss_weight_by_sorce={sort: 4}",  # misspelled: Hydra's own error names it
         "~trainer.lr",
+        "model.lora.target_modules.0=q_proj",  # a list's index: Hydra's to set
+        "reward.custom_function=/r.py:score",
         f"hydra.run.dir={tmp_path}/${{now:%H}}",
     ]
     assert checked_command_line(argv, DEFAULT_RUN_DIR) == argv
@@ -177,6 +179,17 @@ def test_main_accepts_the_dict_form_on_an_experiment_that_does_not_name_the_key(
         ("trainer.lr=1e-3,2e-3", r"several values \(a sweep\). Fix: a list is key=\[a,b\]"),
         ("trainer.seed=3", r"sets trainer.seed, which was removed: it was read by nothing. Fix: .*rollout.seed"),
         ("+trainer.seed=3", r"which was removed: .* data.seed .* model.lora.init_seed"),
+        # verl's custom_reward_function.path and .name: one value here (Hydra said "Cannot convert 'dict' to string")
+        (
+            "reward.custom_function.path=/r.py",
+            r"under reward.custom_function, which is one value, not a section: path/to/file.py:name .*"
+            r"Fix: reward.custom_function=<value>",
+        ),
+        ("trainer.total_steps.x=1", r"under trainer.total_steps, which is one value, not a section: an int"),
+        (
+            "~model.student.path.x",
+            r"removes a key under model.student.path, .* \(or ~model.student.path to remove it\)",
+        ),
     ],
 )
 def test_a_malformed_override_is_named_with_what_is_wrong(override, message):

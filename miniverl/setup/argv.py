@@ -23,6 +23,9 @@ QUOTES = "'\""
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 LEXER_ERROR = "LexerNoViableAltException: "
 QUOTING = "quote a value that holds spaces or any of []{}(),:=' (key='a b')"
+# What a value-typed key holds, where a user coming from verl may write it as a section (verl's
+# custom_reward_function.path and .name are one key here).
+VALUE_FORMS = {"reward.custom_function": "path/to/file.py:name (verl's custom_reward_function.path and .name in one)"}
 # Keys that existed once and were removed: what to set instead (a bare "not in struct" would not say).
 REMOVED_KEYS = {
     "trainer.seed": "it was read by nothing. Fix: drop it; a run's randomness comes from rollout.seed (sampling),"
@@ -47,6 +50,14 @@ def checked_command_line(argv: list[str], default_run_dir: str | None) -> list[s
             " holding commas is quoted (key='a,b'), and a sweep of runs needs --multirun"
         )
     for text, o in parsed.items():
+        leaf = value_above(o.key_or_group)
+        if leaf is not None:
+            key, kind = leaf
+            form = VALUE_FORMS.get(key, f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}")
+            raise ConfigError(
+                f"the override '{text}' {'removes' if o.is_delete() else 'sets'} a key under {key}, which is one value,"
+                f" not a section: {form}. Fix: {key}=<value>" + (f" (or ~{key} to remove it)" if o.is_delete() else "")
+            )
         if o.key_or_group in REMOVED_KEYS:
             raise ConfigError(
                 f"the override '{text}' sets {o.key_or_group}, which was removed: {REMOVED_KEYS[o.key_or_group]}"
@@ -130,6 +141,25 @@ def unbalanced(value: str) -> str | None:
             f"its '{opened[-1]}' is never closed. Fix: close it with '{BRACKETS[opened[-1]]}' (a list is key=[a,b],"
             f" a dict key={{a: 1}}), {quoting}"
         )
+    return None
+
+
+def value_above(key: str) -> tuple[str, str] | None:
+    """(the key of a plain-valued field of MiniVerlConfig that `key` lies under, its type's name), or None when `key`
+    is a field, lies under a section, a dict or a list, or is not in the schema (Hydra's or the objective's checks
+    say so)."""
+    schema: Any = MiniVerlConfig
+    parts = key.lstrip("+~").split(".")
+    for i, name in enumerate(parts[:-1]):
+        if not dataclasses.is_dataclass(schema):
+            return None
+        hint = typing.get_type_hints(schema).get(name)
+        if hint is None or hint is Any or typing.get_origin(hint) in (dict, list, tuple):
+            return None  # a dict's keys and a list's indices (model.lora.target_modules.0=q_proj) are Hydra's
+        options = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) else [hint]
+        if len(options) == 1 and isinstance(options[0], type) and not dataclasses.is_dataclass(options[0]):
+            return ".".join(parts[: i + 1]), options[0].__name__
+        schema = options[0] if len(options) == 1 else None
     return None
 
 
