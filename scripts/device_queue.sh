@@ -3,6 +3,7 @@
 # never idles between cells. From the project root on the device machine, after staging the bundles:
 #
 #   bash scripts/device_queue.sh start QUEUE_FILE...  # returns at once; the files' commands run in order under setsid
+#   bash scripts/device_queue.sh check QUEUE_FILE...  # anywhere: what start would refuse (see below), nothing run
 #   bash scripts/device_queue.sh collect SECONDS      # packs results into $OUT/res.tgz every 20 s, until the
 #                                                     # queue is done or SECONDS have passed (one call's worth;
 #                                                     # $QUEUE_POLL_S sets the 20 s)
@@ -12,17 +13,37 @@
 # from a private copy of the tree ($QUEUE_ROOT/tree): later device calls re-copy the working tree, and must not
 # change the code under a running cell. Each command's start, exit status and time go to res/queue.log, which
 # ends with ALL_DONE. A failing command does not stop the queue. Session 8 ran its whole GPU plan this way
-# (docs/benchmarks/staleness-gpu/s8/queue.log). $QUEUE_ROOT defaults to /tmp/queue.
+# (docs/benchmarks/staleness-gpu/s8/queue.log). $QUEUE_ROOT defaults to /tmp/queue. `start` (and `check`) refuse a
+# file with a line bash cannot read, or one that sets PYTHONPATH without keeping $PYTHONPATH (the staged bundles'
+# site), before anything runs.
 set -uo pipefail
 root=${QUEUE_ROOT:-/tmp/queue}
 res=$root/res
 finished() { grep -q ALL_DONE "$res/queue.log" 2>/dev/null; }  # the runner's last line
+check_queues() {  # each line bash can read, none dropping the staged site: a bad line would cost its cell's device time
+  local queue n cmd
+  for queue in "$@"; do
+    [ -f "$queue" ] || { echo "no queue file $queue" >&2; return 2; }
+    n=0
+    while IFS= read -r cmd || [ -n "$cmd" ]; do
+      n=$((n + 1))
+      case "$cmd" in ''|'#'*) continue ;; esac
+      bash -n -c "$cmd" 2>/dev/null || { echo "$queue line $n is not a shell command bash can read: $cmd" >&2; return 2; }
+      # `PYTHONPATH=. cmd` drops the staged bundles' site (session 25 lost its SGLang GPU tests to it)
+      if grep -qE '(^|[[:space:];(])PYTHONPATH=' <<< "$cmd" \
+        && ! grep -qE '(^|[[:space:];(])PYTHONPATH=[^[:space:];]*[$][{]?PYTHONPATH' <<< "$cmd"; then
+        echo "$queue line $n sets PYTHONPATH without the staged site's: write PYTHONPATH=...:\$PYTHONPATH" >&2
+        return 2
+      fi
+    done < "$queue"
+  done
+}
 case "${1:-}" in
   start)
     shift
     [ $# -gt 0 ] || { echo "give the queue file(s): bash scripts/device_queue.sh start QUEUE_FILE..." >&2; exit 2; }
-    for queue in "$@"; do [ -f "$queue" ] || { echo "no queue file $queue" >&2; exit 2; }; done
     [ -d miniverl ] || { echo "run from the project root" >&2; exit 2; }
+    check_queues "$@" || exit 2
     if [ -f "$res/queue.log" ] && ! finished; then
       echo "a queue is still running ($res/queue.log); wait for it with collect" >&2; exit 2
     fi
@@ -49,6 +70,11 @@ EOF
 )
     setsid nohup bash -c "$runner" queue "$root" > "$root/runner.log" 2>&1 < /dev/null &
     echo "queue started: $count commands, log $res/queue.log" ;;
+  check)  # here, before the device call: what start would refuse
+    shift
+    [ $# -gt 0 ] || { echo "give the queue file(s): bash scripts/device_queue.sh check QUEUE_FILE..." >&2; exit 2; }
+    check_queues "$@" || exit 2
+    echo "ok: $* (every line readable, PYTHONPATH kept)" ;;
   collect)
     out=${OUT:?set OUT (the device call sets it)}
     seconds=${2:?give the seconds to wait: bash scripts/device_queue.sh collect 560}
@@ -69,5 +95,5 @@ EOF
     finished && echo "queue done" || echo "queue still running"
     grep '^== ' "$res/queue.log" | tail -6 ;;
   *)
-    echo "usage: bash scripts/device_queue.sh start QUEUE_FILE... | collect SECONDS" >&2; exit 2 ;;
+    echo "usage: bash scripts/device_queue.sh start QUEUE_FILE... | collect SECONDS | check QUEUE_FILE..." >&2; exit 2 ;;
 esac

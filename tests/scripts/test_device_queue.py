@@ -65,3 +65,30 @@ def test_bad_calls_say_what_to_do_and_start_nothing(tmp_path):
     assert again.returncode == 2 and "still running" in again.stderr
     usage = run(["stop"], tree, root, out)
     assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def test_a_queue_with_a_line_that_would_fail_for_its_form_is_refused_before_anything_runs(tmp_path):
+    tree, root, out = project(tmp_path), tmp_path / "q", tmp_path / "out"
+    out.mkdir()
+    cases = {
+        "PYTHONPATH=. python3 -m pytest tests": "line 2 sets PYTHONPATH without the staged site's",
+        "A=1 PYTHONPATH=.:x bash run.sh": "line 2 sets PYTHONPATH without the staged site's",
+        "echo 'unclosed": "line 2 is not a shell command bash can read",
+    }
+    for line, message in cases.items():
+        queue = tree / "bad.txt"
+        queue.write_text(f"echo fine\n{line}\n")
+        refused = run(["start", str(queue)], tree, root, out)
+        assert refused.returncode == 2 and message in refused.stderr, (line, refused.stderr)
+        assert not root.exists()  # nothing copied, nothing started
+    kept = tree / "good.txt"  # the staged site kept, in either spelling, or no PYTHONPATH at all
+    kept.write_text(
+        "PYTHONPATH=.:miniverl/x:$PYTHONPATH python3 -c pass\nPYTHONPATH=.:${PYTHONPATH} true\necho PYTHONPATH\n"
+    )
+    checked = run(["check", str(kept)], tmp_path, root, out)  # anywhere, before the device call: nothing runs
+    assert checked.returncode == 0 and checked.stdout.startswith("ok:") and not root.exists()
+    bad = run(["check", str(tree / "bad.txt")], tmp_path, root, out)
+    assert bad.returncode == 2 and "is not a shell command" in bad.stderr
+    started = run(["start", str(kept)], tree, root, out)
+    assert started.returncode == 0 and "3 commands" in started.stdout, started.stderr
+    assert "queue done" in run(["collect", "60"], tree, root, out).stdout
