@@ -89,11 +89,9 @@ class Walker:
 
     def __init__(self, package: Package, cap: int, follow: str = "values"):
         self.package, self.cap = package, cap
-        config = config_classes(package) if follow == "config" else {}
-        self.config_names = set(config)  # the config classes' names
-        self.config_classes = list(config.values())
+        self.config = config_classes(package) if follow == "config" else {}  # by name
         # --follow config: the field names holding config sections; None: follow every value
-        self.sections = config_sections(config) if follow == "config" else None
+        self.sections = config_sections(self.config) if follow == "config" else None
         self.events: list[Func] = []
         self.stack: list[Func] = []
         self.members: dict[Klass, set[str]] = defaultdict(set)  # tracked `self.attr` names of each class
@@ -132,7 +130,7 @@ class Walker:
                 frame.scope.klass, ()
             ):
                 return True  # self.attr, a tracked member
-            if self.type_of(expr, frame) in self.config_classes:
+            if self.type_of(expr, frame) in self.config.values():
                 return True  # annotated as a config class, whatever holds it (a record carrying the config)
             return expr.attr in self.sections and self.is_config(expr.value, frame)
         if isinstance(expr, ast.Subscript):
@@ -143,7 +141,7 @@ class Walker:
                 return True
             found = self.package.resolve(expr.func, frame.scope)
             returns = found.node.returns if isinstance(found, Func) and found.node is not None else None
-            return returns is not None and bool(self.config_names & names_in(returns))
+            return returns is not None and bool(self.config.keys() & names_in(returns))
         if isinstance(expr, (ast.Tuple, ast.List, ast.Starred, ast.IfExp, ast.BoolOp)):
             parts = (expr.body, expr.orelse) if isinstance(expr, ast.IfExp) else ast.iter_child_nodes(expr)
             return any(self.is_config(p, frame) for p in parts)

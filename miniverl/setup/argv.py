@@ -11,6 +11,7 @@ import os
 import re
 import tempfile
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -144,36 +145,43 @@ def unbalanced(value: str) -> str | None:
     return None
 
 
+def schema_fields(key: str) -> Iterator[tuple[str, Any]]:
+    """(the dotted key so far, its field's type hint) for each part of `key` down MiniVerlConfig's dataclasses, until
+    a part that names no field or lies under a field that is not a dataclass (`str | None` counts as `str`)."""
+    schema: Any = MiniVerlConfig
+    parts = key.split(".")
+    for i, name in enumerate(parts):
+        hint = typing.get_type_hints(schema).get(name) if dataclasses.is_dataclass(schema) else None
+        if hint is None:
+            return
+        yield ".".join(parts[: i + 1]), hint
+        schema = single_type(hint)
+
+
+def single_type(hint: Any) -> Any | None:
+    """The one type a field's hint allows besides None (`str | None`: str; `int`: int), else None."""
+    options = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) else [hint]
+    return options[0] if len(options) == 1 else None
+
+
 def value_above(key: str) -> tuple[str, str] | None:
     """(the key of a plain-valued field of MiniVerlConfig that `key` lies under, its type's name), or None when `key`
     is a field, lies under a section, a dict or a list, or is not in the schema (Hydra's or the objective's checks
     say so)."""
-    schema: Any = MiniVerlConfig
-    parts = key.lstrip("+~").split(".")
-    for i, name in enumerate(parts[:-1]):
-        if not dataclasses.is_dataclass(schema):
-            return None
-        hint = typing.get_type_hints(schema).get(name)
-        if hint is None or hint is Any or typing.get_origin(hint) in (dict, list, tuple):
+    for above, hint in schema_fields(key.rpartition(".")[0]):
+        if hint is Any or typing.get_origin(hint) in (dict, list, tuple):
             return None  # a dict's keys and a list's indices (model.lora.target_modules.0=q_proj) are Hydra's
-        options = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) else [hint]
-        if len(options) == 1 and isinstance(options[0], type) and not dataclasses.is_dataclass(options[0]):
-            return ".".join(parts[: i + 1]), options[0].__name__
-        schema = options[0] if len(options) == 1 else None
+        kind = single_type(hint)
+        if isinstance(kind, type) and not dataclasses.is_dataclass(kind):
+            return above, kind.__name__
     return None
 
 
 def dict_field(key: str) -> tuple[str, Any] | None:
     """(the dict-typed field of MiniVerlConfig that `key` is or lies under, the type of its values), or None."""
-    schema: Any = MiniVerlConfig
-    parts = key.split(".")
-    for i, name in enumerate(parts):
-        if not dataclasses.is_dataclass(schema):
-            return None
-        hint = typing.get_type_hints(schema).get(name)
+    for field, hint in schema_fields(key):
         if typing.get_origin(hint) is dict:
-            return ".".join(parts[: i + 1]), typing.get_args(hint)[1]
-        schema = hint
+            return field, typing.get_args(hint)[1]
     return None
 
 
