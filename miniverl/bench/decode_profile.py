@@ -11,7 +11,11 @@ LoRA (the RL-size bench's model and adapter), then reports:
   decode step, the GPU's busy fraction of the wall (the rest is the host: launches, syncs, Python), and the
   host-side time of the calls that wait for the GPU or launch graphs;
 - `replay`: the decode graph of the full width replayed back to back, timed by CUDA events: the step's GPU time
-  with no host in the way.
+  with no host in the way;
+- `replay_by_column`: the same graph replayed from three cache columns of the call (an eighth, half and nearly all of
+  the way through its new tokens): the attention reads every column up to the one written, so a step's GPU time
+  grows through the call; their mean times the call's steps is the decode's GPU time, and the wall less that is
+  the prefill, the host and the syncs.
 `--stop-median M` gives every row stop tokens: a set of ~ln(2) V / M token ids, so on a random-init model (nearly
 uniform next-token distribution) lengths are geometric with median ~M, capped by max new tokens (a long tail: a
 share of rows runs to the cap). The measured length distribution is reported with the cell.
@@ -224,6 +228,31 @@ def replay(backend, device: str, iters: int = 100) -> dict:
     return out
 
 
+def replay_by_column(backend, device: str, prompt_width: int, new_tokens: int, iters: int = 50) -> dict:
+    """The widest captured graph replayed from three points of a call (CUDA events): GPU ms per step by the cache
+    column the first replay writes. Each replay writes the next column, so the points stay `iters` short of the
+    cache's end. Shapes: -> {column: ms}."""
+    graphs = getattr(backend, "_graphs", {})
+    cache = getattr(backend, "_cache", None)
+    if not device.startswith("cuda") or not graphs or cache is None:
+        return {}
+    graph = graphs[max(graphs, key=lambda key: key[0])][0]
+    last = min(prompt_width + new_tokens, cache.columns) - iters - 1
+    out = {}
+    for column in sorted({min(prompt_width + new_tokens * k // 8, last) for k in (1, 4, 7)}):
+        cache.column.fill_(column)
+        cache.step.zero_()  # the output column of each replay; stays below iters
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out[str(column + 1)] = start.elapsed_time(end) / iters
+    return out
+
+
 def build_oracle(model_dir: Path, spec: AdapterSpec, dtype: torch.dtype, device: str):
     """hf_reference (the peft model, adapter applied on the fly) with the cells' adapter: the law every backend
     must sample from."""
@@ -322,6 +351,7 @@ def run(args) -> dict:
                 # replays the graphs from where the short call left the decode state; after a whole call its step
                 # counter sits at the buffers' end and a replay writes past them (an illegal access on the H200)
                 cell["replay_ms"] = replay(backend, device)
+                cell["replay_by_column"] = replay_by_column(backend, device, max(map(len, prompts)), t)
             cells.append(cell)
             print(summary_line(cell), flush=True)
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -353,7 +383,7 @@ def summary_line(cell: dict) -> str:
         f" GPU busy {tr['gpu_busy_ms_per_step']:.2f} ms ({tr['gpu_busy_fraction']:.0%}),"
         f" {tr['kernels_per_step']:.0f} kernels/step; "
         + ", ".join(f"{c} {ms:.2f}" for c, ms in top)
-        + f" | replay ms by width {cell['replay_ms']}"
+        + f" | replay ms by width {cell['replay_ms']}, by column {cell.get('replay_by_column', {})}"
     )
 
 

@@ -33,6 +33,19 @@ def test_a_tiny_profile_runs_on_the_cpu_and_writes_its_cells(tmp_path):
     assert lengths["mean"] < 24  # the stop tokens ended rows early
     assert first["generate"]["tokens"] == round(lengths["mean"] * 8)
     assert first["trace"]["steps"] == 8 and first["replay_ms"] == {}  # no CUDA graphs on the CPU
+    assert first["replay_by_column"] == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_replays_by_column_stay_inside_the_cache_and_a_later_column_costs_no_less(tmp_path):
+    result = decode_profile.run(profile_args(tmp_path, cells="4x2x160", stop_median=0, profile_steps=16))
+    cell = result["cells"][0]
+    by_column = {int(c): ms for c, ms in cell["replay_by_column"].items()}
+    assert len(by_column) == 3 and all(ms > 0 for ms in by_column.values())
+    first, *_, last = sorted(by_column)
+    assert 9 < first < last <= 9 + 160 - 50  # from an eighth of the way on, iters short of the call's last column
+    assert by_column[last] >= 0.9 * by_column[first]
 
 
 def profile_args(tmp_path, **changes) -> argparse.Namespace:
