@@ -82,10 +82,15 @@ def decode_attention(
     first_column: torch.Tensor,
     heads: int,
     scale: float,
+    *,
+    block: int = BLOCK_COLUMNS,
+    launch: dict | None = None,
 ) -> torch.Tensor:
     """Attention of one decode step from the q/k/v GEMM's output: q, k and v (y + t, in heads of D columns: H
     query heads, then Hkv key heads, then Hkv value heads), q and k rotated by cos/sin, k and v written into the
     cache at `column` for the W rows, then each row's queries attend over its columns [first_column, column].
+    `block` (cache columns per iteration, a power of two >= 16) and `launch` (Triton's num_warps / num_stages) are
+    what miniverl/bench/attention_sweep.py varies; the decode runs the defaults.
 
     Shapes: y [W, >= (H + 2 Hkv) D], t [W, (H + 2 Hkv) D] or None, cos/sin [W, D], keys/values [R >= W, Hkv, L,
     D] contiguous, column [1] long, first_column [R] long -> [W, H * D] in y's dtype.
@@ -102,8 +107,8 @@ def decode_attention(
     _kernels()[0][(w, hkv)](
         y, lora, cos, sin, keys, values, out, first_column, column,
         y.stride(0), lora_row, cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0), scale,
-        H=heads, HKV=hkv, G=g, GP=max(MIN_DOT, 1 << (g - 1).bit_length()), D=d, BLOCK=BLOCK_COLUMNS,
-        HAS_LORA=has_lora, IEEE=y.dtype == torch.float32 or _INTERPRETED,
+        H=heads, HKV=hkv, G=g, GP=max(MIN_DOT, 1 << (g - 1).bit_length()), D=d, BLOCK=block,
+        HAS_LORA=has_lora, IEEE=y.dtype == torch.float32 or _INTERPRETED, **(launch or {}),
     )  # fmt: skip
     return out
 
