@@ -1,7 +1,8 @@
 """The layout a run gets where its config leaves it null, chosen from the models' shapes and the card before Ray
 starts (each choice printed with why): the actors' shares of the card (resources.<actor>.num_gpus), the learner's
-LM-head chunk (trainer.logprob_chunk_tokens) and gradient checkpointing (trainer.gradient_checkpointing). Each
-candidate is judged by the actors' plans (setup/actor_plans.py)."""
+LM-head chunk (trainer.logprob_chunk_tokens), gradient checkpointing (trainer.gradient_checkpointing) and compiled
+decoder layers (trainer.compile_layers). Each memory candidate is judged by the actors' plans
+(setup/actor_plans.py)."""
 
 from __future__ import annotations
 
@@ -163,6 +164,18 @@ class _ShareFits:
 SMALL_VOCAB = 32768
 AUTO_CHUNKS = (1024, 512, 256, 128)
 CHECKPOINT_FREE_TOKENS = 16384
+# trainer.compile_layers where it is null: on a GPU with Triton, for a bf16 (or fp32) student of a model type whose
+# decoder layers were compiled and checked (the built-in and Qwen2.5 shapes: tests/models/test_compiled.py, and on an
+# H200 the 12 GiB recipe and one-behind runs, docs/benchmarks/qlora-4080.md runs 8-11 and decode-profile.md runs 3
+# and 8), and not beside a colocated one-behind rollout (the config check says why). It trained 1.68x eager's
+# tokens/s at the 12 GiB layout's share (learner-throughput.md diag13a); the first update compiles (about 75 s at
+# 0.5B). Elsewhere off, with the reason; trainer.compile_layers=true asks for it anyway (a graph break is then an
+# error, not a silent slow path).
+COMPILE_TESTED_MODEL_TYPES = ("qwen2",)
+# ... and of at least this many decoder (linear-layer) parameters: the measured gain was at the 0.5B shape (~360M of
+# them); the built-in models (tens of thousands) train a step in milliseconds, which tens of seconds of compiling
+# would not repay in a run of a few hundred steps.
+COMPILE_MIN_DECODER_PARAMS = 100_000_000
 
 
 def _checkpointing_pays(cfg, objective, shape, share: int, chunk: int, kernels: bool) -> tuple[bool, str]:
@@ -192,13 +205,37 @@ def _checkpointing_pays(cfg, objective, shape, share: int, chunk: int, kernels: 
 def choose_layout(
     cfg, objective, sizes: dict[str, ModelSize], adapter: int, vocab: int, share, fractions: dict, kernels: bool
 ):
-    """`cfg` with trainer.logprob_chunk_tokens and trainer.gradient_checkpointing set where they are null (the
-    rules above), the chosen values, and a line for each value chosen. `share(role)`: an actor's share in bytes."""
+    """`cfg` with trainer.compile_layers, trainer.logprob_chunk_tokens and trainer.gradient_checkpointing set where
+    they are null (the rules above), the chosen values, and a line for each value chosen. `share(role)`: an actor's
+    share in bytes; `kernels`: whether the learner's GPU has Triton."""
     import dataclasses
 
-    t = cfg.trainer
+    t, layout, lines, speed = cfg.trainer, {}, [], []
+    if t.compile_layers is None:
+        model_type = getattr(sizes["student"].config, "model_type", None)
+        quantization = cfg.model.student.quantization
+        if not kernels:
+            compiled, why = False, "no Triton on this GPU: Inductor generates its GPU kernels with it"
+        elif quantization != "none":
+            compiled, why = False, f"model.student.quantization={quantization}: compiling 4-bit layers is untested"
+        elif cfg.resources.colocate and t.staleness > 0:
+            compiled, why = False, "a colocated one-behind rollout captures CUDA graphs beside the first update"
+        elif model_type not in COMPILE_TESTED_MODEL_TYPES:
+            compiled, why = False, f"compiling {model_type} decoder layers is untested (true tries it)"
+        elif sizes["student"].linear_numel < COMPILE_MIN_DECODER_PARAMS:
+            small = f"{sizes['student'].linear_numel:,} decoder parameters"
+            compiled, why = False, f"a small student ({small}): compiling would cost more than it saves"
+        else:
+            compiled, why = (
+                True,
+                f"a {model_type} student on a GPU: about 1.7x eager's tokens/s; the first update compiles",
+            )
+        layout["trainer.compile_layers"] = compiled
+        speed.append(f"  trainer.compile_layers={str(compiled).lower()} (chosen: {why})")  # after the memory's lines
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(t, compile_layers=compiled))
+        t = cfg.trainer
     if t.logprob_chunk_tokens is not None and t.gradient_checkpointing is not None:
-        return cfg, {}, []
+        return cfg, layout, speed
     shape = learner_shape(cfg, sizes["student"], adapter, vocab)
     if t.logprob_chunk_tokens is not None:
         chunks = [t.logprob_chunk_tokens]
@@ -219,7 +256,6 @@ def choose_layout(
         fits = learner.problem is None and scorer.problem is None
         if fits:
             break
-    layout, lines = {}, []
     if t.logprob_chunk_tokens is None:
         layout["trainer.logprob_chunk_tokens"] = chunk
         reason = f"the largest of {', '.join(map(str, AUTO_CHUNKS))} with which the learner and the scorer fit"
@@ -231,4 +267,4 @@ def choose_layout(
     if t.gradient_checkpointing is None:
         layout["trainer.gradient_checkpointing"] = checkpointing
         lines.append(f"  trainer.gradient_checkpointing={str(checkpointing).lower()} (chosen: {why})")
-    return trial, layout, lines
+    return trial, layout, lines + speed

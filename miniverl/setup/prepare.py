@@ -171,8 +171,9 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     # the visible GPU), a student or teacher its learner or scorer share cannot hold refused with the arithmetic the
     # actor would print after loading (a 12 GiB card left the 1.5B bf16 teacher no room, and the scorer said so only
     # after Ray had started and the student had loaded: docs/benchmarks/staleness-gpu.md, session 8). The plan also
-    # chooses the LM-head chunk and gradient checkpointing where the config leaves them null (setup/layout.py
-    # choose_layout); on the CPU they are off (the built-in models' logits are small, and time, not memory, binds).
+    # chooses the LM-head chunk, gradient checkpointing and compiled layers where the config leaves them null
+    # (setup/layout.py choose_layout); on the CPU they are off (the built-in models' logits are small, and time, not
+    # memory, binds).
     if device == "cuda":
         plan = card_plan(cfg, objective, paths, configs, vocab_size, kernels_available())  # as the actors decide
         for line in plan.lines():
@@ -186,6 +187,8 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
             chosen["trainer.logprob_chunk_tokens"] = 0
         if t.gradient_checkpointing is None:
             chosen["trainer.gradient_checkpointing"] = False
+        if t.compile_layers is None:  # compiling costs the CPU's run more than it saves
+            chosen["trainer.compile_layers"] = False
     cfg.apply(chosen)
     check_vocab_memory(
         cfg.data.prompts_per_step * r.n,

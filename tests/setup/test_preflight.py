@@ -220,10 +220,12 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     share = int((8 * 0.1375 - CUDA_CONTEXT_GIB) * 2**30)
     tokens = fit_tokens(learner_shape(model), share, 0, False, 1)  # the budget: the most that fits, any row length
     at = said.index("[miniverl] memory plan for a 8.0 GiB card (resources.emulate_gpu_gib):")
-    chunk, checkpointing, learner, scorer, _, _, verdict = said[at + 1 : at + 8]
+    chunk, checkpointing, compiled, learner, scorer, _, _, verdict = said[at + 1 : at + 9]
     # trainer.logprob_chunk_tokens and trainer.gradient_checkpointing were left null: chosen, and said why
     assert chunk == "[miniverl]   trainer.logprob_chunk_tokens=0 (chosen: a 43-token vocabulary's logits are small)"
     assert checkpointing.startswith("[miniverl]   trainer.gradient_checkpointing=false (chosen: micro-batches of up to")
+    # this machine has no Triton-capable GPU: the learner would not compile its layers here, and is told why
+    assert compiled.startswith("[miniverl]   trainer.compile_layers=false (chosen: no Triton on this GPU")
     assert learner.startswith("[miniverl]   learner") and f"micro-batches of up to {tokens:,} tokens" in learner
     assert "forwards of up to" in scorer and verdict == "[miniverl]   => fits"
     long_rows = with_models(student_dir, teacher_dir, *card, "rollout.max_new_tokens=200000")
@@ -253,11 +255,13 @@ def test_what_the_plan_chose_is_applied_and_kept_in_the_setup(student_dir, teach
     quiet = lambda *_: None  # noqa: E731
     cpu = prep.prepare(with_models(student_dir, teacher_dir), log=quiet)
     layout = {"trainer.logprob_chunk_tokens": 0, "trainer.gradient_checkpointing": False}
+    layout["trainer.compile_layers"] = False  # on the CPU compiling would cost more than it saves
     assert cpu.chosen == {"rollout.backend": "hf_cached", **layout}  # rollout.backend=auto, the default
     kept = prep.prepare(
         with_models(student_dir, teacher_dir, "trainer.gradient_checkpointing=true", "rollout=hf_reference"), log=quiet
     )
-    assert kept.chosen == {"trainer.logprob_chunk_tokens": 0}  # a value the config sets is not "chosen"
+    # a value the config sets is not "chosen"
+    assert kept.chosen == {"trainer.logprob_chunk_tokens": 0, "trainer.compile_layers": False}
 
     monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
     cfg = with_models(student_dir, teacher_dir, "resources.emulate_gpu_gib=8", "resources.scorer.num_gpus=0.3")
