@@ -178,6 +178,23 @@ COMPILE_TESTED_MODEL_TYPES = ("qwen2",)
 COMPILE_MIN_DECODER_PARAMS = 100_000_000
 
 
+def _compile_pays(student: ModelSize, quantization: str, colocated_behind: bool, kernels: bool) -> tuple[bool, str]:
+    """Whether the learner should compile its decoder layers (the rule above), and why (a line's tail)."""
+    model_type = getattr(student.config, "model_type", None)
+    if not kernels:
+        return False, "no Triton on this GPU: Inductor generates its GPU kernels with it"
+    if quantization != "none":
+        return False, f"model.student.quantization={quantization}: compiling 4-bit layers is untested"
+    if colocated_behind:
+        return False, "a colocated one-behind rollout captures CUDA graphs beside the first update"
+    if model_type not in COMPILE_TESTED_MODEL_TYPES:
+        return False, f"compiling {model_type} decoder layers is untested (true tries it)"
+    if student.linear_numel < COMPILE_MIN_DECODER_PARAMS:
+        small = f"{student.linear_numel:,} decoder parameters"
+        return False, f"a small student ({small}): compiling would cost more than it saves"
+    return True, f"a {model_type} student on a GPU: about 1.7x eager's tokens/s; the first update compiles"
+
+
 def _checkpointing_pays(cfg, objective, shape, share: int, chunk: int, kernels: bool) -> tuple[bool, str]:
     """Whether the learner should recompute activations, and why (a line's tail)."""
     from miniverl.models.sizing import fit_tokens
@@ -212,24 +229,8 @@ def choose_layout(
 
     t, layout, lines, speed = cfg.trainer, {}, [], []
     if t.compile_layers is None:
-        model_type = getattr(sizes["student"].config, "model_type", None)
-        quantization = cfg.model.student.quantization
-        if not kernels:
-            compiled, why = False, "no Triton on this GPU: Inductor generates its GPU kernels with it"
-        elif quantization != "none":
-            compiled, why = False, f"model.student.quantization={quantization}: compiling 4-bit layers is untested"
-        elif cfg.resources.colocate and t.staleness > 0:
-            compiled, why = False, "a colocated one-behind rollout captures CUDA graphs beside the first update"
-        elif model_type not in COMPILE_TESTED_MODEL_TYPES:
-            compiled, why = False, f"compiling {model_type} decoder layers is untested (true tries it)"
-        elif sizes["student"].linear_numel < COMPILE_MIN_DECODER_PARAMS:
-            small = f"{sizes['student'].linear_numel:,} decoder parameters"
-            compiled, why = False, f"a small student ({small}): compiling would cost more than it saves"
-        else:
-            compiled, why = (
-                True,
-                f"a {model_type} student on a GPU: about 1.7x eager's tokens/s; the first update compiles",
-            )
+        behind = cfg.resources.colocate and t.staleness > 0
+        compiled, why = _compile_pays(sizes["student"], cfg.model.student.quantization, behind, kernels)
         layout["trainer.compile_layers"] = compiled
         speed.append(f"  trainer.compile_layers={str(compiled).lower()} (chosen: {why})")  # after the memory's lines
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(t, compile_layers=compiled))
