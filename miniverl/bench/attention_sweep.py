@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-from miniverl.bench.gemm_sweep import time_call
+from miniverl.bench.gemm_sweep import sweep_record, time_call
 from miniverl.bench.workload import REAL_SHAPES
 from miniverl.rollout import decode_kernels
 
@@ -133,13 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cells = sweep(shape, rows, columns, combos, a.device, a.repeat)
-    result = {
-        "command": "python -m miniverl.bench.attention_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
-        "shape": a.shape,
-        "cells": cells,
-    }
+    result = sweep_record("attention_sweep", argv, a.device, shape=a.shape, cells=cells)
     (out / "attention_sweep.json").write_text(json.dumps(result, indent=1))
     return result
 

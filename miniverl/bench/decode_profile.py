@@ -215,17 +215,22 @@ def replay(backend, device: str, iters: int = 100) -> dict:
     """The captured decode graphs replayed back to back (CUDA events): each width's GPU time per step."""
     if not device.startswith("cuda"):
         return {}
-    out = {}
-    for width, (graph, _logits) in sorted(getattr(backend, "_graphs", {}).items()):
+    return {
+        str(width): _replay_ms(graph, iters)
+        for width, (graph, _logits) in sorted(getattr(backend, "_graphs", {}).items())
+    }
+
+
+def _replay_ms(graph, iters: int) -> float:
+    """GPU ms per replay of `graph`: one untimed replay, then `iters` back to back between CUDA events."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
         graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        out[str(width)] = start.elapsed_time(end) / iters
-    return out
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def replay_by_column(backend, device: str, prompt_width: int, new_tokens: int, iters: int = 50) -> dict:
@@ -242,14 +247,7 @@ def replay_by_column(backend, device: str, prompt_width: int, new_tokens: int, i
     for column in sorted({min(prompt_width + new_tokens * k // 8, last) for k in (1, 4, 7)}):
         cache.column.fill_(column)
         cache.step.zero_()  # the output column of each replay; stays below iters
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        out[str(column + 1)] = start.elapsed_time(end) / iters
+        out[str(column + 1)] = _replay_ms(graph, iters)  # the untimed replay wrote `column`: timed from column + 1
     return out
 
 

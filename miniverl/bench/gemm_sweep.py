@@ -122,6 +122,17 @@ def sweep(shape: dict, rows: list[int], rank: int, variants: list[str], device: 
     return cells
 
 
+def sweep_record(module: str, argv: list[str] | None, device: str, **fields) -> dict:
+    """A sweep's JSON record (this one's and bench/attention_sweep.py's): the command that ran it, the device and
+    torch, then `fields`."""
+    return {
+        "command": f"python -m miniverl.bench.{module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        **fields,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m miniverl.bench.gemm_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for gemm_sweep.json")
@@ -156,14 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cells = sweep(shape, rows, a.rank, variants, a.device, a.repeat)
-    result = {
-        "command": "python -m miniverl.bench.gemm_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
-        "torch": torch.__version__,
-        "shape": a.shape,
-        "rank": a.rank,
-        "cells": cells,
-    }
+    result = sweep_record("gemm_sweep", argv, a.device, shape=a.shape, rank=a.rank, cells=cells)
     (out / "gemm_sweep.json").write_text(json.dumps(result, indent=1))
     return result
 
