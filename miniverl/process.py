@@ -11,8 +11,10 @@ import torch
 
 # One CUDA graph capture at a time in a process, and no release of the allocator's cache during one: torch asserts
 # that no capture is underway in empty_cache(), and a colocated process (cluster/colocate.py) captures the rollout's
-# decode graphs on one thread while the learner may give its cache back after running out of memory on another.
-CUDA_CAPTURE_LOCK = threading.Lock()
+# decode graphs on one thread while the learner may give its cache back after running out of memory on another. A
+# colocated compiled learner holds it through each of its calls (Inductor may compile and synchronize the device at
+# any new shape), so it is reentrant: such a call's own cache release takes it again on the same thread.
+CUDA_CAPTURE_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)

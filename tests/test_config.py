@@ -118,10 +118,6 @@ def test_loss_weights_are_off_by_default_and_mopd_weighs_sorting():
         (["resources.colocate=true", "resources.scorer_gpus=1"], "set resources.gpus=1 .* resources.scorer_gpus=0"),
         (["resources.colocate=true", "rollout=vllm"], "resources.colocate=true with rollout=vllm"),
         (
-            ["trainer.compile_layers=true", "resources.colocate=true", "trainer.staleness=1"],
-            "compile_layers=true with resources.colocate=true and trainer.staleness=1: the first compiled update",
-        ),
-        (
             ["trainer.compile_layers=true", "model.student.quantization=nf4"],
             "compile_layers=true with model.student.quantization=nf4: compiling bitsandbytes",
         ),

@@ -98,7 +98,7 @@ def test_colocated_roles_compute_the_separate_actors_run_and_overlap_one_step_st
     separate actors' run number for number (hf_cached, adapter handed over in-process); with trainer.staleness=1
     the next rollout runs beside the update on its own thread, in a process whose Python threads take turns at
     resources.switch_interval_ms; the strict colocated run with the learner's decoder layers compiled
-    (trainer.compile_layers) gives the same run to fp32 rounding."""
+    (trainer.compile_layers) gives the same run to fp32 rounding, and compiled layers run one behind as well."""
     common = (*TINY, "+experiment=gkd", "trainer=smoke", "rollout=hf_cached", "tracking=disabled")
     models = (f"model.student.path={student_dir}", f"model.teacher.path={teacher_dir}")
     runs = {}
@@ -107,13 +107,15 @@ def test_colocated_roles_compute_the_separate_actors_run_and_overlap_one_step_st
         ("separate", ()),
         ("stale", ("resources.colocate=true", "trainer.staleness=1", "resources.switch_interval_ms=0.5")),
         ("compiled", ("resources.colocate=true", "trainer.compile_layers=true")),
+        # one behind with compiled layers: the learner's calls and the rollout's graph captures take turns
+        ("stale-compiled", ("resources.colocate=true", "trainer.staleness=1", "trainer.compile_layers=true")),
     ):
         proc = run_main(*common, *models, *extra, f"hydra.run.dir={tmp_path / name}")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         runs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert ("Colocated pid=" in proc.stdout + proc.stderr) == (name != "separate")
         assert ("Python switch interval 0.5 ms" in proc.stdout + proc.stderr) == (name == "stale")
-        assert ("decoder layers compiled" in proc.stdout + proc.stderr) == (name == "compiled")
+        assert ("decoder layers compiled" in proc.stdout + proc.stderr) == name.endswith("compiled")
     for mine, theirs, compiled in zip(runs["colocated"], runs["separate"], runs["compiled"], strict=True):
         for key in ("loss", "reverse_kl", "grad_norm", "eval/reverse_kl", "policy_version"):
             assert mine.get(key) == theirs.get(key), (mine["step"], key)
@@ -121,9 +123,10 @@ def test_colocated_roles_compute_the_separate_actors_run_and_overlap_one_step_st
                 assert compiled.get(key) is None, (mine["step"], key)
             else:  # pytest >= 9.2 refuses approx(None) with a relative tolerance
                 assert compiled.get(key) == pytest.approx(mine[key], rel=1e-3, abs=1e-5), (mine["step"], key)
-    stale = runs["stale"][1:]
-    assert [x["staleness"] for x in stale] == [0, 1, 1] and [x["policy_version"] for x in stale] == [0, 0, 1]
-    assert all(x["sampler_gap_mean"] < 1e-4 for x in stale)
+    for name in ("stale", "stale-compiled"):
+        stale = runs[name][1:]
+        assert [x["staleness"] for x in stale] == [0, 1, 1] and [x["policy_version"] for x in stale] == [0, 0, 1]
+        assert all(x["sampler_gap_mean"] < 1e-4 for x in stale), name
 
 
 def test_unknown_experiment_fails_with_the_options():

@@ -17,7 +17,10 @@ resources.switch_interval_ms sets how long a role waits for another's Python, Pr
 and hf_cached captures a CUDA graph for each new decode width, which synchronizes the device and empties the
 allocator's cache (torch.cuda.graph): with trainer.staleness=1 the first rollout's captures run beside an update.
 CUDA_CAPTURE_LOCK (miniverl/process.py) keeps the learner's cache release out of a capture; an update that runs out of
-memory during one is redone smaller (`micro_batch_tokens` in the metrics shows it).
+memory during one is redone smaller (`micro_batch_tokens` in the metrics shows it). A compiled learner
+(trainer.compile_layers) holds that lock through each of its calls, since Inductor compiles, and synchronizes the
+device, at whichever call first meets a new shape: a capture waits for the call (the first steps' new decode widths
+only; replays take no lock), and the call waits for a capture.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from miniverl.process import ProcessSettings, setup_process
+from miniverl.process import CUDA_CAPTURE_LOCK, ProcessSettings, setup_process
 
 ROLES = ("rollout", "scorer", "learner")  # built in this order: the rollout claims its memory first
 
@@ -103,9 +106,22 @@ def _on_stream(stream, fn, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+def _run_role(host: Any, role: str, name: str, *args: Any, **kwargs: Any) -> Any:
+    """`role`'s method `name` on its stream. A compiled learner may compile (and synchronize the device) in any call
+    that meets a new shape, and a capture of the rollout's decode graph on another thread must not run beside that:
+    they take turns."""
+    part = host.parts[role]
+    if role == "learner" and getattr(part, "compiled", False):
+        with CUDA_CAPTURE_LOCK:
+            return _on_stream(host.streams.get(role), getattr(part, name), *args, **kwargs)
+    return _on_stream(host.streams.get(role), getattr(part, name), *args, **kwargs)
+
+
 def _forwarder(role: str, name: str):
+    # Ray pickles the class's methods by value: they refer to this module's functions (pickled by name), never to
+    # its lock (a lock does not pickle).
     def method(self, *args: Any, **kwargs: Any) -> Any:
-        return _on_stream(self.streams.get(role), getattr(self.parts[role], name), *args, **kwargs)
+        return _run_role(self, role, name, *args, **kwargs)
 
     method.__name__ = method.__qualname__ = f"{role}__{name}"
     return method

@@ -64,12 +64,6 @@ def check_combinations(cfg: MiniVerlConfig) -> None:
         f"trainer.compile_layers=true with model.student.quantization={student.quantization}: compiling"
         " bitsandbytes' 4-bit layers has not been tested; set trainer.compile_layers=false (or a bf16 student)",
     )
-    require(
-        not (t.compile_layers and res.colocate and t.staleness > 0),
-        f"trainer.compile_layers=true with resources.colocate=true and trainer.staleness={t.staleness}:"
-        " the first compiled update synchronizes the device while the colocated rollout may be capturing CUDA"
-        " graphs beside it; set trainer.staleness=0, resources.colocate=false or trainer.compile_layers=false",
-    )
     if r.backend == "vllm":  # what rollout.vllm needs of the other sections, before Ray starts
         r.vllm.check_batched_tokens(r.engine_rows(d))
         require(

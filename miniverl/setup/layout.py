@@ -167,7 +167,8 @@ CHECKPOINT_FREE_TOKENS = 16384
 # trainer.compile_layers where it is null: on a GPU with Triton, for a bf16 (or fp32) student of a model type whose
 # decoder layers were compiled and checked (the built-in and Qwen2.5 shapes: tests/models/test_compiled.py, and on an
 # H200 the 12 GiB recipe and one-behind runs, docs/benchmarks/qlora-4080.md runs 8-11 and decode-profile.md runs 3
-# and 8), and not beside a colocated one-behind rollout (the config check says why). It trained 1.68x eager's
+# and 8), and not yet beside a colocated one-behind rollout (allowed: the compiled learner and the rollout's graph
+# captures take turns, cluster/colocate.py; never run on a GPU, so `true` asks for it). It trained 1.68x eager's
 # tokens/s at the 12 GiB layout's share (learner-throughput.md diag13a); the first update compiles (about 75 s at
 # 0.5B). Elsewhere off, with the reason; trainer.compile_layers=true asks for it anyway (a graph break is then an
 # error, not a silent slow path).
@@ -186,7 +187,7 @@ def _compile_pays(student: ModelSize, quantization: str, colocated_behind: bool,
     if quantization != "none":
         return False, f"model.student.quantization={quantization}: compiling 4-bit layers is untested"
     if colocated_behind:
-        return False, "a colocated one-behind rollout captures CUDA graphs beside the first update"
+        return False, "beside a colocated one-behind rollout it is not yet measured on a GPU (true runs it)"
     if model_type not in COMPILE_TESTED_MODEL_TYPES:
         return False, f"compiling {model_type} decoder layers is untested (true tries it)"
     if student.linear_numel < COMPILE_MIN_DECODER_PARAMS:

@@ -3,12 +3,13 @@ calls at once and one role's calls in order."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from miniverl.cluster.colocate import RoleHandle, actor_handle, colocated_class, processes
-from miniverl.process import ProcessSettings
+from miniverl.process import CUDA_CAPTURE_LOCK, ProcessSettings
 from tests.ray_local import init_local_ray
 
 CPU = ProcessSettings("cpu", torch_threads=1)
@@ -53,6 +54,40 @@ def test_each_role_keeps_its_own_methods_and_its_handle_names_them():
         "learner0": "l0",
         "learner1": "l1",
     }
+
+
+class CompiledLearner:
+    """A learner whose calls report whether another thread could take the capture lock while they ran."""
+
+    def __init__(self, process: ProcessSettings, compiled: bool) -> None:
+        self.compiled = compiled
+
+    def update(self) -> bool:
+        free = []
+        probe = threading.Thread(target=lambda: free.append(_take_at_once(CUDA_CAPTURE_LOCK)))
+        probe.start()
+        probe.join()
+        with CUDA_CAPTURE_LOCK:  # the learner's own cache release after an OOM takes it again (shrink_after_oom)
+            pass
+        return free[0]
+
+
+def _take_at_once(lock) -> bool:
+    if not lock.acquire(blocking=False):
+        return False
+    lock.release()
+    return True
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_compiled_learner_and_the_rollouts_graph_captures_take_turns(compiled):
+    # Inductor may compile, and synchronize the device, in whichever learner call meets a new shape; a colocated
+    # rollout capturing a decode graph (under CUDA_CAPTURE_LOCK, rollout/hf_cached.py) must not run beside it.
+    cls = colocated_class({"rollout": Rollout, "learner": CompiledLearner})
+    host = cls({"rollout": (Rollout, ("r0", CPU), {}), "learner": (CompiledLearner, (CPU, compiled), {})}, CPU)
+    learner = RoleHandle(host, "learner")
+    assert learner.update() is (not compiled)  # a capture waits for a compiled learner's call, not an eager one's
+    assert _take_at_once(CUDA_CAPTURE_LOCK)  # released after the call
 
 
 @pytest.mark.slow

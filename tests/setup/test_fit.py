@@ -454,7 +454,11 @@ def test_the_command_refuses_what_main_refuses_with_the_same_fix(capsys, tmp_pat
         ({}, True, "a qwen2 student on a GPU: about 1.7x eager's tokens/s; the first update compiles"),
         ({"kernels": False}, False, "no Triton on this GPU"),
         ({"model.student.quantization": "nf4"}, False, "model.student.quantization=nf4: compiling 4-bit layers"),
-        ({"resources.colocate": True, "trainer.staleness": 1}, False, "a colocated one-behind rollout captures"),
+        (
+            {"resources.colocate": True, "trainer.staleness": 1},
+            False,
+            "beside a colocated one-behind rollout it is not yet measured",
+        ),
         ({"model_type": "llama"}, False, "compiling llama decoder layers is untested (true tries it)"),
         ({"linear_numel": 10**6}, False, "a small student (1,000,000 decoder parameters): compiling would cost more"),
         ({"trainer.compile_layers": False}, False, None),
