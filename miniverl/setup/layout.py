@@ -166,12 +166,11 @@ AUTO_CHUNKS = (1024, 512, 256, 128)
 CHECKPOINT_FREE_TOKENS = 16384
 # trainer.compile_layers where it is null: on a GPU with Triton, for a bf16 (or fp32) student of a model type whose
 # decoder layers were compiled and checked (the built-in and Qwen2.5 shapes: tests/models/test_compiled.py, and on an
-# H200 the 12 GiB recipe and one-behind runs, docs/benchmarks/qlora-4080.md runs 8-11 and decode-profile.md runs 3
-# and 8), and not yet beside a colocated one-behind rollout (allowed: the compiled learner and the rollout's graph
-# captures take turns, cluster/colocate.py; never run on a GPU, so `true` asks for it). It trained 1.68x eager's
-# tokens/s at the 12 GiB layout's share (learner-throughput.md diag13a); the first update compiles (about 75 s at
-# 0.5B). Elsewhere off, with the reason; trainer.compile_layers=true asks for it anyway (a graph break is then an
-# error, not a silent slow path).
+# H200 the 12 GiB recipe and the one-behind runs, separate and colocated, where the compiled learner and the
+# rollout's graph captures take turns: docs/benchmarks/qlora-4080.md runs 8-11, decode-profile.md runs 3, 8 and 12).
+# It trained 1.68x eager's tokens/s at the 12 GiB layout's share (learner-throughput.md diag13a); the first update
+# compiles (about 75 s at 0.5B). Elsewhere off, with the reason; trainer.compile_layers=true asks for it anyway (a
+# graph break is then an error, not a silent slow path).
 COMPILE_TESTED_MODEL_TYPES = ("qwen2",)
 # ... and of at least this many decoder (linear-layer) parameters: the measured gain was at the 0.5B shape (~360M of
 # them); the built-in models (tens of thousands) train a step in milliseconds, which tens of seconds of compiling
@@ -179,15 +178,13 @@ COMPILE_TESTED_MODEL_TYPES = ("qwen2",)
 COMPILE_MIN_DECODER_PARAMS = 100_000_000
 
 
-def _compile_pays(student: ModelSize, quantization: str, colocated_behind: bool, kernels: bool) -> tuple[bool, str]:
+def _compile_pays(student: ModelSize, quantization: str, kernels: bool) -> tuple[bool, str]:
     """Whether the learner should compile its decoder layers (the rule above), and why (a line's tail)."""
     model_type = getattr(student.config, "model_type", None)
     if not kernels:
         return False, "no Triton on this GPU: Inductor generates its GPU kernels with it"
     if quantization != "none":
         return False, f"model.student.quantization={quantization}: compiling 4-bit layers is untested"
-    if colocated_behind:
-        return False, "beside a colocated one-behind rollout it is not yet measured on a GPU (true runs it)"
     if model_type not in COMPILE_TESTED_MODEL_TYPES:
         return False, f"compiling {model_type} decoder layers is untested (true tries it)"
     if student.linear_numel < COMPILE_MIN_DECODER_PARAMS:
@@ -230,8 +227,7 @@ def choose_layout(
 
     t, layout, lines, speed = cfg.trainer, {}, [], []
     if t.compile_layers is None:
-        behind = cfg.resources.colocate and t.staleness > 0
-        compiled, why = _compile_pays(sizes["student"], cfg.model.student.quantization, behind, kernels)
+        compiled, why = _compile_pays(sizes["student"], cfg.model.student.quantization, kernels)
         layout["trainer.compile_layers"] = compiled
         speed.append(f"  trainer.compile_layers={str(compiled).lower()} (chosen: {why})")  # after the memory's lines
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(t, compile_layers=compiled))

@@ -456,9 +456,9 @@ def test_the_command_refuses_what_main_refuses_with_the_same_fix(capsys, tmp_pat
         ({"model.student.quantization": "nf4"}, False, "model.student.quantization=nf4: compiling 4-bit layers"),
         (
             {"resources.colocate": True, "trainer.staleness": 1},
-            False,
-            "beside a colocated one-behind rollout it is not yet measured",
-        ),
+            True,
+            "a qwen2 student on a GPU",
+        ),  # decode-profile run 12
         ({"model_type": "llama"}, False, "compiling llama decoder layers is untested (true tries it)"),
         ({"linear_numel": 10**6}, False, "a small student (1,000,000 decoder parameters): compiling would cost more"),
         ({"trainer.compile_layers": False}, False, None),
