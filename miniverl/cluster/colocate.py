@@ -25,6 +25,7 @@ only; replays take no lock), and the call waits for a capture.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -111,10 +112,9 @@ def _run_role(host: Any, role: str, name: str, *args: Any, **kwargs: Any) -> Any
     that meets a new shape, and a capture of the rollout's decode graph on another thread must not run beside that:
     they take turns."""
     part = host.parts[role]
-    if role == "learner" and getattr(part, "compiled", False):
-        with CUDA_CAPTURE_LOCK:
-            return _on_stream(host.streams.get(role), getattr(part, name), *args, **kwargs)
-    return _on_stream(host.streams.get(role), getattr(part, name), *args, **kwargs)
+    turns = CUDA_CAPTURE_LOCK if role == "learner" and getattr(part, "compiled", False) else contextlib.nullcontext()
+    with turns:
+        return _on_stream(host.streams.get(role), getattr(part, name), *args, **kwargs)
 
 
 def _forwarder(role: str, name: str):

@@ -40,9 +40,8 @@ class TrainerConfig:
     # H200: 1.68x the eager learner's tokens/s (diag13a), update 1.97 s against 3.71 in the 12 GiB recipe. null =
     # chosen before Ray: off on the CPU; on a GPU with Triton on for an unquantized student of a tested model type
     # (Qwen2) and size, off with the reason otherwise (setup/layout.py choose_layout prints it). Validation refuses
-    # true with an NF4 student (untested) and beside a colocated one-behind rollout (trainer.staleness=1: Inductor's
-    # first-run benchmarking synchronizes the device, which would break the rollout's CUDA-graph captures beside the
-    # first update).
+    # true with an NF4 student (untested). Beside a colocated one-behind rollout the compiled learner's calls and the
+    # rollout's CUDA-graph captures take turns (cluster/colocate.py): Inductor synchronizes the device as it compiles.
     compile_layers: bool | None = None
     # The largest vocabulary-sized buffer the run may hold (GiB): the teacher's full-vocabulary support of a
     # step (objective.teacher_topk=0) and the learner's direct-path logits are refused above it, with the
