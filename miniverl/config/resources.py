@@ -60,9 +60,10 @@ class ResourcesConfig:
     # Python's 5 ms. Refused without colocate (separate actors each run one role).
     switch_interval_ms: float | None = None
     # Each actor's share of the GPU (num_gpus); null shares are chosen before Ray for this card and these models:
-    # the HF rollout its modelled peak + 10%, vLLM 0.4, the learner the least share holding 16k-token micro-batches,
-    # the scorer the rest (setup/layout.py choose_shares; `python -m miniverl.fit` prints them). Set them to place the
-    # actors yourself; a share you set is kept and the null ones divide what it leaves.
+    # the HF rollout its modelled peak + 10%, vLLM 0.4, the learner the least share holding 16k-token micro-batches
+    # (short of what leaves the scorer 8,000-token forwards), the scorer the rest (setup/layout.py choose_shares;
+    # `python -m miniverl.fit` prints them). Set them to place the actors yourself; a share you set is kept and the
+    # null ones divide what it leaves.
     rollout: ActorResources = field(default_factory=ActorResources)
     scorer: ActorResources = field(default_factory=ActorResources)
     learner: ActorResources = field(default_factory=ActorResources)

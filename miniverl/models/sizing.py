@@ -13,7 +13,9 @@ tokens and 4.86 GiB at 32,768, with 512- and 1,024-token chunks alike (the backw
 of 120 KB per token (43 KB of checkpoints, so one layer's recomputed activations take 77 KB: 13.4 bytes per unit
 of hidden + intermediate size) and an intercept equal to weights + adapter state. (The fp32 LoRA arithmetic it
 replaced measured 128 KB per token and 0.5 GB more.) Without checkpointing every layer's activations stay
-(about 1.75 MB per token measured with the fp32 LoRA arithmetic; 8,192 tokens peaked at 19.2 GiB).
+(about 1.75 MB per token measured with the fp32 LoRA arithmetic; 8,192 tokens peaked at 19.2 GiB). Compiled decoder
+layers (trainer.compile_layers) keep more of a layer's intermediates for its backward: 3.71 against 3.29 GiB at
+17,751 tokens (learner-throughput.md diag13a), counted here as 4.4 more bytes per unit of width per token.
 
 Everything here is arithmetic on plain numbers, so it is tested without a model.
 """
@@ -27,6 +29,11 @@ from miniverl.models.memory import CLOSED_FORM_CHUNK_BYTES_PER_ENTRY, FP32_BYTES
 
 # One decoder layer's recomputed activations per token, in bytes per unit of (hidden + intermediate) size.
 LAYER_ACTIVATION_BYTES_PER_WIDTH = 13.4
+# What compiled layers add to it: Inductor's partition saves other intermediates than eager's autograd. One H200
+# measurement (0.5B shape, 17,751 tokens: +0.42 GiB, 25 KB a token over 896 + 4,864 of width); counted per token, so
+# larger micro-batches get the larger margin. Without it the gkd_4080 learner (4.1 GiB share) planned 17,322-token
+# micro-batches and its first compiled update went out of memory every time (docs/benchmarks/peers.md run 2).
+COMPILED_LAYER_EXTRA_BYTES_PER_WIDTH = 4.4
 # Beyond weights and adapter state (cuBLAS workspaces, small tensors): the measured intercept was within 1 MB of
 # weights + adapter state; this keeps a margin for what a longer run allocates besides.
 RUNTIME_BYTES = 128 * 2**20
@@ -55,14 +62,21 @@ class LearnerShape:
     weight_bytes: int  # the base model as loaded (bf16 or NF4)
     adapter_params: int
     quantized: bool = False  # loaded in 4 bits already: a refusal does not offer quantization as the fix
+    compiled: bool = False  # its decoder layers run through torch.compile (trainer.compile_layers)
 
 
 def model_shape(
-    config, vocab: int, weight_bytes: int, adapter_params: int = 0, quantized: bool | None = None
+    config,
+    vocab: int,
+    weight_bytes: int,
+    adapter_params: int = 0,
+    quantized: bool | None = None,
+    compiled: bool = False,
 ) -> LearnerShape:
     """A model as the memory models see it: the sizes in its transformers `config`, the logits it is scored over
     (`vocab`), the bytes its weights take as loaded and its adapter's parameters (a teacher has none); `quantized`
-    defaults to whether the config says it was loaded quantized (transformers' `quantization_config`)."""
+    defaults to whether the config says it was loaded quantized (transformers' `quantization_config`); `compiled`:
+    the learner compiles its decoder layers."""
     return LearnerShape(
         layers=config.num_hidden_layers,
         hidden=config.hidden_size,
@@ -71,6 +85,7 @@ def model_shape(
         weight_bytes=weight_bytes,
         adapter_params=adapter_params,
         quantized=getattr(config, "quantization_config", None) is not None if quantized is None else quantized,
+        compiled=compiled,
     )
 
 
@@ -168,7 +183,8 @@ def fixed_bytes(shape: LearnerShape) -> int:
 def per_token_bytes(shape: LearnerShape, checkpointing: bool) -> tuple[float, float]:
     """(loss phase, backward phase) bytes per token of a micro-batch."""
     checkpoints = shape.layers * shape.hidden * CHECKPOINT_BYTES
-    layer = LAYER_ACTIVATION_BYTES_PER_WIDTH * (shape.hidden + shape.intermediate)
+    per_width = LAYER_ACTIVATION_BYTES_PER_WIDTH + (COMPILED_LAYER_EXTRA_BYTES_PER_WIDTH if shape.compiled else 0.0)
+    layer = per_width * (shape.hidden + shape.intermediate)
     if not checkpointing:
         return shape.layers * layer, shape.layers * layer
     return checkpoints, checkpoints + layer

@@ -56,6 +56,7 @@ class ActorPlan:
     choice: str
     problem: str | None = None
     calibrated: bool = True  # False: arithmetic on shapes, not checked against a measured peak (reported only)
+    tokens: int = 0  # the learner's micro-batch or the scorer's forward tokens it will choose (0: none, or not sized)
 
 
 def step_rows(cfg: MiniVerlConfig) -> int:
@@ -74,7 +75,8 @@ def learner_shape(cfg, size: ModelSize, adapter: int, vocab: int):
 
     spec = cfg.model.student
     weights = size.weight_bytes(spec.quantization, torch_dtype(spec.dtype, "cuda").itemsize)
-    return model_shape(size.config, vocab, weights, adapter, quantized=spec.quantization != "none")
+    quantized, compiled = spec.quantization != "none", cfg.trainer.compile_layers is True
+    return model_shape(size.config, vocab, weights, adapter, quantized=quantized, compiled=compiled)
 
 
 def learner_plan(
@@ -100,6 +102,7 @@ def learner_plan(
         plan.problem, tokens = str(e), longest_row
     used = min(tokens, step_tokens)  # a micro-batch never holds more than the step's rows
     plan.peak_bytes = learner_peak_bytes(shape, used, t.logprob_chunk_tokens, t.gradient_checkpointing, closed)
+    plan.tokens = tokens if plan.problem is None else 0
     plan.choice = (
         f"micro-batches of up to {tokens:,} tokens (the step: {step_tokens:,} at most)"
         if plan.problem is None
@@ -133,6 +136,7 @@ def scorer_plan(
         plan.problem, tokens = str(e), longest_row
     used = min(tokens, step_rows(cfg) * longest_row)
     plan.peak_bytes = max(scorer_peak_bytes(s, used, t.logprob_chunk_tokens, entry) for s in shapes)
+    plan.tokens = tokens if plan.problem is None else 0
     plan.choice = (
         f"forwards of up to {tokens:,} tokens"
         if plan.problem is None

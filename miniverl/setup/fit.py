@@ -19,7 +19,7 @@ from miniverl.errors import ConfigError
 from miniverl.models.loading import ModelSize, model_size
 from miniverl.models.memory import human
 from miniverl.setup.actor_plans import ActorPlan, learner_plan, rollout_plan, scorer_plan, teacher_sizes
-from miniverl.setup.layout import choose_layout, choose_shares
+from miniverl.setup.layout import choose_compile, choose_layout, choose_shares
 
 
 @dataclass
@@ -96,6 +96,7 @@ def plan_fit(
 
     total, source = card
     adapter = adapter_params(sizes["student"].config, cfg.model.lora)  # a meta-device build: once
+    cfg, compiled, compile_lines = choose_compile(cfg, sizes["student"], kernels)  # it sizes the learner's activations
     cfg, shares, share_lines = choose_shares(cfg, objective, sizes, adapter, vocab, total, kernels)
     res = cfg.resources
     fractions = {"rollout": res.rollout.num_gpus, "scorer": res.scorer.num_gpus, "learner": res.learner.num_gpus}
@@ -142,8 +143,8 @@ def plan_fit(
         int(contexts * context * 2**30),
         contexts,
         problems,
-        {**shares, **layout},
-        share_lines + layout_lines,
+        {**compiled, **shares, **layout},
+        share_lines + layout_lines + compile_lines,
     )
 
 

@@ -1,7 +1,7 @@
 """The layout a run gets where its config leaves it null, chosen from the models' shapes and the card before Ray
-starts (each choice printed with why): the actors' shares of the card (resources.<actor>.num_gpus), the learner's
-LM-head chunk (trainer.logprob_chunk_tokens), gradient checkpointing (trainer.gradient_checkpointing) and compiled
-decoder layers (trainer.compile_layers). Each memory candidate is judged by the actors' plans
+starts (each choice printed with why): compiled decoder layers (trainer.compile_layers), the actors' shares of the
+card (resources.<actor>.num_gpus), the learner's LM-head chunk (trainer.logprob_chunk_tokens) and gradient
+checkpointing (trainer.gradient_checkpointing). Each memory candidate is judged by the actors' plans
 (setup/actor_plans.py)."""
 
 from __future__ import annotations
@@ -28,10 +28,15 @@ from miniverl.setup.actor_plans import (
 #   whatever their share leaves: vllm_settings.AUTO_SHARE;
 # - the learner: the least share whose micro-batches hold CHECKPOINT_FREE_TOKENS tokens or the step's, whichever
 #   is less (or an explicit trainer.max_tokens_per_micro_batch): from 16k to 32k tokens a micro-batch trained only
-#   4% faster (docs/benchmarks/learner-throughput.md diag2);
+#   4% faster (docs/benchmarks/learner-throughput.md diag2); but never so much that the scorer's forwards fall under
+#   SCORER_ENOUGH_TOKENS (or the step's) where a smaller learner share leaves them that: 2,386-token forwards scored
+#   a step in 2.19 s against 1.47 s at 8,080, and 32,768 gained only 4% on 8,080 (peers.md run 1, decode-profile.md
+#   run 9), while compiled 12,991-token micro-batches trained within 1.5% of the hand-set recipe (peers.md run 2).
+#   Where no share holds what is enough, the learner takes what leaves the scorer that, or one row for it;
 # - the scorer: the rest of the card, since its forwards, and the step's scoring with them, grow with its share.
 # A share the config sets is kept, and the ones left null divide what it leaves.
 ROLLOUT_SHARE_MARGIN = 0.10
+SCORER_ENOUGH_TOKENS = 8000
 SHARE_STEP = 0.01
 
 
@@ -90,7 +95,8 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     if len(rest) == 1:
         chosen[rest[0]], why[rest[0]] = max(left, 0), "the rest of the card"
     elif rest:
-        chosen["learner"], why["learner"] = fits.learner_steps(left - least["scorer"])
+        scorer_enough = fits.scorer_enough(steps)  # the least share whose forwards hold what is enough
+        chosen["learner"], why["learner"] = fits.learner_steps(left - least["scorer"], left - scorer_enough)
         chosen["scorer"], why["scorer"] = max(left - chosen["learner"], 0), "the rest of the card"
     resources = dataclasses.replace(
         res, **{a: dataclasses.replace(getattr(res, a), num_gpus=k / steps) for a, k in chosen.items()}
@@ -132,23 +138,40 @@ class _ShareFits:
         except ConfigError:
             return 0
 
-    def scorer_fits(self, k: int) -> bool:
+    def scorer_tokens(self, k: int) -> int:
+        """The scorer's forward tokens in k steps (0: not one row)."""
         plan = scorer_plan(
             self.trial, self.objective, self.teachers, self.vocab, self.share_bytes(k), k * SHARE_STEP, self.kernels
         )
-        return plan.problem is None
+        return plan.tokens
+
+    def scorer_fits(self, k: int) -> bool:
+        return self.scorer_tokens(k) > 0
+
+    def scorer_enough(self, steps: int) -> int:
+        """The fewest steps whose forwards hold SCORER_ENOUGH_TOKENS or the step's tokens (`steps` when none do)."""
+        enough = min(SCORER_ENOUGH_TOKENS, step_rows(self.trial) * self.longest_row)
+        return next((k for k in range(1, steps) if self.scorer_tokens(k) >= enough), steps)
 
     def least(self, role: str, steps: int) -> int:
         """The fewest steps in which `role` holds one row (1 when none does: its plan then names the problem)."""
         holds = self.scorer_fits if role == "scorer" else (lambda k: self.learner_tokens(k) >= self.longest_row)
         return next((k for k in range(1, steps) if holds(k)), 1)
 
-    def learner_steps(self, most: int) -> tuple[int, str]:
-        """The least share (at most `most` steps) whose micro-batches hold what is enough, and why."""
-        for k in range(1, max(most, 1) + 1):
+    def learner_steps(self, most: int, polite: int) -> tuple[int, str]:
+        """The least share (at most `most` steps, the scorer's one row beside it) whose micro-batches hold what is
+        enough, but no more than `polite` steps (what leaves the scorer's forwards enough) where the learner holds
+        one row in that; and why."""
+        most = max(most, 1)
+        holds_row = polite >= 1 and self.learner_tokens(min(polite, most)) >= self.longest_row
+        cap = min(polite, most) if holds_row else most
+        for k in range(1, cap + 1):
             if self.learner_tokens(k) >= self.enough:
                 return k, f"the least share whose micro-batches hold {self.enough:,} tokens"
-        return max(most, 1), f"all the scorer leaves: no share holds micro-batches of {self.enough:,} tokens"
+        short = f"no share holds micro-batches of {self.enough:,} tokens"
+        if cap < most:
+            return cap, f"what leaves the scorer forwards of {SCORER_ENOUGH_TOKENS:,} tokens: {short} beside them"
+        return most, f"all the scorer leaves: {short}"
 
 
 # The layout a run gets where trainer.logprob_chunk_tokens or trainer.gradient_checkpointing is null (issue 34: a user
@@ -217,23 +240,35 @@ def _checkpointing_pays(cfg, objective, shape, share: int, chunk: int, kernels: 
     return True, f"{sizes}: short without"
 
 
+def choose_compile(cfg, student: ModelSize, kernels: bool):
+    """`cfg` with trainer.compile_layers set where it is null (the rule above), the chosen value, and its line.
+    Chosen before the shares and the memory layout: compiled layers hold more activations a token
+    (models/sizing.py), so the learner's share and micro-batches depend on it."""
+    import dataclasses
+
+    t = cfg.trainer
+    if t.compile_layers is not None:
+        return cfg, {}, []
+    compiled, why = _compile_pays(student, cfg.model.student.quantization, kernels)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(t, compile_layers=compiled))
+    return (
+        cfg,
+        {"trainer.compile_layers": compiled},
+        [f"  trainer.compile_layers={str(compiled).lower()} (chosen: {why})"],
+    )
+
+
 def choose_layout(
     cfg, objective, sizes: dict[str, ModelSize], adapter: int, vocab: int, share, fractions: dict, kernels: bool
 ):
-    """`cfg` with trainer.compile_layers, trainer.logprob_chunk_tokens and trainer.gradient_checkpointing set where
-    they are null (the rules above), the chosen values, and a line for each value chosen. `share(role)`: an actor's
-    share in bytes; `kernels`: whether the learner's GPU has Triton."""
+    """`cfg` with trainer.logprob_chunk_tokens and trainer.gradient_checkpointing set where they are null (the rules
+    above), the chosen values, and a line for each value chosen. `share(role)`: an actor's share in bytes;
+    `kernels`: whether the learner's GPU has Triton."""
     import dataclasses
 
-    t, layout, lines, speed = cfg.trainer, {}, [], []
-    if t.compile_layers is None:
-        compiled, why = _compile_pays(sizes["student"], cfg.model.student.quantization, kernels)
-        layout["trainer.compile_layers"] = compiled
-        speed.append(f"  trainer.compile_layers={str(compiled).lower()} (chosen: {why})")  # after the memory's lines
-        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(t, compile_layers=compiled))
-        t = cfg.trainer
+    t, layout, lines = cfg.trainer, {}, []
     if t.logprob_chunk_tokens is not None and t.gradient_checkpointing is not None:
-        return cfg, layout, speed
+        return cfg, layout, lines
     shape = learner_shape(cfg, sizes["student"], adapter, vocab)
     if t.logprob_chunk_tokens is not None:
         chunks = [t.logprob_chunk_tokens]
@@ -265,4 +300,4 @@ def choose_layout(
     if t.gradient_checkpointing is None:
         layout["trainer.gradient_checkpointing"] = checkpointing
         lines.append(f"  trainer.gradient_checkpointing={str(checkpointing).lower()} (chosen: {why})")
-    return trial, layout, lines + speed
+    return trial, layout, lines

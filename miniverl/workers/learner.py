@@ -110,6 +110,7 @@ class LearnerWorker:
                 gradient_checkpointing,
                 max_row_tokens,
                 objective.closed_form_head,
+                compile_layers,
             )
         self.version = 0  # number of optimizer steps taken; the policy after k updates is version k
         self.published: PolicyIdentity | None = None

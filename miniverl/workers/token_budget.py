@@ -17,14 +17,15 @@ from miniverl.process import CUDA_CAPTURE_LOCK, ProcessSettings, memory_share_by
 OOM_SHRINK = 0.75
 
 
-def learner_shape(model):
-    """The peak-memory model's view of a loaded peft student (models/sizing.py)."""
+def learner_shape(model, compiled: bool = False):
+    """The peak-memory model's view of a loaded peft student (models/sizing.py); `compiled`: its decoder layers
+    run compiled."""
     from miniverl.models.sizing import model_shape
 
     config = model.get_base_model().config
     frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return model_shape(config, config.vocab_size, frozen, trainable)
+    return model_shape(config, config.vocab_size, frozen, trainable, compiled=compiled)
 
 
 def size_micro_batches(
@@ -35,16 +36,18 @@ def size_micro_batches(
     checkpointing: bool,
     longest_row: int,
     closed_form_head: bool,
+    compiled: bool = False,
 ) -> int:
     """The token budget per micro-batch of `model`'s updates on a GPU: `tokens` (trainer.max_tokens_per_micro_batch)
     checked against the process's memory share when set, else the largest the share holds for rows of up to
     `longest_row` tokens; the choice is printed with its numbers. `chunk_tokens` (trainer.logprob_chunk_tokens),
-    `checkpointing` (trainer.gradient_checkpointing) and the objective's `closed_form_head` shape the peak."""
+    `checkpointing` (trainer.gradient_checkpointing), `compiled` (trainer.compile_layers) and the objective's
+    `closed_form_head` shape the peak."""
     from miniverl.models.memory import human
     from miniverl.models.sizing import check_token_budget, fit_tokens, learner_peak_bytes
     from miniverl.models.vocab_kernels import kernels_available
 
-    shape = learner_shape(model)
+    shape = learner_shape(model, compiled)
     share = memory_share_bytes(process)
     # the chunk holds only bf16 logits on the closed-form path with the Triton passes (models/sizing.py)
     closed = closed_form_head and kernels_available()

@@ -48,6 +48,24 @@ def test_model_matches_the_measured_peaks_from_above_or_within_4_percent(tokens,
     assert modelled <= measured_gib * 1.15
 
 
+def test_compiled_layers_are_modelled_at_their_measured_peak_and_get_shorter_micro_batches():
+    """diag13a (docs/benchmarks/learner-throughput.md, H200): at 17,751-token micro-batches the compiled layers
+    peaked at 3.71 GiB allocated where eager ones peaked at 3.29. At the 4080 recipe's learner share (4.14 GiB after
+    its context) the eager model's 17,322 tokens went out of memory in the first compiled update of every GPU run
+    (peers.md run 2, decode-profile.md runs 3 and 8) and 12,991 ran."""
+    compiled = dataclasses.replace(STUDENT, compiled=True)
+    eager_gib = learner_peak_bytes(STUDENT, 17_751, 1024, True, True) / GIB
+    compiled_gib = learner_peak_bytes(compiled, 17_751, 1024, True, True) / GIB
+    assert eager_gib == pytest.approx(3.29, rel=0.05)
+    assert compiled_gib == pytest.approx(3.71, rel=0.05)
+    share = int(4.14 * GIB)
+    eager = fit_tokens(STUDENT, share, 1024, checkpointing=True, longest_row=832, closed_form=True)
+    shorter = fit_tokens(compiled, share, 1024, checkpointing=True, longest_row=832, closed_form=True)
+    assert 12_991 <= shorter < 17_322 <= eager
+    # without checkpointing every layer's activations stay: the extra counts in each of them
+    assert learner_peak_bytes(compiled, 1_000, 0, False) > learner_peak_bytes(STUDENT, 1_000, 0, False)
+
+
 def test_the_shares_get_budgets_inside_what_ran():
     """4.8 GiB (the bench's cap): 24,769 tokens ran at 3.94 GiB, 32,768 peaks 4.86 GiB (over the cap). 4.14 GiB
     (the 4080 recipe's learner after its CUDA context): 19,757 tokens went out of memory in the recipe's first

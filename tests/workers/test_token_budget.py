@@ -37,6 +37,19 @@ def test_an_unset_budget_is_the_most_the_share_holds_and_is_printed(model, capsy
     assert f"micro-batches of up to {tokens} tokens" in capsys.readouterr().out
 
 
+def test_a_compiled_learner_is_sized_for_its_larger_activations(model):
+    """The learner passes trainer.compile_layers: compiled layers keep more per token (models/sizing.py), so the same
+    share holds fewer tokens, and a budget eager layers hold can be refused for compiled ones."""
+    share = ProcessSettings("cpu", gpu_memory_gib=SHARE_GIB)
+    eager = size_micro_batches(model, share, 0, 0, False, 24, closed_form_head=False)
+    compiled = size_micro_batches(model, share, 0, 0, False, 24, closed_form_head=False, compiled=True)
+    assert learner_shape(model, compiled=True).compiled and not learner_shape(model).compiled
+    assert 24 < compiled < eager
+    assert compiled == fit_tokens(learner_shape(model, True), int(SHARE_GIB * 2**30), 0, False, 24)
+    with pytest.raises(ConfigError, match=f"max_tokens_per_micro_batch={eager} would peak"):
+        size_micro_batches(model, share, eager, 0, False, 24, closed_form_head=False, compiled=True)
+
+
 def test_a_set_budget_is_kept_when_it_fits_and_refused_with_the_arithmetic_when_not(model, capsys):
     share = ProcessSettings("cpu", gpu_memory_gib=SHARE_GIB)
     fits = size_micro_batches(model, share, 0, 0, False, 24, closed_form_head=False)
