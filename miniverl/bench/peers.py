@@ -10,7 +10,9 @@ sampling the whole device every 200 ms. A shape is PROMPTS x SAMPLES x TOKENS (t
 cell writes `<out>/<shape>/<cell>.json` (seconds per step, trained tokens/s, whole-device peak, the loss it
 optimises, its settings and versions, or `status: failed` with why) and its log; `<out>/peers.md` and
 `<out>/peers.json` hold every cell, failures included. A peer that is not installed, cannot run here, times out or
-runs out of memory is a failed cell with the reason, never a crash of the harness.
+runs out of memory is a failed cell with the reason, never a crash of the harness. TRL and Unsloth update in
+micro-batches of FIRST_MICRO_ROWS rows (all rows when fewer) and, when that runs out of memory, try again at half in
+a fresh process (micro_batches): each peer runs the largest micro-batch that fits, as its users would set it.
 
 The cells (facts read in the pinned wheels' source, TRL 1.16.0 / 1.15.0 and Unsloth 2026.10.9):
 - trl-distill-vllm: `trl.DistillationTrainer` (stable in 1.16; `trl.experimental.distillation` is a deprecated
@@ -58,6 +60,11 @@ EVAL_PROMPTS = 8  # miniVERL's held-out prompts for these runs; the peers draw t
 TASK, TASK_MIN_LEN, TASK_MAX_LEN, DATA_SEED = "reverse", 3, 8, 0  # miniVERL's data defaults (config.py)
 LOG_TAIL_LINES = 40  # of a failed cell's log, kept in its JSON
 OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
+# A peer that splits its update (--micro-batch) starts at this many rows a forward (at 512 new tokens, ~34k tokens:
+# past where a larger forward still pays) and halves on an out-of-memory, at most MAX_HALVINGS times, each try in a
+# fresh process: the largest micro-batch that fits is what "its fastest" means for a TRL or Unsloth user.
+FIRST_MICRO_ROWS = 64
+MAX_HALVINGS = 3
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,7 @@ class Cell:
     reads: str = "json"  # "json": the child's JSON; "miniverl": the run's metrics.jsonl
     gpu_only: str = ""  # why it cannot run with --cpu ("" = it can)
     site: bool = False  # runs with --unsloth-site first on its PYTHONPATH
+    group: Callable[[Shape], int] | None = None  # takes --micro-batch in whole groups of this many rows (None: not)
 
 
 class NotRunnable(Exception):
@@ -210,13 +218,38 @@ GKD_TOPK = "generalized JSD beta 0.5 over the teacher's top-64 + tail, on-policy
 PG_K1 = "PG-k1: -sum rho_t (log p - log q_old)_t + GRPO-normalized exact-match reward (coef 1), per token"
 GRPO = "GRPO (TRL 1.15 as Unsloth patches it): clipped ratio x group-normalized exact-match reward"
 VLLM_GPU = "vLLM generation needs CUDA"
+UNSLOTH = ("unsloth", "trl", "vllm")
+
+
+def _one_row(shape: Shape) -> int:  # TRL splits its step's rows anywhere
+    return 1
+
+
+def _grpo_group(shape: Shape) -> int:  # GRPO's micro-batches hold whole groups
+    return shape.grouped().samples
+
+
+def micro_batches(rows: int, group: int) -> list[int]:
+    """The rows per forward a splitting peer tries, in order: FIRST_MICRO_ROWS (or all rows, if fewer), halved on
+    each out-of-memory while it stays whole groups of `group` rows dividing `rows`, MAX_HALVINGS times at most."""
+    sizes = [min(rows, FIRST_MICRO_ROWS)]
+    while len(sizes) <= MAX_HALVINGS:
+        half = sizes[-1] // 2
+        if half < group or half % group or rows % half:
+            break
+        sizes.append(half)
+    return sizes
+
+
 CELLS = {
     c.name: c
     for c in (
-        Cell("trl-distill-vllm", "TRL", GKD_FULL, ("trl", "vllm"), _trl_command(vllm=True), gpu_only=VLLM_GPU),
-        Cell("trl-distill-hf", "TRL", GKD_FULL, ("trl",), _trl_command(vllm=False)),
+        Cell(
+            "trl-distill-vllm", "TRL", GKD_FULL, ("trl", "vllm"), _trl_command(True), gpu_only=VLLM_GPU, group=_one_row
+        ),
+        Cell("trl-distill-hf", "TRL", GKD_FULL, ("trl",), _trl_command(vllm=False), group=_one_row),
         Cell("trl-topk", "TRL", "generalized JSD over the teacher's top-k", ("trl",), _trl_topk),
-        Cell("unsloth-grpo", "Unsloth", GRPO, ("unsloth", "trl", "vllm"), _unsloth, gpu_only=VLLM_GPU, site=True),
+        Cell("unsloth-grpo", "Unsloth", GRPO, UNSLOTH, _unsloth, gpu_only=VLLM_GPU, site=True, group=_grpo_group),
         Cell("miniverl-gkd-16g", "miniVERL", GKD_TOPK, (), _miniverl("gkd", True), "miniverl", "16 GB caps need CUDA"),
         Cell("miniverl-gkd-free", "miniVERL", GKD_TOPK, (), _miniverl("gkd", False), "miniverl"),
         Cell("miniverl-pg_k1-16g", "miniVERL", PG_K1, (), _miniverl("pg_k1", True), "miniverl", "16 GB caps need CUDA"),
@@ -357,7 +390,7 @@ def run_cell(plan: Plan, cell: Cell, shape: Shape, log=print) -> CellResult:
     """One cell in its own process; every way it can fail becomes a failed CellResult."""
     folder = plan.out / shape.name
     folder.mkdir(parents=True, exist_ok=True)
-    out_json, log_file = folder / f"{cell.name}.json", folder / f"{cell.name}.log"
+    out_json = folder / f"{cell.name}.json"
     r = CellResult(cell.name, cell.peer, shape.name, cell.loss, prompts=shape.prompts, samples=shape.samples)
     r.tokens = shape.tokens
     env = cell_env(plan, cell)
@@ -371,20 +404,23 @@ def run_cell(plan: Plan, cell: Cell, shape: Shape, log=print) -> CellResult:
             raise NotRunnable(f"not importable here: {', '.join(check['missing'])} (stage its device bundle)")
     except (NotRunnable, ValueError) as e:
         return _failed(r, str(e), log)
-    log(f"  {shape.name} {cell.name}: {' '.join(r.command[1:])[:200]}")
-    sampler = SmiSampler(plan.gpu, folder / f"{cell.name}_smi.csv")
-    with log_file.open("w") as f:
-        child = subprocess.Popen(r.command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        try:
-            returncode = child.wait(timeout=plan.cell_timeout)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            returncode = None
-    r.smi_peak_mib = sampler.stop()
-    lines = log_file.read_text(errors="replace").splitlines()
+    command = r.command
+    sizes = micro_batches(shape.rows, cell.group(shape)) if cell.group else [None]
+    tried: list[str] = []  # each micro-batch that ran out of memory, and where
+    for i, micro in enumerate(sizes):
+        if micro is not None:
+            r.command = [*command, "--micro-batch", str(micro)]
+        log(f"  {shape.name} {cell.name}: {' '.join(r.command[1:])[:200]}")
+        returncode, lines, peak = _run_child(plan, r.command, env, folder, cell.name)
+        r.smi_peak_mib = peak  # the try that counts: an out-of-memory try's peak is the card's
+        oom = returncode not in (0, None) and any(p in "\n".join(lines) for p in OOM_PATTERNS)
+        if not (oom and i + 1 < len(sizes)):
+            break
+        tried.append(f"{micro} rows: {failure_reason(returncode, lines, plan.cell_timeout)[:160]}")
+        log(f"  {shape.name} {cell.name}: out of memory at {micro} rows a forward; again at {sizes[i + 1]}")
     if returncode != 0:
         r.log_tail = lines[-LOG_TAIL_LINES:]
+        r.settings = {"micro-batches out of memory": tried} if tried else {}
         return _failed(r, failure_reason(returncode, lines, plan.cell_timeout), log)
     try:
         got = (
@@ -400,12 +436,31 @@ def run_cell(plan: Plan, cell: Cell, shape: Shape, log=print) -> CellResult:
         r.prompts, r.samples = got.get("prompts", r.prompts), got.get("samples", r.samples)
     r.step_seconds = [float(s) for s in got["step_seconds"]]
     r.settings, r.versions = got.get("settings", {}), {**r.versions, **got.get("versions", {})}
+    if tried:
+        r.settings["micro-batches out of memory"] = tried
     timed = r.step_seconds[WARMUP_STEPS:] or r.step_seconds
     r.median_step_s = statistics.median(timed)
     r.trained_tokens_per_step = float(got["trained_tokens_per_step"])
     r.trained_tokens_per_s = r.trained_tokens_per_step / r.median_step_s if r.median_step_s > 0 else None
     log(f"  {shape.name} {cell.name}: {r.median_step_s:.2f} s/step, {r.trained_tokens_per_s or 0:,.0f} tokens/s")
     return r
+
+
+def _run_child(plan: Plan, command: list[str], env: dict[str, str], folder: Path, name: str):
+    """One try of a cell in its own process, nvidia-smi sampling: (exit status or None on timeout, its log's lines,
+    the whole device's peak MiB). The log and samples of the last try are kept as <cell>.log and <cell>_smi.csv."""
+    log_file = folder / f"{name}.log"
+    sampler = SmiSampler(plan.gpu, folder / f"{name}_smi.csv")
+    with log_file.open("w") as f:
+        child = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            returncode = child.wait(timeout=plan.cell_timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            returncode = None
+    peak = sampler.stop()
+    return returncode, log_file.read_text(errors="replace").splitlines(), peak
 
 
 def _shape_from_command(command: list[str], shape: Shape) -> tuple[int, int]:

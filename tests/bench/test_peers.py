@@ -149,3 +149,42 @@ def test_a_cell_scripts_timer_times_each_step_and_its_tokens_skip_the_first_step
     assert trained_tokens_per_step(16, lengths, 512) == 16 * 200.0  # median of the steps after the first
     assert trained_tokens_per_step(16, [480.0], 512) == 16 * 480.0  # one step: its own
     assert trained_tokens_per_step(16, [], 512) == 16 * 512  # nothing logged: every row at full length
+
+
+def test_a_splitting_peers_micro_batches_start_at_64_rows_and_halve_in_whole_groups():
+    assert peers.micro_batches(256, 1) == [64, 32, 16, 8]  # TRL at 64 x 4: MAX_HALVINGS halvings
+    assert peers.micro_batches(16, 1) == [16, 8, 4, 2]  # fewer rows than 64: all of them first
+    assert peers.micro_batches(256, 4) == [64, 32, 16, 8]  # Unsloth's groups of 4
+    assert peers.micro_batches(16, 2) == [16, 8, 4, 2]
+    assert peers.micro_batches(12, 4) == [12]  # 6 rows would split a group: no halving
+    assert peers.micro_batches(8, 8) == [8]
+
+
+def test_a_peer_out_of_memory_is_tried_again_at_half_the_micro_batch(student_dir, teacher_dir, tmp_path, monkeypatch):
+    """The cell keeps the try that fit, and says which micro-batches ran out of memory; a peer that runs out at
+    every size is a failed cell naming them all."""
+    fits_at = {"trl-distill-hf": 16, "unsloth-grpo": 0}  # unsloth: out of memory at every size
+    tries = []
+
+    def fake_child(plan, command, env, folder, name):
+        micro = int(command[command.index("--micro-batch") + 1])
+        tries.append((name, micro))
+        if micro > fits_at[name]:
+            return 1, ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9 GiB"], 80_000.0
+        out = Path(command[command.index("--out") + 1])
+        out.write_text(json.dumps({"step_seconds": [9.0, 2.0, 2.0], "trained_tokens_per_step": 4096}))
+        return 0, ["done"], 30_000.0
+
+    monkeypatch.setattr(peers, "_run_child", fake_child)
+    monkeypatch.setattr(peers, "preflight", lambda cell, env: {"missing": [], "versions": {}})
+    plan = peers.parse_args(args(student_dir, teacher_dir, tmp_path, "--cpu", "--shapes", "64x4x512"))
+    plan = peers.Plan(**{**plan.__dict__, "cpu": False})  # the GPU's cells, with the children faked
+    shape = peers.parse_shape("64x4x512")
+    ok = peers.run_cell(plan, peers.CELLS["trl-distill-hf"], shape, log=lambda s: None)
+    assert [m for n, m in tries if n == "trl-distill-hf"] == [64, 32, 16]
+    assert ok.status == "ok" and ok.command[-2:] == ["--micro-batch", "16"] and ok.smi_peak_mib == 30_000.0
+    assert [t.split(":")[0] for t in ok.settings["micro-batches out of memory"]] == ["64 rows", "32 rows"]
+    failed = peers.run_cell(plan, peers.CELLS["unsloth-grpo"], shape, log=lambda s: None)
+    assert [m for n, m in tries if n == "unsloth-grpo"] == [64, 32, 16, 8]
+    assert failed.status == "failed" and failed.reason.startswith("out of memory")
+    assert len(failed.settings["micro-batches out of memory"]) == 3  # and the last try's reason is the cell's
