@@ -37,13 +37,11 @@ def meta_linear_layers(config) -> list[tuple[str, object]]:
     return [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
-def adapter_params(config, lora) -> int:
-    """Parameters of the LoRA adapter peft would put on the model of transformers `config`: r x (in + out) for every
-    linear layer whose last name component is in lora.target_modules, counted on the meta device (no weights)."""
-    targets = set(lora.target_modules)
-    return sum(
-        lora.rank * (m.in_features + m.out_features) for name, m in meta_linear_layers(config) if name in targets
-    )
+def adapter_params(config, rank: int, target_modules) -> int:
+    """Parameters of the LoRA adapter peft would put on the model of transformers `config`: rank x (in + out) for every
+    linear layer whose last name component is in `target_modules`, counted on the meta device (no weights)."""
+    targets = set(target_modules)
+    return sum(rank * (m.in_features + m.out_features) for name, m in meta_linear_layers(config) if name in targets)
 
 
 def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: str, quantization: str = "none"):

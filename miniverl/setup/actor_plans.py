@@ -64,6 +64,19 @@ def step_rows(cfg: MiniVerlConfig) -> int:
     return max(cfg.data.prompts_per_step * cfg.rollout.n // max(cfg.resources.gpus or 1, 1), 1)
 
 
+# The micro-batch past which a larger one buys the learner little (from 16k to 32k tokens it trained only 4% more
+# tokens/s: docs/benchmarks/learner-throughput.md diag2); setup/layout.py sizes the learner's share and chooses
+# gradient checkpointing to reach it.
+CHECKPOINT_FREE_TOKENS = 16384
+
+
+def learner_enough_tokens(cfg: MiniVerlConfig) -> int:
+    """The micro-batch the learner's layout aims for: trainer.max_tokens_per_micro_batch when set (what the
+    micro-batches must hold), else the step's tokens at full length up to CHECKPOINT_FREE_TOKENS."""
+    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    return cfg.trainer.max_tokens_per_micro_batch or min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
+
+
 def teacher_sizes(sizes: dict[str, ModelSize]) -> dict[str, ModelSize]:
     """The teachers' entries of `sizes` (every role but the student's, as setup's paths hold them)."""
     return {role: size for role, size in sizes.items() if role != "student"}

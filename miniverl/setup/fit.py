@@ -95,7 +95,8 @@ def plan_fit(
     from miniverl.process import COLOCATED_CONTEXT_GIB, CUDA_CONTEXT_GIB
 
     total, source = card
-    adapter = adapter_params(sizes["student"].config, cfg.model.lora)  # a meta-device build: once
+    lora = cfg.model.lora
+    adapter = adapter_params(sizes["student"].config, lora.rank, lora.target_modules)  # a meta-device build: once
     cfg, compiled, compile_lines = choose_compile(cfg, sizes["student"], kernels)  # it sizes the learner's activations
     cfg, shares, share_lines = choose_shares(cfg, objective, sizes, adapter, vocab, total, kernels)
     res = cfg.resources

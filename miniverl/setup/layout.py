@@ -10,6 +10,7 @@ from miniverl.errors import ConfigError
 from miniverl.models.loading import ModelSize
 from miniverl.models.memory import human
 from miniverl.setup.actor_plans import (
+    learner_enough_tokens,
     learner_plan,
     learner_shape,
     rollout_plan,
@@ -26,12 +27,13 @@ from miniverl.setup.actor_plans import (
 #   and its CUDA context, but never more than leaves the learner and the scorer a row each (a rollout too large for
 #   the card is then reported over its share with its fixes); vLLM and SGLang, which size their KV caches from
 #   whatever their share leaves: vllm_settings.AUTO_SHARE;
-# - the learner: the least share whose micro-batches hold CHECKPOINT_FREE_TOKENS tokens or the step's, whichever
-#   is less (or an explicit trainer.max_tokens_per_micro_batch): from 16k to 32k tokens a micro-batch trained only
-#   4% faster (docs/benchmarks/learner-throughput.md diag2); but never so much that the scorer's forwards fall under
-#   SCORER_ENOUGH_TOKENS (or the step's) where a smaller learner share leaves them that: 2,386-token forwards scored
-#   a step in 2.19 s against 1.47 s at 8,080, and 32,768 gained only 4% on 8,080 (peers.md run 1, decode-profile.md
-#   run 9), while compiled 12,991-token micro-batches trained within 1.5% of the hand-set recipe (peers.md run 2).
+# - the learner: the least share whose micro-batches hold actor_plans.CHECKPOINT_FREE_TOKENS tokens or the step's,
+#   whichever is less (or an explicit trainer.max_tokens_per_micro_batch): from 16k to 32k tokens a micro-batch
+#   trained only 4% faster (docs/benchmarks/learner-throughput.md diag2); but never so much that the scorer's
+#   forwards fall under SCORER_ENOUGH_TOKENS (or the step's) where a smaller learner share leaves them that:
+#   2,386-token forwards scored a step in 2.19 s against 1.47 s at 8,080, and 32,768 gained only 4% on 8,080
+#   (peers.md run 1, decode-profile.md run 9), while compiled 12,991-token micro-batches trained within 1.5% of the
+#   hand-set recipe (peers.md run 2).
 #   Where no share holds what is enough, the learner takes what leaves the scorer that, or one row for it;
 # - the scorer: the rest of the card, since its forwards, and the step's scoring with them, grow with its share.
 # A share the config sets is kept, and the ones left null divide what it leaves.
@@ -126,7 +128,7 @@ class _ShareFits:
         self.teachers = teacher_sizes(sizes)
         self.objective, self.vocab, self.kernels, self.share_bytes = objective, vocab, kernels, share_bytes
         self.longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-        self.enough = t.max_tokens_per_micro_batch or min(step_rows(cfg) * self.longest_row, CHECKPOINT_FREE_TOKENS)
+        self.enough = learner_enough_tokens(cfg)
 
     def learner_tokens(self, k: int) -> int:
         """The learner's micro-batch tokens in k steps (0: not one row)."""
@@ -180,13 +182,13 @@ class _ShareFits:
 #   40-token vocabulary); above it the largest of AUTO_CHUNKS with which the learner and the scorer both fit (1,024
 #   tokens was the fastest chunk measured: docs/benchmarks/learner-throughput.md diag10 and confirm3);
 # - gradient checkpointing: on when it lets the learner's micro-batches grow and they are short without it (under
-#   CHECKPOINT_FREE_TOKENS or the step's tokens, or under an explicit trainer.max_tokens_per_micro_batch). Per token
+#   actor_plans.CHECKPOINT_FREE_TOKENS or the step's tokens, or under an explicit trainer.max_tokens_per_micro_batch,
+#   as actor_plans.learner_enough_tokens says). Per token
 #   it recomputes the forward (~30%), but a micro-batch costs far more when small: 802-token micro-batches without
 #   it trained 2.7k tokens/s where 20,072-token ones with it trained 21k (diag6 vs diag5); from 16k to 32k tokens a
 #   micro-batch gained only 4% (diag2).
 SMALL_VOCAB = 32768
 AUTO_CHUNKS = (1024, 512, 256, 128)
-CHECKPOINT_FREE_TOKENS = 16384
 # trainer.compile_layers where it is null: on a GPU with Triton, for a bf16 (or fp32) student of a model type whose
 # decoder layers were compiled and checked (the built-in and Qwen2.5 shapes: tests/models/test_compiled.py, and on an
 # H200 the 12 GiB recipe and the one-behind runs, separate and colocated, where the compiled learner and the
@@ -216,20 +218,20 @@ def _compile_pays(student: ModelSize, quantization: str, kernels: bool) -> tuple
     return True, f"a {model_type} student on a GPU: about 1.7x eager's tokens/s; the first update compiles"
 
 
-def _checkpointing_pays(cfg, objective, shape, share: int, chunk: int, kernels: bool) -> tuple[bool, str]:
-    """Whether the learner should recompute activations, and why (a line's tail)."""
+def _checkpointing_pays(
+    objective, shape, share: int, chunk: int, kernels: bool, longest_row: int, enough: int
+) -> tuple[bool, str]:
+    """Whether the learner should recompute activations, and why (a line's tail): `enough` is the micro-batch it aims
+    for (actor_plans.learner_enough_tokens), `longest_row` the longest row a step can produce."""
     from miniverl.models.sizing import fit_tokens
 
     closed = objective.closed_form_head and kernels
-    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     fits = {}
     for on in (False, True):
         try:
             fits[on] = fit_tokens(shape, share, chunk, on, longest_row, closed)
         except ConfigError:
             fits[on] = 0
-    # an explicit trainer.max_tokens_per_micro_batch is what the micro-batches must hold
-    enough = cfg.trainer.max_tokens_per_micro_batch or min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
 
     def up_to(tokens: int) -> str:
         return f"up to {tokens:,} tokens" if tokens else "not one row"
@@ -270,6 +272,7 @@ def choose_layout(
     if t.logprob_chunk_tokens is not None and t.gradient_checkpointing is not None:
         return cfg, layout, lines
     shape = learner_shape(cfg, sizes["student"], adapter, vocab)
+    longest_row, enough = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens, learner_enough_tokens(cfg)
     if t.logprob_chunk_tokens is not None:
         chunks = [t.logprob_chunk_tokens]
     else:
@@ -278,7 +281,9 @@ def choose_layout(
     for chunk in chunks:  # the largest chunk with which both fit; else the smallest (its plan says what does not)
         checkpointing, why = t.gradient_checkpointing, None
         if checkpointing is None:
-            checkpointing, why = _checkpointing_pays(cfg, objective, shape, share("learner"), chunk, kernels)
+            checkpointing, why = _checkpointing_pays(
+                objective, shape, share("learner"), chunk, kernels, longest_row, enough
+            )
         trial = dataclasses.replace(
             cfg, trainer=dataclasses.replace(t, logprob_chunk_tokens=chunk, gradient_checkpointing=checkpointing)
         )

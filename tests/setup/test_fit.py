@@ -146,7 +146,7 @@ def test_the_7b_recipes_vllm_rollout_gets_from_the_engine_the_kv_cache_the_plan_
     assert rollout.problem is None, rollout.problem
     size = model_size(str(qwen_configs["1.5b"]), AutoConfig.from_pretrained(qwen_configs["1.5b"]))
     assert rollout.weight_bytes == size.weight_bytes("nf4", 2)
-    adapter = adapter_params(size.config, cfg.model.lora) * 2
+    adapter = adapter_params(size.config, cfg.model.lora.rank, cfg.model.lora.target_modules) * 2
     engine = settings_from_config(cfg, 0.27, emulated_cap_gib(16, 0.27, "resources.rollout.num_gpus"))
     _, kv = memory_plan(engine, 140 * GIB, size.weight_bytes("nf4", 2), adapter)
     assert kv + rollout.weight_bytes + adapter + int(ENGINE_OVERHEAD_GIB * GIB) == rollout.peak_bytes

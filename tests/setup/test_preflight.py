@@ -207,7 +207,7 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
     lora = load().model.lora
     model = build_lora_model(str(student_dir), LoraSettings.from_config(lora), torch.bfloat16, "cpu")  # as on a GPU
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert adapter_params(model.get_base_model().config, lora) == trainable > 0
+    assert adapter_params(model.get_base_model().config, lora.rank, lora.target_modules) == trainable > 0
 
     monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
     card = ("resources.emulate_gpu_gib=8", "resources.rollout.num_gpus=0.15", "resources.scorer.num_gpus=0.45")
