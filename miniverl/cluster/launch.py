@@ -15,7 +15,7 @@ from miniverl.models.lora import LoraSettings
 from miniverl.process import COLOCATED_CONTEXT_GIB, ProcessSettings, emulated_cap_gib
 from miniverl.rollout.vllm_settings import settings_from_config
 from miniverl.routing import teacher_name
-from miniverl.setup.prepare import Setup
+from miniverl.setup.records import Setup
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker
 from miniverl.workers.scorer import ScorerWorker

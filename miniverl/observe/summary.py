@@ -8,7 +8,7 @@ from miniverl.cluster.actors import call
 from miniverl.cluster.colocate import processes
 from miniverl.config import MiniVerlConfig
 from miniverl.routing import teacher_name
-from miniverl.setup.prepare import Setup
+from miniverl.setup.records import Setup
 from miniverl.step.evaluation import summary_by_source
 
 

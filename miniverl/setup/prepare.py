@@ -4,13 +4,11 @@ checks and is the run's one way in (the config is validated once, there)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miniverl.batches import PromptBatch
 from miniverl.config import AUTO_BACKEND, DataConfig, MiniVerlConfig, ModelConfig, validate
-from miniverl.data.build import PromptStream, build_prompt_source
+from miniverl.data.build import build_prompt_source
 from miniverl.errors import ConfigError
 from miniverl.models.builtin import (
     BuiltinRecipe,
@@ -31,11 +29,11 @@ from miniverl.models.memory import check_vocab_memory
 from miniverl.models.packing import check_plain_logits
 from miniverl.models.stops import resolve_stop_ids
 from miniverl.models.vocab_kernels import kernels_available
-from miniverl.objectives import Objective, build_objective
-from miniverl.rewards import SourceReward, build_reward
+from miniverl.objectives import build_objective
+from miniverl.rewards import build_reward
 from miniverl.rollout import require_engine
 from miniverl.rollout.sampling import SamplingParams
-from miniverl.routing import TeacherRouting, check_sources_routed, routing_of
+from miniverl.routing import check_sources_routed, routing_of
 from miniverl.setup.fit import card_plan
 from miniverl.setup.preflight import (
     ResumePoint,
@@ -45,6 +43,7 @@ from miniverl.setup.preflight import (
     check_tracking,
     resolve_resume,
 )
+from miniverl.setup.records import Setup
 
 
 def resolve_device(requested: str) -> str:
@@ -105,27 +104,6 @@ def resolve_model_paths(model: ModelConfig, data: DataConfig, log=print) -> dict
             log(f"[miniverl] built-in teacher for task {recipe.task!r}: greedy accuracy {accuracy:.3f}")
             require_competent_teacher(accuracy, model.builtin_min_teacher_accuracy, recipe, built["teacher"])
     return out
-
-
-@dataclass
-class Setup:
-    """Everything checked and loaded in the driver before any actor starts."""
-
-    device: str
-    paths: dict[str, str]
-    tokenizer: Any
-    prompts: PromptStream  # prompts.batch(step, g): the step's prompts, a pure function of (seed, step)
-    eval_batch: PromptBatch
-    stop_token_ids: tuple[int, ...]
-    vocab_size: int  # logits compared by distillation (the student's; the scorer drops a teacher's extra)
-    reward_fn: SourceReward
-    objective: Objective  # objectives/interface.py; built once here, used by every part after
-    sampling: SamplingParams  # the training steps' sampling settings (each step sets its own seed)
-    routing: TeacherRouting | None = None  # several teachers (model.teachers); None: model.teacher scores all
-    # what was chosen where the config left it null or auto, by dotted key (rollout.backend; setup/layout.py: the GPU
-    # shares and the learner's layout on a GPU; the layout's CPU values), as the run applied it: in summary.json and
-    # the tracker's config
-    chosen: dict[str, Any] = field(default_factory=dict)
 
 
 def choose_rollout_backend(cfg: MiniVerlConfig, log=print) -> dict[str, str]:

@@ -1,0 +1,36 @@
+"""The record the driver's setup hands on (setup/prepare.py load_setup fills it): what Ray, the actors, the loop and
+the summary read of the models, prompts and rewards checked before any actor starts. A leaf of the setup folder, so
+that what reads it does not import the code that fills it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from miniverl.batches import PromptBatch
+from miniverl.data.build import PromptStream
+from miniverl.objectives import Objective
+from miniverl.rewards import SourceReward
+from miniverl.rollout.sampling import SamplingParams
+from miniverl.routing import TeacherRouting
+
+
+@dataclass
+class Setup:
+    """Everything checked and loaded in the driver before any actor starts."""
+
+    device: str
+    paths: dict[str, str]
+    tokenizer: Any
+    prompts: PromptStream  # prompts.batch(step, g): the step's prompts, a pure function of (seed, step)
+    eval_batch: PromptBatch
+    stop_token_ids: tuple[int, ...]
+    vocab_size: int  # logits compared by distillation (the student's; the scorer drops a teacher's extra)
+    reward_fn: SourceReward
+    objective: Objective  # objectives/interface.py; built once here, used by every part after
+    sampling: SamplingParams  # the training steps' sampling settings (each step sets its own seed)
+    routing: TeacherRouting | None = None  # several teachers (model.teachers); None: model.teacher scores all
+    # what was chosen where the config left it null or auto, by dotted key (rollout.backend; setup/layout.py: the GPU
+    # shares and the learner's layout on a GPU; the layout's CPU values), as the run applied it: in summary.json and
+    # the tracker's config
+    chosen: dict[str, Any] = field(default_factory=dict)
