@@ -31,7 +31,8 @@ The cells (facts read in the pinned wheels' source, TRL 1.16.0 / 1.15.0 and Unsl
   of the reverse task. GRPO needs groups of 2+: a shape of N=1 runs as P/2 x 2 (the same rows and tokens).
 - miniverl-*: `python -m miniverl.main +experiment=gkd_4080` (on --cpu: `+experiment=gkd`) at the shape, GKD top-64
   or PG-k1 with the same exact-match reward (GRPO-normalized, reward_coef 1), under `resources.emulate_gpu_gib=16`
-  (-16g) and without caps (-free).
+  (-16g) and without caps (-free); miniverl-gkd-full-16g: GKD over the full vocabulary (TRL's loss), where the step's
+  support fits FULL_SUPPORT_MAX_GIB of host memory (16 x 1 x 512 does; 64 x 4 x 512, 74 GiB, does not).
 
 Importing this module imports no trl, unsloth, vllm or torch; bad arguments are refused before anything runs.
 """
@@ -65,6 +66,9 @@ OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 # fresh process: the largest micro-batch that fits is what "its fastest" means for a TRL or Unsloth user.
 FIRST_MICRO_ROWS = 64
 MAX_HALVINGS = 3
+# The host memory the full-vocabulary miniVERL cell may ask for: one step's teacher support over the whole vocabulary
+# is 4.6 GiB at 16 x 1 x 512 and 74 GiB at 64 x 4 x 512 (a 151,936-token vocabulary); above this the cell is not run.
+FULL_SUPPORT_MAX_GIB = 16
 
 
 @dataclass(frozen=True)
@@ -186,8 +190,25 @@ def _unsloth(plan: Plan, shape: Shape, out_json: Path) -> list[str]:
     return [*args, "--out", str(out_json), *_shape_args(grouped), "--steps", str(plan.steps)]
 
 
-def _miniverl(objective: str, capped: bool) -> Callable[[Plan, Shape, Path], list[str]]:
+def full_support_gib(plan: Plan, shape: Shape) -> tuple[float, int]:
+    """The host memory (GiB) of one step's full-vocabulary teacher support (rows x tokens x vocabulary x 4 B, what
+    miniVERL's objective.teacher_topk=0 gathers), and the teacher's vocabulary."""
+    vocab = int(json.loads((plan.teacher / "config.json").read_text())["vocab_size"])
+    return shape.rows * shape.tokens * vocab * 4 / 2**30, vocab
+
+
+def _miniverl(objective: str, capped: bool, full: bool = False) -> Callable[[Plan, Shape, Path], list[str]]:
     def command(plan: Plan, shape: Shape, out_json: Path) -> list[str]:
+        budget = []
+        if full:  # TRL's loss: the whole vocabulary, which miniVERL ships as the step's support
+            gib, vocab = full_support_gib(plan, shape)
+            if gib > FULL_SUPPORT_MAX_GIB:
+                raise NotRunnable(
+                    f"the step's full-vocabulary teacher support is {gib:,.0f} GiB of host memory (rows x tokens x"
+                    f" {vocab:,} x 4 B), over the harness's {FULL_SUPPORT_MAX_GIB} GiB: miniVERL ships the teacher's"
+                    " top-K (objective.teacher_topk) and refuses a support above trainer.vocab_memory_budget_gib"
+                )
+            budget = ["objective.teacher_topk=0", f"trainer.vocab_memory_budget_gib={int(gib) + 2}"]
         if objective == "pg_k1":
             shape = shape.grouped()  # the same groups as Unsloth's GRPO, for the same task reward
         experiment = "gkd" if plan.cpu else "gkd_4080"
@@ -200,7 +221,7 @@ def _miniverl(objective: str, capped: bool) -> Callable[[Plan, Shape, Path], lis
         args += ["tracking.progress_bar=false", "tracking.plots=false", f"hydra.run.dir={out_json.with_suffix('')}"]
         if objective == "pg_k1":
             args += ["objective.reward_coef=1.0", "rollout.temperature=1.0", "rollout.top_k=0", "rollout.top_p=1.0"]
-        return args + (["resources.emulate_gpu_gib=16"] if capped else [])
+        return args + budget + (["resources.emulate_gpu_gib=16"] if capped else [])
 
     return command
 
@@ -215,6 +236,7 @@ def _shape_args(shape: Shape) -> list[str]:
 
 GKD_FULL = "generalized JSD beta 0.5 over the full vocabulary (TRL's chunked kernel), on-policy"
 GKD_TOPK = "generalized JSD beta 0.5 over the teacher's top-64 + tail, on-policy"
+GKD_FULL_MINIVERL = "generalized JSD beta 0.5 over the full vocabulary (objective.teacher_topk=0), on-policy"
 PG_K1 = "PG-k1: -sum rho_t (log p - log q_old)_t + GRPO-normalized exact-match reward (coef 1), per token"
 GRPO = "GRPO (TRL 1.15 as Unsloth patches it): clipped ratio x group-normalized exact-match reward"
 VLLM_GPU = "vLLM generation needs CUDA"
@@ -254,6 +276,15 @@ CELLS = {
         Cell("miniverl-gkd-free", "miniVERL", GKD_TOPK, (), _miniverl("gkd", False), "miniverl"),
         Cell("miniverl-pg_k1-16g", "miniVERL", PG_K1, (), _miniverl("pg_k1", True), "miniverl", "16 GB caps need CUDA"),
         Cell("miniverl-pg_k1-free", "miniVERL", PG_K1, (), _miniverl("pg_k1", False), "miniverl"),
+        Cell(  # TRL's own loss, for a comparison at the same objective where the step's support fits the host
+            "miniverl-gkd-full-16g",
+            "miniVERL",
+            GKD_FULL_MINIVERL,
+            (),
+            _miniverl("gkd", True, full=True),
+            "miniverl",
+            "16 GB caps need CUDA",
+        ),
     )
 }
 

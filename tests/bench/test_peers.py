@@ -188,3 +188,22 @@ def test_a_peer_out_of_memory_is_tried_again_at_half_the_micro_batch(student_dir
     assert [m for n, m in tries if n == "unsloth-grpo"] == [64, 32, 16, 8]
     assert failed.status == "failed" and failed.reason.startswith("out of memory")
     assert len(failed.settings["micro-batches out of memory"]) == 3  # and the last try's reason is the cell's
+
+
+def test_miniverls_full_vocabulary_cell_runs_trls_loss_where_the_steps_support_fits_the_host(
+    student_dir, teacher_dir, tmp_path
+):
+    big = tmp_path / "qwen-vocab"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({"vocab_size": 151_936}))
+    plan = peers.parse_args(args(student_dir, teacher_dir, tmp_path / "out", "--cpu"))
+    cell = peers.CELLS["miniverl-gkd-full-16g"]
+    small = cell.command(plan, peers.parse_shape("2x2x4"), tmp_path / "c.json")
+    assert "objective.teacher_topk=0" in small and "resources.emulate_gpu_gib=16" in small
+    budget = next(a for a in small if a.startswith("trainer.vocab_memory_budget_gib="))
+    assert int(budget.split("=")[1]) > peers.full_support_gib(plan, peers.parse_shape("2x2x4"))[0]
+    qwen = peers.Plan(**{**plan.__dict__, "teacher": big, "cpu": False})
+    assert peers.full_support_gib(qwen, peers.parse_shape("16x1x512"))[0] == pytest.approx(4.64, abs=0.01)
+    refused = peers.run_cell(qwen, cell, peers.parse_shape("64x4x512"), log=lambda s: None)
+    assert refused.status == "failed" and "74 GiB of host memory" in refused.reason
+    assert "objective.teacher_topk" in refused.reason  # what miniVERL does instead
