@@ -61,10 +61,10 @@ EVAL_PROMPTS = 8  # miniVERL's held-out prompts for these runs; the peers draw t
 TASK, TASK_MIN_LEN, TASK_MAX_LEN, DATA_SEED = "reverse", 3, 8, 0  # miniVERL's data defaults (config.py)
 LOG_TAIL_LINES = 40  # of a failed cell's log, kept in its JSON
 OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
-# A peer that splits its update (--micro-batch) starts at this many rows a forward (at 512 new tokens, ~34k tokens:
-# past where a larger forward still pays) and halves on an out-of-memory, at most MAX_HALVINGS times, each try in a
-# fresh process: the largest micro-batch that fits is what "its fastest" means for a TRL or Unsloth user.
-FIRST_MICRO_ROWS = 64
+# A peer that splits its update (--micro-batch) starts at this many rows a forward (all of the recipe's 64 x 4) and
+# halves on an out-of-memory, at most MAX_HALVINGS times, each try in a fresh process: the largest micro-batch that
+# fits is what "its fastest" means for a TRL or Unsloth user. (Run 3 started at 64 rows, which fitted both peers.)
+FIRST_MICRO_ROWS = 256
 MAX_HALVINGS = 3
 # The host memory the full-vocabulary miniVERL cell may ask for: one step's teacher support over the whole vocabulary
 # is 4.6 GiB at 16 x 1 x 512 and 74 GiB at 64 x 4 x 512 (a 151,936-token vocabulary); above this the cell is not run.

@@ -151,10 +151,11 @@ def test_a_cell_scripts_timer_times_each_step_and_its_tokens_skip_the_first_step
     assert trained_tokens_per_step(16, [], 512) == 16 * 512  # nothing logged: every row at full length
 
 
-def test_a_splitting_peers_micro_batches_start_at_64_rows_and_halve_in_whole_groups():
-    assert peers.micro_batches(256, 1) == [64, 32, 16, 8]  # TRL at 64 x 4: MAX_HALVINGS halvings
-    assert peers.micro_batches(16, 1) == [16, 8, 4, 2]  # fewer rows than 64: all of them first
-    assert peers.micro_batches(256, 4) == [64, 32, 16, 8]  # Unsloth's groups of 4
+def test_a_splitting_peers_micro_batches_start_at_all_rows_and_halve_in_whole_groups():
+    assert peers.micro_batches(256, 1) == [256, 128, 64, 32]  # TRL at 64 x 4: MAX_HALVINGS halvings
+    assert peers.micro_batches(512, 1) == [256, 128, 64, 32]  # more rows than FIRST_MICRO_ROWS: that many first
+    assert peers.micro_batches(16, 1) == [16, 8, 4, 2]  # fewer rows: all of them first
+    assert peers.micro_batches(256, 4) == [256, 128, 64, 32]  # Unsloth's groups of 4
     assert peers.micro_batches(16, 2) == [16, 8, 4, 2]
     assert peers.micro_batches(12, 4) == [12]  # 6 rows would split a group: no halving
     assert peers.micro_batches(8, 8) == [8]
@@ -163,7 +164,7 @@ def test_a_splitting_peers_micro_batches_start_at_64_rows_and_halve_in_whole_gro
 def test_a_peer_out_of_memory_is_tried_again_at_half_the_micro_batch(student_dir, teacher_dir, tmp_path, monkeypatch):
     """The cell keeps the try that fit, and says which micro-batches ran out of memory; a peer that runs out at
     every size is a failed cell naming them all."""
-    fits_at = {"trl-distill-hf": 16, "unsloth-grpo": 0}  # unsloth: out of memory at every size
+    fits_at = {"trl-distill-hf": 64, "unsloth-grpo": 0}  # unsloth: out of memory at every size
     tries = []
 
     def fake_child(plan, command, env, folder, name):
@@ -181,11 +182,11 @@ def test_a_peer_out_of_memory_is_tried_again_at_half_the_micro_batch(student_dir
     plan = peers.Plan(**{**plan.__dict__, "cpu": False})  # the GPU's cells, with the children faked
     shape = peers.parse_shape("64x4x512")
     ok = peers.run_cell(plan, peers.CELLS["trl-distill-hf"], shape, log=lambda s: None)
-    assert [m for n, m in tries if n == "trl-distill-hf"] == [64, 32, 16]
-    assert ok.status == "ok" and ok.command[-2:] == ["--micro-batch", "16"] and ok.smi_peak_mib == 30_000.0
-    assert [t.split(":")[0] for t in ok.settings["micro-batches out of memory"]] == ["64 rows", "32 rows"]
+    assert [m for n, m in tries if n == "trl-distill-hf"] == [256, 128, 64]
+    assert ok.status == "ok" and ok.command[-2:] == ["--micro-batch", "64"] and ok.smi_peak_mib == 30_000.0
+    assert [t.split(":")[0] for t in ok.settings["micro-batches out of memory"]] == ["256 rows", "128 rows"]
     failed = peers.run_cell(plan, peers.CELLS["unsloth-grpo"], shape, log=lambda s: None)
-    assert [m for n, m in tries if n == "unsloth-grpo"] == [64, 32, 16, 8]
+    assert [m for n, m in tries if n == "unsloth-grpo"] == [256, 128, 64, 32]
     assert failed.status == "failed" and failed.reason.startswith("out of memory")
     assert len(failed.settings["micro-batches out of memory"]) == 3  # and the last try's reason is the cell's
 
