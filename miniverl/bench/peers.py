@@ -61,6 +61,9 @@ EVAL_PROMPTS = 8  # miniVERL's held-out prompts for these runs; the peers draw t
 TASK, TASK_MIN_LEN, TASK_MAX_LEN, DATA_SEED = "reverse", 3, 8, 0  # miniVERL's data defaults (config.py)
 LOG_TAIL_LINES = 40  # of a failed cell's log, kept in its JSON
 OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
+# what a smaller micro-batch can cure: torch's allocation failures (an engine that cannot start in its memory says
+# "out of memory" in other words, and halving the update would not help it)
+RETRY_PATTERNS = ("torch.OutOfMemoryError", "CUDA out of memory")
 # A peer that splits its update (--micro-batch) starts at this many rows a forward (all of the recipe's 64 x 4) and
 # halves on an out-of-memory, at most MAX_HALVINGS times, each try in a fresh process: the largest micro-batch that
 # fits is what "its fastest" means for a TRL or Unsloth user. (Run 3 started at 64 rows, which fitted both peers.)
@@ -208,7 +211,10 @@ def _miniverl(objective: str, capped: bool, full: bool = False) -> Callable[[Pla
                     f" {vocab:,} x 4 B), over the harness's {FULL_SUPPORT_MAX_GIB} GiB: miniVERL ships the teacher's"
                     " top-K (objective.teacher_topk) and refuses a support above trainer.vocab_memory_budget_gib"
                 )
-            budget = ["objective.teacher_topk=0", f"trainer.vocab_memory_budget_gib={int(gib) + 2}"]
+            from miniverl.config.trainer import TrainerConfig  # the default budget: never lowered here
+
+            default = TrainerConfig().vocab_memory_budget_gib
+            budget = ["objective.teacher_topk=0", f"trainer.vocab_memory_budget_gib={max(int(gib) + 2, default):g}"]
         if objective == "pg_k1":
             shape = shape.grouped()  # the same groups as Unsloth's GRPO, for the same task reward
         experiment = "gkd" if plan.cpu else "gkd_4080"
@@ -252,9 +258,11 @@ def _grpo_group(shape: Shape) -> int:  # GRPO's micro-batches hold whole groups
 
 
 def micro_batches(rows: int, group: int) -> list[int]:
-    """The rows per forward a splitting peer tries, in order: FIRST_MICRO_ROWS (or all rows, if fewer), halved on
-    each out-of-memory while it stays whole groups of `group` rows dividing `rows`, MAX_HALVINGS times at most."""
-    sizes = [min(rows, FIRST_MICRO_ROWS)]
+    """The rows per forward a splitting peer tries, in order: the most rows, up to FIRST_MICRO_ROWS, that are whole
+    groups of `group` rows dividing `rows` (what its script accepts), then each half that still is, on each
+    out-of-memory, MAX_HALVINGS times at most."""
+    first = next(m for m in range(min(rows, FIRST_MICRO_ROWS), 0, -1) if rows % m == 0 and m % group == 0)
+    sizes = [first]
     while len(sizes) <= MAX_HALVINGS:
         half = sizes[-1] // 2
         if half < group or half % group or rows % half:
@@ -297,7 +305,12 @@ def parse_args(argv: list[str] | None = None) -> Plan:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"PxNxT,... (default {DEFAULT_SHAPES})")
     ap.add_argument("--cells", default="all", help=f"all, or some of: {','.join(CELLS)}")
     ap.add_argument("--steps", type=int, default=5, help=f"optimizer steps per cell; the first {WARMUP_STEPS} untimed")
-    ap.add_argument("--cell-timeout", type=int, default=540, help="seconds before a cell is stopped (a failed cell)")
+    ap.add_argument(
+        "--cell-timeout",
+        type=int,
+        default=540,
+        help="seconds before one try of a cell is stopped (a failed cell); TRL and Unsloth may try 4 micro-batches",
+    )
     ap.add_argument("--unsloth-site", type=Path, help="folder put first on the Unsloth cell's PYTHONPATH (its bundle)")
     ap.add_argument("--gpu", type=int, default=0, help="the GPU index nvidia-smi samples")
     ap.add_argument("--cpu", action="store_true", help="allow a run without CUDA (a smoke test with tiny models)")
@@ -444,7 +457,7 @@ def run_cell(plan: Plan, cell: Cell, shape: Shape, log=print) -> CellResult:
         log(f"  {shape.name} {cell.name}: {' '.join(r.command[1:])[:200]}")
         returncode, lines, peak = _run_child(plan, r.command, env, folder, cell.name)
         r.smi_peak_mib = peak  # the try that counts: an out-of-memory try's peak is the card's
-        oom = returncode not in (0, None) and any(p in "\n".join(lines) for p in OOM_PATTERNS)
+        oom = returncode not in (0, None) and any(p in "\n".join(lines) for p in RETRY_PATTERNS)
         if not (oom and i + 1 < len(sizes)):
             break
         tried.append(f"{micro} rows: {failure_reason(returncode, lines, plan.cell_timeout)[:160]}")
