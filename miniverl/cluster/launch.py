@@ -9,11 +9,8 @@ from typing import TYPE_CHECKING, Any
 from miniverl.cluster.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
 from miniverl.cluster.colocate import ROLES, RoleHandle, actor_handle, colocated_class, processes
 from miniverl.cluster.faults import shielded_children
-from miniverl.cluster.placement import plan_placement
 from miniverl.config import MiniVerlConfig
-from miniverl.models.lora import LoraSettings
 from miniverl.process import COLOCATED_CONTEXT_GIB, ProcessSettings, emulated_cap_gib
-from miniverl.rollout.vllm_settings import settings_from_config
 from miniverl.routing import teacher_name
 from miniverl.setup.records import Setup
 from miniverl.workers.learner import LearnerWorker
@@ -49,13 +46,6 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
     return True
 
 
-def resolve_gpus(cfg: MiniVerlConfig, device: str) -> int:
-    """GPUs to place actors on: resources.gpus, or 1 when the run computes on CUDA, else 0."""
-    if cfg.resources.gpus is None:
-        return 1 if device == "cuda" else 0
-    return cfg.resources.gpus
-
-
 def actor_threads(torch_threads: int, cores: int) -> int:
     """Torch threads per actor: an explicit resources.torch_threads, else (0, the default) half the cores, at least
     one. All-core pools fight whatever else computes: with trainer.staleness=1 two all-core pools on 2 CPU cores made
@@ -75,8 +65,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
     import ray
 
     res = cfg.resources
-    gpus = resolve_gpus(cfg, setup.device)
-    plan = plan_placement(res, gpus)
+    plan = setup.placement  # resolved before Ray (setup/prepare.py), as are the LoRA and engine settings
     check_cluster_resources(plan.totals(), ray.cluster_resources())
     pg = gpu_placement_group(plan.bundle_cpus) if plan.bundle_cpus else None
 
@@ -98,7 +87,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
         place = (pg, plan.bundle[actor][i]) if pg else None
         return remote_actor(cls, plan.num_cpus[actor], share, place, *args, process, **kwargs)
 
-    lora = LoraSettings.from_config(cfg.model.lora)
+    lora = setup.lora
     t, m = cfg.trainer, cfg.model
     student, teacher = setup.paths["student"], setup.paths.get("teacher")
     learner_args = (
@@ -112,12 +101,8 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
         t.micro_batch_size,
     )
     options = {}
-    if cfg.rollout.backend == "vllm":
-        options = {"settings": settings_from_config(cfg, plan.num_gpus["rollout"], gpu_cap_gib("rollout"))}
-    elif cfg.rollout.backend == "sglang":
-        from miniverl.rollout import sglang
-
-        options = {"settings": sglang.settings_from_config(cfg, plan.num_gpus["rollout"], gpu_cap_gib("rollout"))}
+    if setup.engine is not None:  # vLLM's or SGLang's settings for its share
+        options = {"settings": setup.engine}
     elif m.student.quantization != "none":  # hf_reference serves the 4-bit base as the learner loads it
         options = {"quantization": m.student.quantization}
     rollouts = [
@@ -134,8 +119,8 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
     }
     if setup.routing is not None:  # several teachers: one scorer actor holds them all (workers/teachers.py)
         loads = {
-            teacher_name(role): TeacherLoad(setup.paths[role], spec.dtype, spec.quantization)
-            for role, spec in m.teacher_roles().items()
+            teacher_name(role): TeacherLoad(setup.paths[role], dtype, quantization)
+            for role, (dtype, quantization) in setup.teacher_precisions.items()
         }
         scorers = [
             start(

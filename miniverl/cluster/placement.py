@@ -28,12 +28,23 @@ class Placement:
         return {a: {"CPU": self.num_cpus[a] * self.count[a], "GPU": self.num_gpus[a] * self.count[a]} for a in ACTORS}
 
 
-def share_of(resources, actor: str) -> float:
-    """resources.<actor>.num_gpus; where no plan chose a null one (the CPU), config.UNPLANNED_SHARES'."""
+def placement_gpus(requested: int | None, device: str) -> int:
+    """GPUs to place actors on: resources.gpus (`requested`), or 1 when the run computes on CUDA, else 0."""
+    if requested is None:
+        return 1 if device == "cuda" else 0
+    return requested
+
+
+def actor_share(num_gpus: float | None, actor: str) -> float:
+    """An actor's resources.<actor>.num_gpus; where no plan chose a null one (the CPU), config.UNPLANNED_SHARES'."""
     from miniverl.config import UNPLANNED_SHARES
 
-    share = getattr(resources, actor).num_gpus
-    return UNPLANNED_SHARES[actor] if share is None else share
+    return UNPLANNED_SHARES[actor] if num_gpus is None else num_gpus
+
+
+def share_of(resources, actor: str) -> float:
+    """actor_share of the resources section's `actor`."""
+    return actor_share(getattr(resources, actor).num_gpus, actor)
 
 
 def plan_placement(resources, gpus: int) -> Placement:

@@ -15,7 +15,6 @@ from miniverl.config.checks import (
     check_files,
     check_loss_weights,
     check_objective,
-    check_quantized_rollout,
     check_values,
     validate,
 )
@@ -38,6 +37,7 @@ from miniverl.config.rollout import (
     RolloutConfig,
     SglangRolloutConfig,
     VllmRolloutConfig,
+    check_quantized_rollout,
 )
 from miniverl.config.schema import SCHEMA_NAME, MiniVerlConfig, register_configs, structured_schema, to_config
 from miniverl.config.tracking import TrackingConfig

@@ -171,3 +171,30 @@ class RolloutConfig:
     def engine_rows(self, data) -> int:
         """Rows the vLLM engine decodes at once: rollout.vllm.max_num_seqs, or (0) the run's largest generate call."""
         return self.vllm.max_num_seqs or self.largest_call(data)
+
+
+def check_quantized_rollout(quantization: str, backend: str, refresh: str) -> None:
+    """The rollout side must serve the learner's own 4-bit base (DESIGN.md: an NF4 learner against a bf16 sampler is
+    off by 1.66 nats per token, against vLLM's bitsandbytes engine by 0.10). checks.py check_combinations applies it
+    to model.student and rollout; rollout/vllm_settings.py to settings built without a config."""
+    if quantization != "nf4":
+        return
+    require(
+        backend != "hf_cached",
+        "model.student.quantization=nf4 with rollout=hf_cached: hf_cached decodes from plain (bf16) copies of the"
+        " base weights, which would sample from another base than the 4-bit one the learner trains on;"
+        " serving the dequantized NF4 values is possible but not yet measured, so it is refused for now. Use"
+        " rollout=vllm (adapter mode, quantization=bitsandbytes) or rollout=hf_reference",
+    )
+    require(
+        backend != "sglang",
+        "model.student.quantization=nf4 with rollout=sglang: SGLang's 4-bit path has not been measured against the NF4"
+        " learner's base, so it is refused; use rollout=vllm (adapter mode, quantization=bitsandbytes) or"
+        " rollout=hf_reference",
+    )
+    require(
+        not (backend == "vllm" and refresh == "merged"),
+        "model.student.quantization=nf4 with rollout.vllm.refresh=merged: merging the adapter into 4-bit weights"
+        " re-quantizes them, so the engine would serve another base than the learner's; use"
+        " rollout.vllm.refresh=adapter",
+    )

@@ -73,15 +73,17 @@ class SglangSettings:
     gpu_cap_gib: float | None  # its emulated cap (resources.emulate_gpu_gib), or None
 
 
-def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> SglangSettings:
-    """The builder (the one place reading config); the values are validate's to check (config/rollout.py)."""
+def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, largest_call: int) -> SglangSettings:
+    """The builder (the one place reading config): `rollout.sglang`, the actor's share of the GPU and its cap, and the
+    rows of the run's largest generate call (RolloutConfig.largest_call: rollout.vllm.max_num_seqs is vLLM's knob,
+    not SGLang's). The values are validate's to check (config/rollout.py)."""
     s, r, d = cfg.rollout.sglang, cfg.rollout, cfg.data
     return SglangSettings(
         attention_backend=s.attention_backend,
         mem_fraction_static=s.mem_fraction_static,
         chunked_prefill_size=s.chunked_prefill_size,
         batch_invariant=s.batch_invariant,
-        max_running_requests=r.largest_call(d),  # rollout.vllm.max_num_seqs is vLLM's knob, not SGLang's
+        max_running_requests=largest_call,
         context_length=d.max_prompt_length + r.max_new_tokens,
         gpu_share=gpu_share,
         gpu_cap_gib=gpu_cap_gib,

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from miniverl.atomic import atomic_dir
-from miniverl.config.checks import check_quantized_rollout
-from miniverl.config.rollout import VllmRolloutConfig
+from miniverl.config.rollout import VllmRolloutConfig, check_quantized_rollout
 from miniverl.errors import ConfigError
 
 # LoRA ranks vLLM 0.26 can be started with (vllm/config/lora.py, MaxLoRARanks).
@@ -203,11 +202,11 @@ def base_linear_weights(model_dir: str, adapter_names: list[str], dtype: torch.d
     return out
 
 
-def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None) -> VllmSettings:
-    """The builder: `rollout.vllm` plus the sizes the rest of the run implies (the one place reading config). The
+def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, max_num_seqs: int) -> VllmSettings:
+    """The builder: `rollout.vllm` plus the sizes the rest of the run implies (the one place reading config): the
+    actor's share of the GPU and its cap, and the rows the engine decodes at once (RolloutConfig.engine_rows). The
     config's values are validate's to check (config/rollout.py VllmRolloutConfig, config/checks.py)."""
     v, r, d = cfg.rollout.vllm, cfg.rollout, cfg.data
-    max_num_seqs = r.engine_rows(d)
     return VllmSettings(
         refresh=v.refresh,
         enforce_eager=v.enforce_eager,

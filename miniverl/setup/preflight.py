@@ -19,6 +19,7 @@ from miniverl.checkpoints.store import (
     scan,
     set_aside,
 )
+from miniverl.cluster.placement import placement_gpus
 from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
 from miniverl.models.lora import meta_linear_layers
@@ -69,7 +70,7 @@ def check_gpu_request(cfg: MiniVerlConfig, device: str, cuda_devices: int, ray_r
     machine's CUDA devices (`cuda_devices`), so more fails now, not after Ray started; an existing cluster
     (`ray_running`, resources.ray_address) may have logical GPUs and is checked once connected."""
     res = cfg.resources
-    gpus = res.gpus if res.gpus is not None else (1 if device == "cuda" else 0)  # as cluster.launch.resolve_gpus
+    gpus = placement_gpus(res.gpus, device)
     if res.scorer_gpus and not gpus:
         raise ConfigError(
             f"resources.scorer_gpus={res.scorer_gpus} gives the teacher GPUs of its own, but this run places no"

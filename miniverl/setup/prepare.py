@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from miniverl.cluster.placement import actor_share, placement_gpus, plan_placement
 from miniverl.config import AUTO_BACKEND, DataConfig, MiniVerlConfig, ModelConfig, validate
 from miniverl.data.build import build_prompt_source
 from miniverl.errors import ConfigError
@@ -25,13 +26,15 @@ from miniverl.models.loading import (
     require_quantization,
     shared_vocab_size,
 )
+from miniverl.models.lora import LoraSettings
 from miniverl.models.memory import check_vocab_memory
 from miniverl.models.packing import check_plain_logits
 from miniverl.models.stops import resolve_stop_ids
 from miniverl.models.vocab_kernels import kernels_available
 from miniverl.objectives import build_objective
+from miniverl.process import emulated_cap_gib
 from miniverl.rewards import build_reward
-from miniverl.rollout import require_engine
+from miniverl.rollout import require_engine, sglang, vllm_settings
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.routing import check_sources_routed, routing_of
 from miniverl.setup.fit import card_plan
@@ -129,6 +132,7 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     validate has passed and its resolved `device`."""
     chosen_backend = choose_rollout_backend(cfg, log)
     require_engine(cfg.rollout.backend, device)
+    engine_rows, largest_call = cfg.rollout.engine_rows(cfg.data), cfg.rollout.largest_call(cfg.data)
     objective = build_objective(cfg.objective)  # objectives/interface.py: what the plan and every actor read
     teachers = cfg.model.teacher_roles()
     for role, spec in (("student", cfg.model.student), *teachers.items()):
@@ -179,6 +183,16 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
         t.max_tokens_per_micro_batch,
         objective.closed_form_head,
     )
+    # the rollout engine's settings for its share of each GPU (the launcher places it there), before Ray
+    res, gpus = cfg.resources, placement_gpus(cfg.resources.gpus, device)
+    share = actor_share(res.rollout.num_gpus, "rollout") if gpus else 0.0  # as plan_placement shares it
+    emulated = device == "cuda" and bool(res.emulate_gpu_gib)
+    cap = emulated_cap_gib(res.emulate_gpu_gib, share, "rollout share") if emulated else None
+    engine = None
+    if r.backend == "vllm":
+        engine = vllm_settings.settings_from_config(cfg, share, cap, engine_rows)
+    elif r.backend == "sglang":
+        engine = sglang.settings_from_config(cfg, share, cap, largest_call)
     stops = resolve_stop_ids(student_tok, paths["student"], cfg.rollout.stop_token_ids, v_student)
     d = cfg.data
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)
@@ -186,6 +200,8 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     reward_fn = build_reward(cfg.reward, student_tok)
     seen_sources = eval_batch.data_source + source.batch(0, d.prompts_per_step).data_source
     reward_fn.check_sources(seen_sources)
+    placement = plan_placement(res, gpus)  # each actor's replicas and shares: fractions over 1 refused here
+    lora = LoraSettings.from_config(cfg.model.lora)
     sampling = SamplingParams.from_config(cfg.rollout, stops)
     routing = routing_of(cfg.model)
     check_sources_routed(routing, seen_sources)
@@ -202,6 +218,10 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
         sampling,
         routing,
         chosen,
+        placement,
+        lora,
+        engine,
+        {role: (spec.dtype, spec.quantization) for role, spec in teachers.items()},
     )
 
 

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miniverl.batches import PromptBatch
+from miniverl.cluster.placement import Placement
 from miniverl.data.build import PromptStream
+from miniverl.models.lora import LoraSettings
 from miniverl.objectives import Objective
 from miniverl.rewards import SourceReward
 from miniverl.rollout.sampling import SamplingParams
@@ -34,3 +36,11 @@ class Setup:
     # shares and the learner's layout on a GPU; the layout's CPU values), as the run applied it: in summary.json and
     # the tracker's config
     chosen: dict[str, Any] = field(default_factory=dict)
+    # What the launcher hands the actors, resolved here before Ray (a share that does not add up is refused before
+    # any actor starts): where each replica goes, the adapter both the learner and the rollout build, the rollout
+    # engine's settings (rollout/vllm_settings.VllmSettings or rollout/sglang.SglangSettings; None for the HF
+    # backends), and each teacher role's (dtype, quantization).
+    placement: Placement | None = None
+    lora: LoraSettings | None = None
+    engine: Any = None
+    teacher_precisions: dict[str, tuple[str, str]] = field(default_factory=dict)

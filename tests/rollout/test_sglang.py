@@ -75,7 +75,7 @@ def test_a_good_sglang_config_passes_and_its_settings_follow_the_run():
         "rollout.vllm.max_num_seqs=5",  # vLLM's own knob: not SGLang's
     )
     validate(cfg)
-    s = settings_from_config(cfg, 0.4, 12.0)
+    s = settings_from_config(cfg, 0.4, 12.0, cfg.rollout.largest_call(cfg.data))  # as setup/prepare.py sizes it
     assert s.mem_fraction_static == 0.3 and s.gpu_share == 0.4 and s.gpu_cap_gib == 12.0
     assert s.chunked_prefill_size == 2048  # SGLang's own for a card under 20 GB, whatever card the run is on
     assert s.max_running_requests == max(8 * 4, cfg.data.eval_prompts)  # the run's largest generate call

@@ -36,8 +36,9 @@ LORA = LoraSettings(4, 8.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_
 
 def settings(**kw) -> VllmSettings:
     cfg = MiniVerlConfig()
-    return settings_from_config(cfg, kw.pop("share", 0.4), kw.pop("cap", None)).__class__(
-        **(settings_from_config(cfg, 0.4, None).__dict__ | kw)
+    rows = cfg.rollout.engine_rows(cfg.data)
+    return settings_from_config(cfg, kw.pop("share", 0.4), kw.pop("cap", None), rows).__class__(
+        **(settings_from_config(cfg, 0.4, None, rows).__dict__ | kw)
     )
 
 
@@ -51,11 +52,11 @@ def test_settings_from_config_size_the_engine_for_the_run():
     cfg = MiniVerlConfig()
     cfg.data.prompts_per_step, cfg.rollout.n, cfg.data.eval_prompts = 64, 4, 32
     cfg.data.max_prompt_length, cfg.rollout.max_new_tokens = 100, 512
-    s = settings_from_config(cfg, 0.4, 6.4)
+    s = settings_from_config(cfg, 0.4, 6.4, cfg.rollout.engine_rows(cfg.data))  # as setup/prepare.py sizes it
     assert (s.max_num_seqs, s.cudagraph_capture_size, s.max_model_len) == (256, 256, 612)
     assert (s.gpu_share, s.gpu_cap_gib, s.refresh, s.seeding) == (0.4, 6.4, "adapter", "row")
     cfg.rollout.vllm.cudagraph_capture_size = 128
-    assert settings_from_config(cfg, 0.4, None).cudagraph_capture_size == 128
+    assert settings_from_config(cfg, 0.4, None, 256).cudagraph_capture_size == 128
 
 
 @pytest.mark.parametrize(
@@ -184,11 +185,11 @@ def test_nf4_student_is_served_quantized_and_never_merged():
     cfg = MiniVerlConfig()
     cfg.rollout.backend, cfg.model.student.quantization = "vllm", "nf4"
     validate(cfg)
-    assert settings_from_config(cfg, 0.4, None).quantization == "nf4"
+    assert settings_from_config(cfg, 0.4, None, 8).quantization == "nf4"
     cfg.rollout.vllm.refresh = "merged"
     with pytest.raises(ConfigError, match="refresh=merged: merging the adapter into 4-bit weights"):
         validate(cfg)
-    assert settings_from_config(MiniVerlConfig(), 0.4, None).quantization == "none"
+    assert settings_from_config(MiniVerlConfig(), 0.4, None, 8).quantization == "none"
 
 
 @pytest.mark.parametrize("backend", ["vllm", "hf_cached"])

@@ -147,7 +147,8 @@ def test_the_7b_recipes_vllm_rollout_gets_from_the_engine_the_kv_cache_the_plan_
     size = model_size(str(qwen_configs["1.5b"]), AutoConfig.from_pretrained(qwen_configs["1.5b"]))
     assert rollout.weight_bytes == size.weight_bytes("nf4", 2)
     adapter = adapter_params(size.config, cfg.model.lora.rank, cfg.model.lora.target_modules) * 2
-    engine = settings_from_config(cfg, 0.27, emulated_cap_gib(16, 0.27, "resources.rollout.num_gpus"))
+    cap = emulated_cap_gib(16, 0.27, "resources.rollout.num_gpus")
+    engine = settings_from_config(cfg, 0.27, cap, cfg.rollout.engine_rows(cfg.data))
     _, kv = memory_plan(engine, 140 * GIB, size.weight_bytes("nf4", 2), adapter)
     assert kv + rollout.weight_bytes + adapter + int(ENGINE_OVERHEAD_GIB * GIB) == rollout.peak_bytes
     with pytest.raises(ConfigError, match="leaving -0.7"):  # the bf16 sizing the engine used before
@@ -169,7 +170,9 @@ def test_an_sglang_rollout_is_planned_with_the_engines_own_overhead(qwen_configs
     assert "SGLang KV pool" in rollout.choice and "of the step's 256 rows at full length at once" in rollout.choice
     overhead = engine_overhead_bytes(2048, 151936)
     cap = emulated_cap_gib(16, 0.35, "resources.rollout.num_gpus")
-    fraction = static_fraction(settings_from_config(cfg, 0.35, cap), 140 * GIB, 151936)
+    fraction = static_fraction(
+        settings_from_config(cfg, 0.35, cap, cfg.rollout.largest_call(cfg.data)), 140 * GIB, 151936
+    )
     assert fraction * 140 * GIB + overhead == pytest.approx(cap * GIB)  # what the engine takes: the plan's share
     cfg.resources.rollout.num_gpus = 0.12
     starved = plan(cfg, qwen_configs)

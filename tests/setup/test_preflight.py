@@ -278,3 +278,35 @@ def test_what_the_plan_chose_is_applied_and_kept_in_the_setup(student_dir, teach
         assert getattr(node, rest[-1]) == value, key
         assert any(line.split("]", 1)[1].lstrip().startswith(f"{key}=") and "(chosen: " in line for line in said), key
     assert cfg.resources.scorer.num_gpus == 0.3
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_what_the_launcher_hands_the_actors_is_resolved_before_ray(student_dir, teacher_dir, monkeypatch, backend):
+    """The placement, the adapter's settings and the rollout engine's settings come out of prepare (setup/records.py
+    Setup), not out of the launcher after Ray started: on the CPU the one-replica placement and no engine; on an
+    emulated card the engine sized for the rollout's chosen share, its cap, and the run's rows."""
+    import miniverl.setup.prepare as prep
+    from miniverl.cluster.placement import plan_placement
+    from miniverl.models.lora import LoraSettings
+    from miniverl.process import emulated_cap_gib
+
+    quiet = lambda *_: None  # noqa: E731
+    cfg = with_models(student_dir, teacher_dir)
+    cpu = prep.prepare(cfg, log=quiet)
+    assert cpu.placement == plan_placement(cfg.resources, 0) and cpu.placement.count["rollout"] == 1
+    assert cpu.lora == LoraSettings.from_config(cfg.model.lora) and cpu.engine is None
+    assert cpu.teacher_precisions == {"teacher": (cfg.model.teacher.dtype, cfg.model.teacher.quantization)}
+
+    monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
+    monkeypatch.setattr(prep, "require_engine", lambda backend, device: None)  # no engine is started here
+    cfg = with_models(student_dir, teacher_dir, f"rollout={backend}", "resources.emulate_gpu_gib=8")
+    gpu = prep.prepare(cfg, log=quiet)
+    share = gpu.chosen["resources.rollout.num_gpus"]  # the plan's choice, applied
+    assert gpu.placement == plan_placement(cfg.resources, 1) and gpu.placement.num_gpus["rollout"] == share
+    assert (gpu.engine.gpu_share, gpu.engine.gpu_cap_gib) == (share, emulated_cap_gib(8, share, "rollout share"))
+    rows = cfg.rollout.engine_rows(cfg.data) if backend == "vllm" else cfg.rollout.largest_call(cfg.data)
+    assert (gpu.engine.max_num_seqs if backend == "vllm" else gpu.engine.max_running_requests) == rows
+    over = ("resources.emulate_gpu_gib=8", "resources.rollout.num_gpus=0.6", "resources.scorer.num_gpus=0.5")
+    bad = with_models(student_dir, teacher_dir, *over)
+    with pytest.raises(ConfigError, match="add up to 1.1 of one GPU"):  # refused before Ray, as before
+        prep.prepare(bad, log=quiet)
