@@ -66,6 +66,10 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
 
     res = cfg.resources
     plan = setup.placement  # resolved before Ray (setup/prepare.py), as are the LoRA and engine settings
+    if plan is None or setup.lora is None:
+        raise ValueError(
+            "build_actors needs a Setup from setup.prepare.load_setup (or prepare): this one has no placement"
+        )
     check_cluster_resources(plan.totals(), ray.cluster_resources())
     pg = gpu_placement_group(plan.bundle_cpus) if plan.bundle_cpus else None
 
