@@ -35,22 +35,20 @@ def placement_gpus(requested: int | None, device: str) -> int:
     return requested
 
 
-def actor_share(num_gpus: float | None, actor: str) -> float:
-    """An actor's resources.<actor>.num_gpus; where no plan chose a null one (the CPU), config.UNPLANNED_SHARES'."""
+def replica_share(num_gpus: float | None, actor: str, gpus: int) -> float:
+    """The GPU fraction one replica of `actor` asks for: none without GPUs (`gpus` 0), else its
+    resources.<actor>.num_gpus (`num_gpus`), or config.UNPLANNED_SHARES' where no plan chose a null one."""
     from miniverl.config import UNPLANNED_SHARES
 
+    if not gpus:
+        return 0.0
     return UNPLANNED_SHARES[actor] if num_gpus is None else num_gpus
-
-
-def share_of(resources, actor: str) -> float:
-    """actor_share of the resources section's `actor`."""
-    return actor_share(getattr(resources, actor).num_gpus, actor)
 
 
 def plan_placement(resources, gpus: int) -> Placement:
     """The placement for `gpus` shared GPUs (0 = CPU only) and resources.scorer_gpus dedicated ones."""
     dedicated = resources.scorer_gpus if gpus else 0
-    share = {a: share_of(resources, a) if gpus else 0.0 for a in ACTORS}
+    share = {a: replica_share(getattr(resources, a).num_gpus, a, gpus) for a in ACTORS}
     if dedicated:
         share["scorer"] = 1.0
     cpus = {a: getattr(resources, a).num_cpus for a in ACTORS}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miniverl.cluster.placement import actor_share, placement_gpus, plan_placement
+from miniverl.cluster.placement import placement_gpus, plan_placement, replica_share
 from miniverl.config import AUTO_BACKEND, DataConfig, MiniVerlConfig, ModelConfig, validate
 from miniverl.data.build import build_prompt_source
 from miniverl.errors import ConfigError
@@ -185,7 +185,7 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     )
     # the rollout engine's settings for its share of each GPU (the launcher places it there), before Ray
     res, gpus = cfg.resources, placement_gpus(cfg.resources.gpus, device)
-    share = actor_share(res.rollout.num_gpus, "rollout") if gpus else 0.0  # as plan_placement shares it
+    share = replica_share(res.rollout.num_gpus, "rollout", gpus)  # as plan_placement shares it
     emulated = device == "cuda" and bool(res.emulate_gpu_gib)
     cap = emulated_cap_gib(res.emulate_gpu_gib, share, "rollout share") if emulated else None
     engine = None

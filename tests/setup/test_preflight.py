@@ -249,7 +249,7 @@ def test_a_student_its_learner_share_cannot_hold_is_refused_before_any_actor(stu
 def test_what_the_plan_chose_is_applied_and_kept_in_the_setup(student_dir, teacher_dir, monkeypatch):
     """Null shares and layout are chosen before Ray and applied to the config the actors start from; the setup keeps
     them by dotted key (summary.json's `chosen`, the tracker's config), so a run's record says what it ran with.
-    On the CPU only the layout is chosen (0 and off) and the shares stay null (placement.share_of counts Ray's)."""
+    On the CPU only the layout is chosen (0 and off) and the shares stay null (placement.replica_share counts Ray's)."""
     import miniverl.setup.prepare as prep
 
     quiet = lambda *_: None  # noqa: E731
