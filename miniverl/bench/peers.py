@@ -11,8 +11,9 @@ cell writes `<out>/<shape>/<cell>.json` (seconds per step, trained tokens/s, who
 optimises, its settings and versions, or `status: failed` with why) and its log; `<out>/peers.md` and
 `<out>/peers.json` hold every cell, failures included. A peer that is not installed, cannot run here, times out or
 runs out of memory is a failed cell with the reason, never a crash of the harness. TRL and Unsloth update in
-micro-batches of FIRST_MICRO_ROWS rows (all rows when fewer) and, when that runs out of memory, try again at half in
-a fresh process (micro_batches): each peer runs the largest micro-batch that fits, as its users would set it.
+micro-batches of the most rows up to FIRST_MICRO_ROWS that their scripts accept and, when torch runs out of memory,
+try again at half in a fresh process (micro_batches): each peer runs the largest micro-batch that fits, as its users
+would set it.
 
 The cells (facts read in the pinned wheels' source, TRL 1.16.0 / 1.15.0 and Unsloth 2026.10.9):
 - trl-distill-vllm: `trl.DistillationTrainer` (stable in 1.16; `trl.experimental.distillation` is a deprecated
