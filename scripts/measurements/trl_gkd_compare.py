@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
+
+from miniverl.bench.peer_cell import step_timer
 
 TRL_VERSION = "1.16.0"  # the API read for this script: trl.experimental.gkd.GKDTrainer / GKDConfig
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -85,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -121,18 +125,7 @@ def run(args: argparse.Namespace) -> dict:
         r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear", task_type="CAUSAL_LM"
     )
 
-    step_seconds: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *_args, **_kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *_args, **_kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-            step_seconds.append(time.perf_counter() - self.t0)
+    timer, step_seconds, _lengths = step_timer(cuda)
 
     trainer = GKDTrainer(
         model=student,
@@ -141,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         train_dataset=data,
         processing_class=tok,
         peft_config=lora,
-        callbacks=[Timer()],
+        callbacks=[timer],
     )
     trainer.train()
     timed = step_seconds[1:] or step_seconds  # the first step compiles kernels and warms the allocator
