@@ -119,7 +119,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
     scoring = {
         "support_k": objective.teacher_support_k,
         "loss_temperature": objective.loss_temperature,
-        "max_row_tokens": cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+        "max_row_tokens": cfg.longest_row,
     }
     if setup.routing is not None:  # several teachers: one scorer actor holds them all (workers/teachers.py)
         loads = {
@@ -174,7 +174,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
                 logprob_chunk_tokens=t.logprob_chunk_tokens,
                 gradient_checkpointing=t.gradient_checkpointing,
                 max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-                max_row_tokens=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                max_row_tokens=cfg.longest_row,
                 staleness=t.staleness,
                 loss_weight_by_source=dict(t.loss_weight_by_source),
                 compile_layers=t.compile_layers,

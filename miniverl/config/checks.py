@@ -36,7 +36,7 @@ def check_combinations(cfg: MiniVerlConfig) -> None:
     student = cfg.model.student
     check_loss_weights(t.loss_weight_by_source, d)
     check_quantized_rollout(student.quantization, r.backend, r.vllm.refresh)
-    longest = d.max_prompt_length + r.max_new_tokens
+    longest = cfg.longest_row
     require(
         t.max_tokens_per_micro_batch == 0 or t.max_tokens_per_micro_batch >= longest,
         f"trainer.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}: below the longest possible row"

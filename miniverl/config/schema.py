@@ -27,6 +27,12 @@ class MiniVerlConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
+    @property
+    def longest_row(self) -> int:
+        """The longest row a step can hold, in tokens: data.max_prompt_length + rollout.max_new_tokens (what the
+        engines, micro-batches and scorer forwards are sized for)."""
+        return self.data.max_prompt_length + self.rollout.max_new_tokens
+
     def apply(self, choices: dict) -> None:
         """Set what the run chose where the config left it null or auto (Setup.chosen: values by dotted key, e.g.
         rollout.backend, resources.learner.num_gpus), so the actors run with it."""

@@ -77,14 +77,14 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, large
     """The builder (the one place reading config): `rollout.sglang`, the actor's share of the GPU and its cap, and the
     rows of the run's largest generate call (RolloutConfig.largest_call: rollout.vllm.max_num_seqs is vLLM's knob,
     not SGLang's). The values are validate's to check (config/rollout.py)."""
-    s, r, d = cfg.rollout.sglang, cfg.rollout, cfg.data
+    s = cfg.rollout.sglang
     return SglangSettings(
         attention_backend=s.attention_backend,
         mem_fraction_static=s.mem_fraction_static,
         chunked_prefill_size=s.chunked_prefill_size,
         batch_invariant=s.batch_invariant,
         max_running_requests=largest_call,
-        context_length=d.max_prompt_length + r.max_new_tokens,
+        context_length=cfg.longest_row,
         gpu_share=gpu_share,
         gpu_cap_gib=gpu_cap_gib,
     )

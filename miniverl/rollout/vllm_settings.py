@@ -206,7 +206,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, max_n
     """The builder: `rollout.vllm` plus the sizes the rest of the run implies (the one place reading config): the
     actor's share of the GPU and its cap, and the rows the engine decodes at once (RolloutConfig.engine_rows). The
     config's values are validate's to check (config/rollout.py VllmRolloutConfig, config/checks.py)."""
-    v, r, d = cfg.rollout.vllm, cfg.rollout, cfg.data
+    v = cfg.rollout.vllm
     return VllmSettings(
         refresh=v.refresh,
         enforce_eager=v.enforce_eager,
@@ -215,7 +215,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, max_n
         max_num_seqs=max_num_seqs,
         cudagraph_capture_size=v.cudagraph_capture_size or max_num_seqs,
         max_num_batched_tokens=v.max_num_batched_tokens,
-        max_model_len=d.max_prompt_length + r.max_new_tokens,
+        max_model_len=cfg.longest_row,
         enable_prefix_caching=v.enable_prefix_caching,
         async_scheduling=v.async_scheduling,
         sleep_between_steps=v.sleep_between_steps,

@@ -73,7 +73,7 @@ CHECKPOINT_FREE_TOKENS = 16384
 def learner_enough_tokens(cfg: MiniVerlConfig) -> int:
     """The micro-batch the learner's layout aims for: trainer.max_tokens_per_micro_batch when set (what the
     micro-batches must hold), else the step's tokens at full length up to CHECKPOINT_FREE_TOKENS."""
-    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    longest_row = cfg.longest_row
     return cfg.trainer.max_tokens_per_micro_batch or min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
 
 
@@ -102,7 +102,7 @@ def learner_plan(
     shape = learner_shape(cfg, size, adapter, vocab)
     weights = shape.weight_bytes
     closed = objective.closed_form_head and kernels
-    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    longest_row = cfg.longest_row
     step_tokens = step_rows(cfg) * longest_row
     plan = ActorPlan("learner", fraction, share, weights, 0, "", calibrated=spec.quantization == "none")
     try:
@@ -135,7 +135,7 @@ def scorer_plan(
         sizes[r].weight_bytes(s.quantization, torch_dtype(s.dtype, "cuda").itemsize) for r, s in specs.items()
     )
     entry = scorer_chunk_entry_bytes(objective.teacher_support_k, objective.loss_temperature, vocab, kernels)
-    longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    longest_row = cfg.longest_row
     quantized = any(s.quantization != "none" for s in specs.values())
     plan = ActorPlan("scorer", fraction, share, weights, 0, "", calibrated=not quantized)
     shapes = [  # one process holds every teacher
@@ -168,7 +168,7 @@ def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float
     weights = size.weight_bytes(spec.quantization, torch_dtype(spec.dtype, "cuda").itemsize)
     adapter_bytes = adapter * ADAPTER_COPY_BYTES
     rows = step_rows(cfg)
-    columns = cfg.data.max_prompt_length + r.max_new_tokens
+    columns = cfg.longest_row
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     kv_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * KV_BYTES

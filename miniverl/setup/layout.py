@@ -127,7 +127,7 @@ class _ShareFits:
         self.shape = learner_shape(cfg, sizes["student"], adapter, vocab)
         self.teachers = teacher_sizes(sizes)
         self.objective, self.vocab, self.kernels, self.share_bytes = objective, vocab, kernels, share_bytes
-        self.longest_row = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+        self.longest_row = cfg.longest_row
         self.enough = learner_enough_tokens(cfg)
 
     def learner_tokens(self, k: int) -> int:
@@ -272,7 +272,7 @@ def choose_layout(
     if t.logprob_chunk_tokens is not None and t.gradient_checkpointing is not None:
         return cfg, layout, lines
     shape = learner_shape(cfg, sizes["student"], adapter, vocab)
-    longest_row, enough = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens, learner_enough_tokens(cfg)
+    longest_row, enough = cfg.longest_row, learner_enough_tokens(cfg)
     if t.logprob_chunk_tokens is not None:
         chunks = [t.logprob_chunk_tokens]
     else:
