@@ -7,13 +7,13 @@
 Every cell of every shape runs in its own process, one after the other (the same GPU, models, built-in reverse
 prompts, sampling at temperature 1 on-policy, and the same rows x tokens per optimizer step), with nvidia-smi
 sampling the whole device every 200 ms. A shape is PROMPTS x SAMPLES x TOKENS (the new tokens of every row). Each
-cell writes `<out>/<shape>/<cell>.json` (seconds per step, trained tokens/s, whole-device peak, the loss it
-optimises, its settings and versions, or `status: failed` with why) and its log; `<out>/peers.md` and
-`<out>/peers.json` hold every cell, failures included. A peer that is not installed, cannot run here, times out or
-runs out of memory is a failed cell with the reason, never a crash of the harness. TRL and Unsloth update in
-micro-batches of the most rows up to FIRST_MICRO_ROWS that their scripts accept and, when torch runs out of memory,
-try again at half in a fresh process (micro_batches): each peer runs the largest micro-batch that fits, as its users
-would set it.
+cell writes `<out>/<shape>/<cell>.json` (seconds per step and of them the seconds generating, trained tokens/s,
+whole-device peak, the loss it optimises, its settings and versions, or `status: failed` with why) and its log;
+`<out>/peers.md` and `<out>/peers.json` hold every cell, failures included. A peer that is not installed, cannot run
+here, times out or runs out of memory is a failed cell with the reason, never a crash of the harness. TRL and Unsloth
+update in micro-batches of the most rows up to FIRST_MICRO_ROWS that their scripts accept and, when torch runs out of
+memory, try again at half in a fresh process (micro_batches): each peer runs the largest micro-batch that fits, as its
+users would set it.
 
 The cells (facts read in the pinned wheels' source, TRL 1.16.0 / 1.15.0 and Unsloth 2026.10.9):
 - trl-distill-vllm: `trl.DistillationTrainer` (stable in 1.16; `trl.experimental.distillation` is a deprecated
@@ -156,6 +156,10 @@ class CellResult:
     tokens: int = 0
     step_seconds: list[float] = field(default_factory=list)
     median_step_s: float | None = None
+    # per step, the seconds spent generating inside it (TRL's weight sync + generate; miniVERL's time/generate, the
+    # refresh apart); the median over the timed steps; None where the cell did not say
+    generate_seconds: list[float] = field(default_factory=list)
+    median_generate_s: float | None = None
     trained_tokens_per_step: float | None = None
     trained_tokens_per_s: float | None = None
     smi_peak_mib: float | None = None
@@ -426,6 +430,7 @@ def read_miniverl_run(run_dir: Path, shape: Shape) -> dict:
     tokens = [r["response_tokens"] for r in steps[WARMUP_STEPS:] if "response_tokens" in r]
     return {
         "step_seconds": [r["time/step"] for r in steps],
+        "generate_seconds": [r["time/generate"] for r in steps] if all("time/generate" in r for r in steps) else None,
         "trained_tokens_per_step": statistics.median(tokens) if tokens else float(shape.rows * shape.tokens),
         "settings": {"experiment metrics": str(metrics)},
     }
@@ -485,6 +490,10 @@ def run_cell(plan: Plan, cell: Cell, shape: Shape, log=print) -> CellResult:
         r.settings["micro-batches out of memory"] = tried
     timed = r.step_seconds[WARMUP_STEPS:] or r.step_seconds
     r.median_step_s = statistics.median(timed)
+    generation = [float(s) for s in got.get("generate_seconds") or []]
+    if len(generation) == len(r.step_seconds) and any(generation):  # all zero: the wrapped method never ran
+        r.generate_seconds = generation
+        r.median_generate_s = statistics.median(generation[WARMUP_STEPS:] or generation)
     r.trained_tokens_per_step = float(got["trained_tokens_per_step"])
     r.trained_tokens_per_s = r.trained_tokens_per_step / r.median_step_s if r.median_step_s > 0 else None
     log(f"  {shape.name} {cell.name}: {r.median_step_s:.2f} s/step, {r.trained_tokens_per_s or 0:,.0f} tokens/s")
@@ -521,15 +530,20 @@ def _failed(r: CellResult, reason: str, log) -> CellResult:
 
 def table(results: list[CellResult]) -> str:
     """The markdown table of every cell, failures included."""
-    head = "| shape | cell | peer | rows (P x N) | s/step | trained tokens/s | nvidia-smi peak | loss | status |"
-    lines = [head, "|---|---|---|---|---:|---:|---:|---|---|"]
+    head = (
+        "| shape | cell | peer | rows (P x N) | s/step | of it generating | trained tokens/s | nvidia-smi peak | loss"
+        " | status |"
+    )
+    lines = [head, "|---|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in results:
         step = f"{r.median_step_s:.2f}" if r.median_step_s is not None else "-"
+        generating = f"{r.median_generate_s:.2f}" if r.median_generate_s is not None else "-"
         tps = f"{r.trained_tokens_per_s:,.0f}" if r.trained_tokens_per_s is not None else "-"
         peak = f"{r.smi_peak_mib:,.0f} MiB" if r.smi_peak_mib is not None else "-"
         status = "ok" if r.status == "ok" else f"failed: {r.reason}".replace("|", "/")
         rows = f"{r.prompts * r.samples} ({r.prompts} x {r.samples})"
-        lines.append(f"| {r.shape} | {r.cell} | {r.peer} | {rows} | {step} | {tps} | {peak} | {r.loss} | {status} |")
+        cells = (r.shape, r.cell, r.peer, rows, step, generating, tps, peak, r.loss, status)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

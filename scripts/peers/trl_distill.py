@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
-from miniverl.bench.peer_cell import run_cell, step_timer, trained_tokens_per_step
+from miniverl.bench.peer_cell import run_cell, step_timer, time_generation, trained_tokens_per_step
 from miniverl.bench.peer_prompts import PLAIN_CHAT_TEMPLATE, step_prompts
 
 LORA_RANK = 32  # miniVERL's gkd_4080 recipe: rank 32, alpha 64, every linear layer
@@ -125,11 +125,13 @@ def run(args: argparse.Namespace) -> dict:
         peft_config=LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear"),
         callbacks=[timer],
     )
+    generation = time_generation(trainer, timer, cuda)
     trainer.train()
     return {
         "prompts": args.prompts,
         "samples": args.samples,
         "step_seconds": step_seconds,
+        "generate_seconds": generation,
         "trained_tokens_per_step": trained_tokens_per_step(rows, mean_lengths, args.max_new_tokens),
         "settings": settings,
         "versions": {"trl": trl.__version__, "torch": torch.__version__},

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
-from miniverl.bench.peer_cell import run_cell, step_timer, trained_tokens_per_step
+from miniverl.bench.peer_cell import run_cell, step_timer, time_generation, trained_tokens_per_step
 from miniverl.bench.peer_prompts import step_examples
 
 LORA_RANK = 32
@@ -120,11 +120,13 @@ def run(args: argparse.Namespace) -> dict:
         train_dataset=data,
         callbacks=[timer],
     )
+    generation = time_generation(trainer, timer, True)
     trainer.train()
     return {
         "prompts": args.prompts,
         "samples": args.samples,
         "step_seconds": step_seconds,
+        "generate_seconds": generation,
         "trained_tokens_per_step": trained_tokens_per_step(rows, mean_lengths, args.max_new_tokens),
         "settings": {
             "trainer": "unsloth FastLanguageModel + trl.GRPOTrainer",

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,12 +95,16 @@ def test_peers_draw_miniverls_training_prompts_without_the_held_out_ones():
 
 def test_miniverl_run_is_read_from_its_metrics(tmp_path):
     rows = [{"step": 0, "accuracy": 0.1}] + [
-        {"step": s, "time/step": t, "response_tokens": n} for s, t, n in [(1, 9.0, 100), (2, 2.0, 64), (3, 4.0, 80)]
+        {"step": s, "time/step": t, "time/generate": t / 4, "response_tokens": n}
+        for s, t, n in [(1, 9.0, 100), (2, 2.0, 64), (3, 4.0, 80)]
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     got = peers.read_miniverl_run(tmp_path, peers.Shape(2, 2, 32))
-    assert got["step_seconds"] == [9.0, 2.0, 4.0]
+    assert got["step_seconds"] == [9.0, 2.0, 4.0] and got["generate_seconds"] == [2.25, 0.5, 1.0]
     assert got["trained_tokens_per_step"] == 72  # median of the timed steps' tokens (the warm-up step left out)
+    del rows[2]["time/generate"]  # a step without it: the cell's generation is not reported rather than misaligned
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert peers.read_miniverl_run(tmp_path, peers.Shape(2, 2, 32))["generate_seconds"] is None
 
 
 def test_every_peer_cell_that_cannot_run_is_a_failed_cell_with_its_reason(student_dir, teacher_dir, tmp_path):
@@ -153,6 +158,35 @@ def test_a_cell_scripts_timer_times_each_step_and_its_tokens_skip_the_first_step
     assert trained_tokens_per_step(256, [510.6, 512.0, 509.3, 507.1, 512.0], 512) == pytest.approx(256 * 510.65)
 
 
+def test_a_cell_scripts_generation_is_timed_inside_each_step_and_a_trainer_without_it_says_so():
+    from miniverl.bench.peer_cell import GENERATE_METHOD, step_timer, time_generation
+
+    class Trainer:
+        calls = 0
+
+        def _generate_single_turn(self, prompt_ids, *rest):
+            Trainer.calls += 1
+            time.sleep(0.02)
+            return ["done"] * len(prompt_ids)
+
+    assert GENERATE_METHOD == "_generate_single_turn"
+    timer, seconds, _ = step_timer(cuda=False)
+    trainer = Trainer()
+    generation = time_generation(trainer, timer, cuda=False)
+    for calls in (1, 2, 0):  # a step that generates twice counts both; one that does not, zero
+        timer.on_step_begin()
+        for _ in range(calls):
+            assert trainer._generate_single_turn([1, 2], None) == ["done", "done"]  # what the trainer gets back
+        timer.on_step_end()
+    assert Trainer.calls == 3 and len(generation) == len(seconds) == 3
+    assert 0.02 <= generation[0] <= seconds[0] and 0.04 <= generation[1] <= seconds[1] and generation[2] == 0.0
+    plain, _, _ = step_timer(cuda=False)
+    assert time_generation(object(), plain, cuda=False) is None  # nothing to wrap: not timed, not zero
+    plain.on_step_begin()
+    plain.on_step_end()
+    assert plain.generation is None
+
+
 def test_a_splitting_peers_micro_batches_start_at_all_rows_and_halve_in_whole_groups():
     assert peers.micro_batches(256, 1) == [256, 128, 64, 32]  # TRL at 64 x 4: MAX_HALVINGS halvings
     assert peers.micro_batches(512, 1) == [256, 128, 64, 32]  # more rows than FIRST_MICRO_ROWS: that many first
@@ -179,7 +213,9 @@ def test_a_peer_out_of_memory_is_tried_again_at_half_the_micro_batch(student_dir
         if micro > fits_at[name]:
             return 1, ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9 GiB"], 80_000.0
         out = Path(command[command.index("--out") + 1])
-        out.write_text(json.dumps({"step_seconds": [9.0, 2.0, 2.0], "trained_tokens_per_step": 4096}))
+        generation = [6.0, 1.5, 1.0] if name == "trl-distill-hf" else [0.0, 0.0, 0.0]  # zeros: never generated
+        result = {"step_seconds": [9.0, 2.0, 2.0], "generate_seconds": generation, "trained_tokens_per_step": 4096}
+        out.write_text(json.dumps(result))
         return 0, ["done"], 30_000.0
 
     monkeypatch.setattr(peers, "_run_child", fake_child)
@@ -191,10 +227,18 @@ def test_a_peer_out_of_memory_is_tried_again_at_half_the_micro_batch(student_dir
     assert [m for n, m in tries if n == "trl-distill-hf"] == [256, 128, 64]
     assert ok.status == "ok" and ok.command[-2:] == ["--micro-batch", "64"] and ok.smi_peak_mib == 30_000.0
     assert [t.split(":")[0] for t in ok.settings["micro-batches out of memory"]] == ["256 rows", "128 rows"]
+    assert ok.median_generate_s == 1.25 and "| 2.00 | 1.25 | 2,048 |" in peers.table([ok])  # steps 2-3's median
     failed = peers.run_cell(plan, peers.CELLS["unsloth-grpo"], shape, log=lambda s: None)
     assert [m for n, m in tries if n == "unsloth-grpo"] == [256, 128, 64, 32]
     assert failed.status == "failed" and failed.reason.startswith("out of memory")
     assert len(failed.settings["micro-batches out of memory"]) == 3  # and the last try's reason is the cell's
+    fits_at["unsloth-grpo"] = 256  # fits, but its generation was never timed (all zeros): reported as not timed
+    untimed = peers.run_cell(plan, peers.CELLS["unsloth-grpo"], shape, log=lambda s: None)
+    assert (
+        untimed.status == "ok"
+        and untimed.median_generate_s is None
+        and "| 2.00 | - | 2,048 |" in peers.table([untimed])
+    )
 
 
 @pytest.mark.parametrize(
