@@ -50,6 +50,12 @@ CUDA_CONTEXT_GIB = 0.66
 COLOCATED_CONTEXT_GIB = 1.0
 
 
+def emulated_card_gib(emulate_gpu_gib: float | None, device: str) -> float | None:
+    """The card the actors' caps are cut from: resources.emulate_gpu_gib where it is set and the run computes on CUDA,
+    else None (no caps)."""
+    return emulate_gpu_gib if device == "cuda" and emulate_gpu_gib else None
+
+
 def emulated_cap_gib(card_gib: float, fraction: float, what: str, context_gib: float = CUDA_CONTEXT_GIB) -> float:
     """An actor's torch memory cap on an emulated card of `card_gib`: its fraction of the card less its own
     CUDA context (`context_gib`: COLOCATED_CONTEXT_GIB for the colocated process), so the actors' caps and

@@ -10,7 +10,7 @@ from miniverl.cluster.actors import call, call_all, check_cluster_resources, gpu
 from miniverl.cluster.colocate import ROLES, RoleHandle, actor_handle, colocated_class, processes
 from miniverl.cluster.faults import shielded_children
 from miniverl.config import MiniVerlConfig
-from miniverl.process import COLOCATED_CONTEXT_GIB, ProcessSettings, emulated_cap_gib
+from miniverl.process import COLOCATED_CONTEXT_GIB, ProcessSettings, emulated_cap_gib, emulated_card_gib
 from miniverl.routing import teacher_name
 from miniverl.setup.records import Setup
 from miniverl.workers.learner import LearnerWorker
@@ -73,11 +73,12 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
     check_cluster_resources(plan.totals(), ray.cluster_resources())
     pg = gpu_placement_group(plan.bundle_cpus) if plan.bundle_cpus else None
 
-    emulated = setup.device == "cuda" and bool(res.emulate_gpu_gib)
+    card = emulated_card_gib(res.emulate_gpu_gib, setup.device)
 
     def gpu_cap_gib(actor: str) -> float | None:
-        """The actor's torch cap on the emulated GPU (resources.emulate_gpu_gib), or None without emulation."""
-        return emulated_cap_gib(res.emulate_gpu_gib, plan.num_gpus[actor], f"{actor} share") if emulated else None
+        """The actor's torch cap on the emulated card, or None without emulation (setup/prepare.py sized the rollout
+        engine by the same rule)."""
+        return None if card is None else emulated_cap_gib(card, plan.num_gpus[actor], f"{actor} share")
 
     threads = actor_threads(res.torch_threads, os.cpu_count() or 1)
     colocated: dict[str, tuple[type, tuple, dict]] = {}  # resources.colocate: each role's constructor, built below
@@ -186,8 +187,8 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
         share = sum(plan.num_gpus[role] for role in ROLES)
         # one CUDA context for the three roles: the process may use the sum of their shares less that context
         cap = None
-        if emulated:
-            cap = emulated_cap_gib(res.emulate_gpu_gib, share, "the colocated shares", COLOCATED_CONTEXT_GIB)
+        if card is not None:
+            cap = emulated_cap_gib(card, share, "the colocated shares", COLOCATED_CONTEXT_GIB)
         switch = None if res.switch_interval_ms is None else res.switch_interval_ms / 1e3
         process = ProcessSettings(setup.device, threads, cap, share, actor=True, switch_interval_s=switch)
         cpus = sum(plan.num_cpus[role] for role in ROLES)

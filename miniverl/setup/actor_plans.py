@@ -73,8 +73,7 @@ CHECKPOINT_FREE_TOKENS = 16384
 def learner_enough_tokens(cfg: MiniVerlConfig) -> int:
     """The micro-batch the learner's layout aims for: trainer.max_tokens_per_micro_batch when set (what the
     micro-batches must hold), else the step's tokens at full length up to CHECKPOINT_FREE_TOKENS."""
-    longest_row = cfg.longest_row
-    return cfg.trainer.max_tokens_per_micro_batch or min(step_rows(cfg) * longest_row, CHECKPOINT_FREE_TOKENS)
+    return cfg.trainer.max_tokens_per_micro_batch or min(step_rows(cfg) * cfg.longest_row, CHECKPOINT_FREE_TOKENS)
 
 
 def teacher_sizes(sizes: dict[str, ModelSize]) -> dict[str, ModelSize]:

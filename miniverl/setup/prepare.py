@@ -32,7 +32,7 @@ from miniverl.models.packing import check_plain_logits
 from miniverl.models.stops import resolve_stop_ids
 from miniverl.models.vocab_kernels import kernels_available
 from miniverl.objectives import build_objective
-from miniverl.process import emulated_cap_gib
+from miniverl.process import emulated_cap_gib, emulated_card_gib
 from miniverl.rewards import build_reward
 from miniverl.rollout import require_engine, sglang, vllm_settings
 from miniverl.rollout.sampling import SamplingParams
@@ -183,11 +183,11 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
         t.max_tokens_per_micro_batch,
         objective.closed_form_head,
     )
-    # the rollout engine's settings for its share of each GPU (the launcher places it there), before Ray
+    # the rollout engine's settings for its share of each GPU and the cap the launcher gives its process, before Ray
     res, gpus = cfg.resources, placement_gpus(cfg.resources.gpus, device)
     share = replica_share(res.rollout.num_gpus, "rollout", gpus)  # as plan_placement shares it
-    emulated = device == "cuda" and bool(res.emulate_gpu_gib)
-    cap = emulated_cap_gib(res.emulate_gpu_gib, share, "rollout share") if emulated else None
+    card = emulated_card_gib(res.emulate_gpu_gib, device)
+    cap = None if card is None else emulated_cap_gib(card, share, "rollout share")  # as the launcher caps it
     engine = None
     if r.backend == "vllm":
         engine = vllm_settings.settings_from_config(cfg, share, cap, engine_rows)

@@ -95,9 +95,13 @@ def test_model_credential_and_device_checks_fail_before_ray(
 def test_an_emulated_card_counts_each_actors_cuda_context():
     """Each actor's torch cap is its share of the card less its CUDA context (0.66 GiB measured), so the
     whole device stays inside the card; a share that leaves nothing is refused before Ray."""
-    from miniverl.process import CUDA_CONTEXT_GIB, emulated_cap_gib
+    from miniverl.process import CUDA_CONTEXT_GIB, emulated_cap_gib, emulated_card_gib
     from miniverl.setup.preflight import check_device_settings
 
+    # the card the caps are cut from: set and on CUDA only (the CPU and an unset or 0 card: no caps)
+    assert emulated_card_gib(16, "cuda") == 16
+    assert emulated_card_gib(16, "cpu") is None and emulated_card_gib(None, "cuda") is None
+    assert emulated_card_gib(0, "cuda") is None
     assert emulated_cap_gib(16, 0.3, "x") == pytest.approx(4.8 - CUDA_CONTEXT_GIB)
     shares = {"rollout": 0.4, "scorer": 0.3, "learner": 0.3}
     caps = sum(emulated_cap_gib(16, f, a) for a, f in shares.items())
