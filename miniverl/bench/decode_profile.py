@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from miniverl.bench.config import AdapterSpec, ModelShape
+from miniverl.bench.random_stops import stop_set
 from miniverl.bench.workload import build_random_model, lora_settings, make_adapter, real_shape
 from miniverl.errors import ConfigError
 from miniverl.rollout.sampling import SamplingParams, row_seeds
@@ -100,14 +101,6 @@ def parse_cells(text: str) -> list[tuple[int, int, int]]:
 def make_prompts(count: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
-
-
-def stop_set(median: int, vocab: int, seed: int) -> tuple[int, ...]:
-    """~ln(2) V / median random token ids: a per-step stop chance of ln 2 / median on a uniform next-token law."""
-    if median <= 0:
-        return ()
-    k = max(1, round(math.log(2) * vocab / median))
-    return tuple(sorted(random.Random(seed).sample(range(vocab), k)))
 
 
 def _sync(device: str) -> None:
