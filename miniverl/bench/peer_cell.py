@@ -1,6 +1,6 @@
 """What a peer's cell script (scripts/peers/*.py, run by miniverl.bench.peers) shares: the step timer it hands its
-trainer (and the generation inside each step), the trained tokens per step it reports, and its command line (parse,
-run, write the JSON).
+trainer (and the generation inside each step), the trained tokens per step it reports, the stop ids it adds to the
+model's EOS, and its command line (the prompt and stop options, parse, run, write the JSON).
 
 Importing it imports nothing heavy: transformers is imported when the timer is made, inside the script's run(), after
 the script's own first imports (Unsloth must patch transformers before anything else imports it).
@@ -8,15 +8,19 @@ the script's own first imports (Unsloth must patch transformers before anything 
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from typing import Any
+
+from miniverl.bench.peers import DEFAULT_PROMPT_LEN, parse_prompt_len
 
 
 def step_timer(cuda: bool) -> tuple[Any, list[float], list[float]]:
     """A transformers TrainerCallback that times every optimizer step (the device synchronized around it when
     `cuda`) and collects the mean completion length TRL logs; returns (callback, step seconds, mean lengths), the
-    lists filled as the trainer runs."""
+    lists filled as the trainer runs. The callback's `ranges` gets each logged step's (min, max) completion length:
+    with stop ids, whether lengths varied."""
     import time
 
     import torch
@@ -28,6 +32,7 @@ def step_timer(cuda: bool) -> tuple[Any, list[float], list[float]]:
     class Timer(TrainerCallback):
         generation: list[float] | None = None  # per step, once time_generation has wrapped the trainer
         pending = 0.0  # the generation seconds of the step under way
+        ranges: list[tuple[float, float]]
 
         def on_step_begin(self, *_args, **_kwargs):
             if cuda:
@@ -45,8 +50,12 @@ def step_timer(cuda: bool) -> tuple[Any, list[float], list[float]]:
         def on_log(self, _args, _state, _control, logs=None, **_kwargs):
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
+            if logs and "completions/min_length" in logs and "completions/max_length" in logs:
+                self.ranges.append((float(logs["completions/min_length"]), float(logs["completions/max_length"])))
 
-    return Timer(), seconds, lengths
+    timer = Timer()
+    timer.ranges = []
+    return timer, seconds, lengths
 
 
 # TRL 1.15 / 1.16 (DistillationTrainer, and GRPOTrainer as Unsloth patches it): the weights synced to vLLM when the
@@ -89,6 +98,57 @@ def trained_tokens_per_step(rows: int, mean_lengths: list[float], max_new_tokens
 
     timed = mean_lengths[1:] or mean_lengths
     return rows * (statistics.median(timed) if timed else max_new_tokens)
+
+
+def add_prompt_options(ap: argparse.ArgumentParser) -> None:
+    """--prompt-len and --stop-ids, as the harness passes them (neither at its defaults)."""
+    ap.add_argument(
+        "--prompt-len",
+        type=_argument(parse_prompt_len),
+        default=DEFAULT_PROMPT_LEN,
+        help="LO:HI, the reverse task's string lengths in characters (default {}:{})".format(*DEFAULT_PROMPT_LEN),
+    )
+    ap.add_argument(
+        "--stop-ids",
+        type=_argument(parse_stop_ids),
+        default=(),
+        help="comma-separated token ids that end a row besides the model's EOS (the harness's stop_set; default none)",
+    )
+
+
+def parse_stop_ids(text: str) -> tuple[int, ...]:
+    """`5,17,902`: token ids, each >= 0."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"{text[:60]!r}: write token ids as non-negative integers joined by commas, e.g. 5,17,902")
+    return tuple(int(p) for p in parts)
+
+
+def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` for argparse's type=, its ValueError's message kept in the usage error."""
+
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return checked
+
+
+def stop_on(model: Any, tokenizer: Any, stop_ids: tuple[int, ...]) -> list[int]:
+    """Makes `model` (a transformers model) end a completion on `stop_ids` too: its generation_config.eos_token_id
+    becomes the union miniVERL's run resolves (miniverl.models.stops: the tokenizer's EOS first, as TRL puts it, then
+    the ids the model declares, then `stop_ids`). TRL 1.15 / 1.16 read that list once, in the trainer's __init__
+    (`self.eos_token_ids`), for transformers' generate, the mask after a completion's first EOS and the clipped
+    ratio it logs: call this before building the trainer. Returns the list."""
+    from miniverl.models.stops import stop_token_ids
+
+    declared = model.generation_config.eos_token_id
+    declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    ids = list(stop_token_ids(tokenizer.eos_token_id, declared, list(stop_ids), model.config.vocab_size))
+    model.generation_config.eos_token_id = ids
+    return ids
 
 
 def run_cell(parse_args: Callable, run: Callable[[Any], dict], argv: list[str] | None = None) -> None:

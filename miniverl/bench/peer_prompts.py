@@ -1,22 +1,27 @@
 """The prompts a peer of the harness (miniverl.bench.peers) trains on: miniVERL's own training stream.
 
 miniVERL's run of a harness cell draws step s's prompts with `training_examples` (built-in reverse task, data.seed 0,
-the held-out evaluation prompts excluded); a peer's script draws the same ones here, so every cell of a shape sees
-the same prompts in the same order. Peers get the raw text, as miniVERL feeds it (no chat template).
+the held-out evaluation prompts excluded, strings of the harness's --prompt-len characters); a peer's script draws the
+same ones here, so every cell of a shape sees the same prompts in the same order. Peers get the raw text, as miniVERL
+feeds it (no chat template).
 """
 
 from __future__ import annotations
 
-from miniverl.bench.peers import DATA_SEED, EVAL_PROMPTS, TASK, TASK_MAX_LEN, TASK_MIN_LEN
+import random
+
+from miniverl.bench.peers import DATA_SEED, DEFAULT_PROMPT_LEN, EVAL_PROMPTS, TASK
 from miniverl.data.prompts import held_out_prompts, training_examples
+from miniverl.data.tasks import TASKS
 
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a peer's chat rows as raw text
 FIRST_STEP = 0  # miniVERL draws its first training step's prompts at index 0 (step/cadence.py; logged as step 1)
 
 
-def step_examples(prompts: int, steps: int) -> list[tuple[str, str]]:
-    """(prompt, answer) for `prompts` prompts of each of `steps` optimizer steps, step after step."""
-    task = (TASK, TASK_MIN_LEN, TASK_MAX_LEN, DATA_SEED)
+def step_examples(prompts: int, steps: int, lengths: tuple[int, int] = DEFAULT_PROMPT_LEN) -> list[tuple[str, str]]:
+    """(prompt, answer) for `prompts` prompts of each of `steps` optimizer steps, step after step, the task's strings
+    `lengths` (LO, HI) characters long: miniVERL's data.min_len / data.max_len, which bound its held-out prompts too."""
+    task = (TASK, *lengths, DATA_SEED)
     exclude = held_out_prompts(*task, EVAL_PROMPTS)
     return [
         (ex.prompt, ex.answer)
@@ -25,6 +30,16 @@ def step_examples(prompts: int, steps: int) -> list[tuple[str, str]]:
     ]
 
 
-def step_prompts(prompts: int, steps: int, samples: int) -> list[str]:
+def step_prompts(prompts: int, steps: int, samples: int, lengths: tuple[int, int] = DEFAULT_PROMPT_LEN) -> list[str]:
     """Every step's prompts, each repeated `samples` times: the rows of a trainer that samples once per row."""
-    return [p for p, _ in step_examples(prompts, steps) for _ in range(samples)]
+    return [p for p, _ in step_examples(prompts, steps, lengths) for _ in range(samples)]
+
+
+def longest_prompt_tokens(max_len: int, tokenizer) -> int:
+    """The most tokens a prompt of the task's strings of at most `max_len` characters takes, encoded as miniVERL
+    encodes built-in prompts (`tokenizer(prompt)`, raw text): the prompt's characters (`max_len` letters and the
+    task's `>`, drawn here so that a change of the task's format is counted) plus what the tokenizer adds to any text
+    (the character tokenizer's BOS). Exact for the character tokenizer (a token a character); a byte-level BPE
+    tokenizer (Qwen's) never takes more tokens than a string has ASCII characters."""
+    longest = TASKS.get(TASK)(random.Random(0), max_len, max_len).prompt
+    return len(longest) + len(tokenizer("")["input_ids"])

@@ -2,7 +2,7 @@
 
     python -m miniverl.bench.peers --student /tmp/m/student --teacher /tmp/m/teacher --out peers-out \
         [--shapes 16x1x512,64x4x512] [--cells all | trl-distill-vllm,miniverl-gkd-16g,...] [--steps 5] \
-        [--cell-timeout 540] [--unsloth-site /tmp/site-unsloth] [--gpu 0] [--cpu]
+        [--cell-timeout 540] [--unsloth-site /tmp/site-unsloth] [--gpu 0] [--cpu] [--prompt-len 3:8] [--stop-median 0]
 
 Every cell of every shape runs in its own process, one after the other (the same GPU, models, built-in reverse
 prompts, sampling at temperature 1 on-policy, and the same rows x tokens per optimizer step), with nvidia-smi
@@ -14,6 +14,22 @@ here, times out or runs out of memory is a failed cell with the reason, never a 
 update in micro-batches of the most rows up to FIRST_MICRO_ROWS that their scripts accept and, when torch runs out of
 memory, try again at half in a fresh process (micro_batches): each peer runs the largest micro-batch that fits, as its
 users would set it.
+
+Realistic shapes, the same in every cell (the defaults pass nothing: the cells of before):
+- `--prompt-len LO:HI` (default 3:8, the task's own): the reverse task's strings of LO..HI characters. miniVERL gets
+  `data.min_len=LO data.max_len=HI data.max_prompt_length=` the longest such prompt in the student's tokens (HI
+  letters, the task's `>` and the character tokenizer's BOS: HI + 2; built-in prompts are never cut, a longer one
+  stops the run); the peers' scripts `--prompt-len`, drawing the same stream (peer_prompts.step_examples, the
+  held-out prompts drawn at the same bounds). A shape whose longest row passes either model's max_position_embeddings
+  is refused.
+- `--stop-median M` (default 0: none): rows end on stop_set(M, the student's vocabulary, STOP_SEED) besides the
+  models' EOS, ~ln 2 x V / M ids, so on a random model's nearly uniform next-token law the median length is ~M.
+  miniVERL gets `rollout.stop_token_ids=[...]` (unioned with the student's EOS); TRL and Unsloth `--stop-ids`: the
+  model's `generation_config.eos_token_id` list (what transformers' generate stops on and TRL masks after) and vLLM's
+  SamplingParams `stop_token_ids` (their scripts' docstrings cite the source lines).
+Each cell's JSON records the bounds, the median and the number of stop ids. Trained tokens stay the rows' real
+tokens when lengths vary: a peer's are rows x the median over the timed steps of the mean completion length its
+trainer logs (its mask's tokens over its rows, the stop token included); miniVERL's the median of `response_tokens`.
 
 The cells (facts read in the pinned wheels' source, TRL 1.16.0 / 1.15.0 and Unsloth 2026.10.9):
 - trl-distill-vllm: `trl.DistillationTrainer` (stable in 1.16; `trl.experimental.distillation` is a deprecated
@@ -54,12 +70,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from miniverl.bench.random_stops import stop_set
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SHAPES = "16x1x512,64x4x512"  # the issue's shapes: the old comparison's and the recipe's
 WARMUP_STEPS = 1  # the first step compiles kernels, captures graphs and grows the allocator: not timed
 SMI_PERIOD_MS = 200
 EVAL_PROMPTS = 8  # miniVERL's held-out prompts for these runs; the peers draw the same training prompts
 TASK, TASK_MIN_LEN, TASK_MAX_LEN, DATA_SEED = "reverse", 3, 8, 0  # miniVERL's data defaults (config.py)
+DEFAULT_PROMPT_LEN = (TASK_MIN_LEN, TASK_MAX_LEN)  # --prompt-len's default: nothing passed, the cells of before
+# --stop-median's ids are stop_set(M, the student's vocabulary, STOP_SEED): seed 7 is the decode profile's and the
+# rollout runs' (stop_set(150, 151936, 7), 702 ids), so a realistic peers cell stops on the ids those runs measured
+STOP_SEED = 7
 LOG_TAIL_LINES = 40  # of a failed cell's log, kept in its JSON
 OOM_PATTERNS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 # what a smaller micro-batch can cure: torch's allocation failures (an engine that cannot start in its memory says
@@ -100,6 +122,19 @@ class Shape:
         return Shape(self.prompts // 2, 2, self.tokens)
 
 
+def parse_prompt_len(text: str) -> tuple[int, int]:
+    """`LO:HI`: the reverse task's string lengths in characters (each prompt is LO..HI letters and a `>`)."""
+    m = re.fullmatch(r"(\d+):(\d+)", text.strip())
+    if not m:
+        raise ValueError(f"{text!r}: write LO:HI, the reverse task's string lengths in characters, e.g. 100:320")
+    lo, hi = int(m[1]), int(m[2])
+    if lo < 1:
+        raise ValueError(f"{text!r}: LO must be >= 1 (a prompt of {lo} characters has nothing to reverse), e.g. 1:{hi}")
+    if lo > hi:
+        raise ValueError(f"{text!r}: LO {lo} > HI {hi}; write the shorter bound first: {hi}:{lo}")
+    return lo, hi
+
+
 def parse_shape(text: str) -> Shape:
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", text.strip())
     if not m or min(int(g) for g in m.groups()) < 1:
@@ -121,6 +156,15 @@ class Plan:
     unsloth_site: Path | None
     gpu: int
     cpu: bool
+    prompt_len: tuple[int, int] = DEFAULT_PROMPT_LEN  # the reverse task's string lengths, characters
+    prompt_tokens: int = 0  # the longest such prompt in the student's tokens (0: the default bounds, not computed)
+    stop_median: int = 0  # --stop-median (0: no stop ids beyond the models' EOS)
+    stop_ids: tuple[int, ...] = ()  # stop_set(stop_median, the student's vocabulary, STOP_SEED), every cell's
+
+    @property
+    def default_prompts(self) -> bool:
+        """The default bounds: every cell gets today's command line (miniVERL its experiment's data section)."""
+        return self.prompt_len == DEFAULT_PROMPT_LEN
 
 
 @dataclass(frozen=True)
@@ -154,6 +198,9 @@ class CellResult:
     prompts: int = 0
     samples: int = 0
     tokens: int = 0
+    prompt_len: list[int] = field(default_factory=list)  # [LO, HI]: the reverse task's string lengths, characters
+    stop_median: int = 0  # --stop-median (0: none)
+    stop_ids: int = 0  # how many ids beyond the models' EOS end a row (the same set in every cell)
     step_seconds: list[float] = field(default_factory=list)
     median_step_s: float | None = None
     # per step, the seconds spent generating inside it (TRL's weight sync + generate; miniVERL's time/generate, the
@@ -178,7 +225,7 @@ def _trl_command(vllm: bool) -> Callable[[Plan, Shape, Path], list[str]]:
             "--out",
             str(out_json),
         ]
-        args += [*_shape_args(shape), "--steps", str(plan.steps), "--beta", "0.5"]
+        args += [*_shape_args(shape), "--steps", str(plan.steps), "--beta", "0.5", *_prompt_args(plan)]
         return args + (["--vllm"] if vllm else []) + (["--cpu"] if plan.cpu else [])
 
     return command
@@ -195,7 +242,7 @@ def _trl_topk(plan: Plan, shape: Shape, out_json: Path) -> list[str]:
 def _unsloth(plan: Plan, shape: Shape, out_json: Path) -> list[str]:
     grouped = shape.grouped()
     args = [sys.executable, str(ROOT / "scripts" / "peers" / "unsloth_grpo.py"), "--student", str(plan.student)]
-    return [*args, "--out", str(out_json), *_shape_args(grouped), "--steps", str(plan.steps)]
+    return [*args, "--out", str(out_json), *_shape_args(grouped), "--steps", str(plan.steps), *_prompt_args(plan)]
 
 
 def full_support_gib(plan: Plan, shape: Shape) -> tuple[float, int]:
@@ -232,6 +279,11 @@ def _miniverl(objective: str, capped: bool, full: bool = False) -> Callable[[Pla
         args += ["tracking.progress_bar=false", "tracking.plots=false", f"hydra.run.dir={out_json.with_suffix('')}"]
         if objective == "pg_k1":
             args += ["objective.reward_coef=1.0", "rollout.temperature=1.0", "rollout.top_k=0", "rollout.top_p=1.0"]
+        if not plan.default_prompts:  # built-in prompts are tokenized raw: no chat template to add
+            lo, hi = plan.prompt_len
+            args += [f"data.min_len={lo}", f"data.max_len={hi}", f"data.max_prompt_length={plan.prompt_tokens}"]
+        if plan.stop_ids:  # unioned with the student's EOS ids (miniverl/models/stops.py)
+            args += [f"rollout.stop_token_ids=[{','.join(map(str, plan.stop_ids))}]"]
         return args + budget + (["resources.emulate_gpu_gib=16"] if capped else [])
 
     return command
@@ -243,6 +295,12 @@ def _models(plan: Plan) -> list[str]:
 
 def _shape_args(shape: Shape) -> list[str]:
     return ["--prompts", str(shape.prompts), "--samples", str(shape.samples), "--max-new-tokens", str(shape.tokens)]
+
+
+def _prompt_args(plan: Plan) -> list[str]:
+    """A peer script's prompt bounds and stop ids; none at the defaults (the command line of before)."""
+    args = [] if plan.default_prompts else ["--prompt-len", "{}:{}".format(*plan.prompt_len)]
+    return args + (["--stop-ids", ",".join(map(str, plan.stop_ids))] if plan.stop_ids else [])
 
 
 GKD_FULL = "generalized JSD beta 0.5 over the full vocabulary (TRL's chunked kernel), on-policy"
@@ -319,6 +377,17 @@ def parse_args(argv: list[str] | None = None) -> Plan:
     ap.add_argument("--unsloth-site", type=Path, help="folder put first on the Unsloth cell's PYTHONPATH (its bundle)")
     ap.add_argument("--gpu", type=int, default=0, help="the GPU index nvidia-smi samples")
     ap.add_argument("--cpu", action="store_true", help="allow a run without CUDA (a smoke test with tiny models)")
+    ap.add_argument(
+        "--prompt-len",
+        default="{}:{}".format(*DEFAULT_PROMPT_LEN),
+        help="LO:HI, the reverse task's string lengths in characters (default %(default)s: the task's own)",
+    )
+    ap.add_argument(
+        "--stop-median",
+        type=int,
+        default=0,
+        help="rows stop on ~ln2 x vocabulary / M ids too: on a random model, a median length of ~M (0: no stops)",
+    )
     a = ap.parse_args(argv)
     try:
         shapes = tuple(parse_shape(s) for s in a.shapes.split(","))
@@ -332,6 +401,12 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         ap.error(f"--steps={a.steps}: need more than the {WARMUP_STEPS} warm-up step(s) to time one")
     if a.cell_timeout < 1:
         ap.error(f"--cell-timeout={a.cell_timeout}: must be >= 1 second")
+    try:
+        prompt_len = parse_prompt_len(a.prompt_len)
+    except ValueError as e:
+        ap.error(f"--prompt-len {e}")
+    if a.stop_median < 0:
+        ap.error(f"--stop-median={a.stop_median}: give the median response length in tokens, or 0 for no stop ids")
     for name in ("student", "teacher"):
         if not (getattr(a, name) / "config.json").is_file():
             ap.error(f"--{name}={getattr(a, name)}: not a model directory (no config.json)")
@@ -339,7 +414,36 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         ap.error(f"--unsloth-site={a.unsloth_site}: no such folder; unpack the unsloth bundle there first")
     if not a.cpu and not _cuda_visible():
         ap.error("no CUDA GPU here; run on the GPU machine, or pass --cpu for a smoke test with tiny models")
-    return Plan(a.student, a.teacher, a.out, shapes, cells, a.steps, a.cell_timeout, a.unsloth_site, a.gpu, a.cpu)
+    stop_ids = stop_set(a.stop_median, _model_config(a.student)["vocab_size"], STOP_SEED) if a.stop_median else ()
+    prompt_tokens = 0
+    if prompt_len != DEFAULT_PROMPT_LEN:  # the default keeps today's cells, which checked no positions either
+        prompt_tokens = _longest_prompt_tokens(a.student, prompt_len[1])
+        for shape in shapes:  # vLLM refuses a context past it; transformers would run RoPE beyond what the model saw
+            for name in ("student", "teacher"):
+                positions = _model_config(getattr(a, name)).get("max_position_embeddings")
+                if positions is not None and prompt_tokens + shape.tokens > positions:
+                    ap.error(
+                        f"--prompt-len {a.prompt_len} with shape {shape.name}: rows of up to {prompt_tokens} prompt +"
+                        f" {shape.tokens} new tokens = {prompt_tokens + shape.tokens} pass the {name}'s"
+                        f" max_position_embeddings {positions} (config.json); lower HI or the shape's TOKENS"
+                    )
+    return Plan(
+        *(a.student, a.teacher, a.out, shapes, cells, a.steps, a.cell_timeout, a.unsloth_site, a.gpu, a.cpu),
+        *(prompt_len, prompt_tokens, a.stop_median, stop_ids),
+    )
+
+
+def _model_config(model: Path) -> dict:
+    return json.loads((model / "config.json").read_text())
+
+
+def _longest_prompt_tokens(student: Path, max_len: int) -> int:
+    """The most tokens a prompt of at most `max_len` characters takes under the student's tokenizer (peer_prompts)."""
+    from transformers import AutoTokenizer  # not at import time: the module stays light
+
+    from miniverl.bench.peer_prompts import longest_prompt_tokens
+
+    return longest_prompt_tokens(max_len, AutoTokenizer.from_pretrained(student))
 
 
 def _cuda_visible() -> bool:
@@ -443,6 +547,7 @@ def run_cell(plan: Plan, cell: Cell, shape: Shape, log=print) -> CellResult:
     out_json = folder / f"{cell.name}.json"
     r = CellResult(cell.name, cell.peer, shape.name, cell.loss, prompts=shape.prompts, samples=shape.samples)
     r.tokens = shape.tokens
+    r.prompt_len, r.stop_median, r.stop_ids = list(plan.prompt_len), plan.stop_median, len(plan.stop_ids)
     env = cell_env(plan, cell)
     try:
         if plan.cpu and cell.gpu_only:
@@ -551,6 +656,11 @@ def report(plan: Plan, results: list[CellResult], argv: list[str]) -> str:
     """peers.md: the command, the machine, the versions each cell saw, and the table."""
     machine = f"{platform.node()} ({platform.platform()}, python {platform.python_version()})"
     versions = sorted({f"{k} {v}" for r in results for k, v in r.versions.items() if v})
+    stops = (
+        f"rows also stop on {len(plan.stop_ids)} ids (stop_set median {plan.stop_median}, seed {STOP_SEED})"
+        if plan.stop_ids
+        else "rows stop only on the models' EOS"
+    )
     return "\n".join(
         [
             "# Peers harness results",
@@ -559,6 +669,7 @@ def report(plan: Plan, results: list[CellResult], argv: list[str]) -> str:
             f"Machine: {machine}; GPU index {plan.gpu}{' (CPU run)' if plan.cpu else ''}",
             f"Versions seen by the cells: {', '.join(versions) or '-'}",
             f"Steps per cell: {plan.steps} (the first {WARMUP_STEPS} untimed; medians of the rest)",
+            f"Prompts: the {TASK} task's strings of {plan.prompt_len[0]}-{plan.prompt_len[1]} characters; {stops}",
             "",
             table(results),
             "",

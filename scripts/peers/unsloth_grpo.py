@@ -1,7 +1,7 @@
 """The Unsloth cell of the peers harness (python -m miniverl.bench.peers): Unsloth's GRPO at its recommended settings.
 
     python scripts/peers/unsloth_grpo.py --student S --out cell.json --prompts 8 --samples 2 --max-new-tokens 512 \
-        --steps 5
+        --steps 5 [--prompt-len 100:320] [--stop-ids 5,17,...]
 
 Unsloth 2026.10.9 with TRL 1.15.0 (scripts/device/unsloth.txt, installed in a site of its own: Unsloth pins trl
 <= 1.15.0, transformers <= 5.17.0 and datasets < 5). As Unsloth's GRPO notebooks set it up: `FastLanguageModel`
@@ -10,7 +10,19 @@ adapter served by Unsloth's own LoRA path), `max_lora_rank` = the rank, `gpu_mem
 `get_peft_model` on the seven projections with `use_gradient_checkpointing="unsloth"`; TRL's GRPOTrainer as
 Unsloth patches it, `optim="adamw_8bit"`, lr 5e-6. Sampling at temperature 1, no top-k/top-p; `--samples`
 generations per prompt (GRPO's group); the reward is the reverse task's exact match (miniverl.rewards.scoring), the
-same task reward miniVERL's pg_k1 cell adds. One step = all rows (`--micro-batch` splits the update).
+same task reward miniVERL's pg_k1 cell adds. One step = all rows (`--micro-batch` splits the update). Prompts are
+miniVERL's training stream at --prompt-len; the engine's context (`max_seq_length`) holds the longest such prompt
+and the new tokens.
+
+`--stop-ids` end a row besides the model's EOS (read in TRL 1.15's and Unsloth 2026.10.9's source). Generation:
+TRL's VLLMGeneration builds vLLM's SamplingParams from `GRPOConfig.generation_kwargs` (trl/generation/
+vllm_generation.py:662-683; Unsloth's generate wrapper, unsloth/models/rl_replacements.py:5624-5640, routes them
+through grpo_update_SamplingParams only when `vllm_sampling_params` is set, which is not), so they carry
+`stop_token_ids`. The mask: GRPO 1.15 masks a vLLM completion by its returned length (grpo_trainer.py:2379-2388,
+the stop token included), not after a first `eos_token_id`; but `self.eos_token_ids`, read from the model's
+`generation_config.eos_token_id` (:398-405), decides which rows count as truncated (the clipped ratio it logs, :2227,
+and `mask_truncated_completions`, :2414-2418, which zeroes truncated rows: off here, as Unsloth resolves it for the
+default loss, rl.py:3576), so the model's EOS list gets the stops too (peer_cell.stop_on), as miniVERL's union.
 
 `import unsloth` must come before trl and transformers (it patches them): run() imports it first. Importing this
 file imports nothing heavy; bad arguments fail before any model loads.
@@ -24,14 +36,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
-from miniverl.bench.peer_cell import run_cell, step_timer, time_generation, trained_tokens_per_step
-from miniverl.bench.peer_prompts import step_examples
+from miniverl.bench.peer_cell import (
+    add_prompt_options,
+    run_cell,
+    step_timer,
+    stop_on,
+    time_generation,
+    trained_tokens_per_step,
+)
+from miniverl.bench.peer_prompts import longest_prompt_tokens, step_examples
 
 LORA_RANK = 32
 LEARNING_RATE = 5e-6  # Unsloth's GRPO notebooks
 VLLM_MEMORY_SHARE = 0.6  # Unsloth's GRPO notebooks' gpu_memory_utilization
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPT_TOKENS_MAX = 64  # the reverse task's prompts are a few tokens; the engine's context = this + new tokens
+# the engine's context for the prompt: at least this (the default 3-8 character prompts are a few tokens), or the
+# longest --prompt-len prompt; the context is that + the new tokens
+PROMPT_TOKENS_MAX = 64
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro-batch", type=int, default=0, help="rows per update forward (0: all rows)")
     ap.add_argument("--bf16", action="store_true", help="a 16-bit base instead of Unsloth's 4-bit default")
+    add_prompt_options(ap)
     args = ap.parse_args(argv)
     for name in ("prompts", "max_new_tokens", "steps"):
         if getattr(args, name) < 1:
@@ -57,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def stop_kwargs(args: argparse.Namespace) -> dict:
+    """GRPOConfig's keyword for the stop ids (generation_kwargs, for vLLM's SamplingParams); none without them, so
+    the config keeps the default Unsloth gives it."""
+    return {"generation_kwargs": {"stop_token_ids": list(args.stop_ids)}} if args.stop_ids else {}
+
+
 def run(args: argparse.Namespace) -> dict:
     import unsloth  # noqa: I001  (first: it patches trl and transformers on import)
     from unsloth import FastLanguageModel
@@ -66,16 +94,22 @@ def run(args: argparse.Namespace) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from transformers import AutoTokenizer
+
     from miniverl.rewards.scoring import exact_match
 
+    prompt_tokens = max(
+        PROMPT_TOKENS_MAX, longest_prompt_tokens(args.prompt_len[1], AutoTokenizer.from_pretrained(args.student))
+    )
     model, tok = FastLanguageModel.from_pretrained(
         model_name=str(args.student),
-        max_seq_length=PROMPT_TOKENS_MAX + args.max_new_tokens,
+        max_seq_length=prompt_tokens + args.max_new_tokens,
         load_in_4bit=not args.bf16,
         fast_inference=True,
         max_lora_rank=LORA_RANK,
         gpu_memory_utilization=VLLM_MEMORY_SHARE,
     )
+    eos = stop_on(model, tok, args.stop_ids) if args.stop_ids else None
     model = FastLanguageModel.get_peft_model(
         model,
         r=LORA_RANK,
@@ -85,7 +119,8 @@ def run(args: argparse.Namespace) -> dict:
         random_state=0,
     )
     rows = args.prompts * args.samples
-    data = Dataset.from_list([{"prompt": p, "answer": a} for p, a in step_examples(args.prompts, args.steps)])
+    examples = step_examples(args.prompts, args.steps, args.prompt_len)
+    data = Dataset.from_list([{"prompt": p, "answer": a} for p, a in examples])
 
     def reverse_reward(completions, answer, **_kwargs) -> list[float]:
         return [exact_match(c, a) for c, a in zip(completions, answer)]
@@ -103,6 +138,7 @@ def run(args: argparse.Namespace) -> dict:
         top_p=1.0,
         top_k=0,
         use_vllm=True,
+        **stop_kwargs(args),
         shuffle_dataset=False,
         bf16=True,
         report_to=[],
@@ -128,6 +164,8 @@ def run(args: argparse.Namespace) -> dict:
         "step_seconds": step_seconds,
         "generate_seconds": generation,
         "trained_tokens_per_step": trained_tokens_per_step(rows, mean_lengths, args.max_new_tokens),
+        "mean_lengths": mean_lengths,  # per step, as logged: rows x these are the steps' trained tokens
+        "length_ranges": timer.ranges,  # per step, the shortest and longest completion
         "settings": {
             "trainer": "unsloth FastLanguageModel + trl.GRPOTrainer",
             "load_in_4bit": not args.bf16,
@@ -138,6 +176,10 @@ def run(args: argparse.Namespace) -> dict:
             "optim": "adamw_8bit",
             "micro_batch": args.micro_batch,
             "num_generations": args.samples,
+            "max_seq_length": prompt_tokens + args.max_new_tokens,
+            "prompt_len": list(args.prompt_len),
+            "stop_ids": len(args.stop_ids),
+            "eos_token_ids": len(eos) if eos else None,  # the model's EOS list, stops included (None: its own)
         },
         "versions": {"unsloth": unsloth.__version__, "trl": trl.__version__, "torch": torch.__version__},
         "device": torch.cuda.get_device_name(0),

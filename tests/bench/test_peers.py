@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import runpy
+import shutil
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -286,3 +290,234 @@ def test_miniverls_full_vocabulary_cell_runs_trls_loss_where_the_steps_support_f
     refused = peers.run_cell(qwen, cell, peers.parse_shape("64x4x512"), log=lambda s: None)
     assert refused.status == "failed" and "74 GiB of host memory" in refused.reason
     assert "objective.teacher_topk" in refused.reason  # what miniVERL does instead
+
+
+# --prompt-len and --stop-median: realistic shapes, the same in every cell; the defaults change no cell.
+PROMPT_OPTIONS = ("--prompt-len", "--stop-ids", "data.min_len", "data.max_len", "data.max_prompt_length")
+
+
+def scripts() -> dict[str, dict]:
+    """The peers' cell scripts' functions (their imports are light: see the first test)."""
+    return {s: runpy.run_path(str(ROOT / "scripts" / "peers" / f"{s}.py"), run_name="x") for s in SCRIPTS}
+
+
+SCRIPTS = ("trl_distill", "unsloth_grpo")
+SCRIPT_OF = {"trl-distill-vllm": "trl_distill", "trl-distill-hf": "trl_distill", "unsloth-grpo": "unsloth_grpo"}
+
+
+def gpu_plan(plan: peers.Plan) -> peers.Plan:
+    return peers.Plan(**{**plan.__dict__, "cpu": False})  # the GPU's commands (gkd_4080, --vllm), built on the CPU
+
+
+def test_the_harness_default_bounds_are_miniverls_data_defaults():
+    """At the default bounds miniVERL gets no data.min_len/max_len, so the peers' stream is its stream only if these
+    are its defaults."""
+    from miniverl.config.data import DataConfig
+
+    data = DataConfig()
+    assert (data.min_len, data.max_len) == peers.DEFAULT_PROMPT_LEN
+    assert (data.task, data.seed) == (peers.TASK, peers.DATA_SEED)
+
+
+def test_the_default_options_leave_every_cells_command_line_as_it_was(student_dir, teacher_dir, tmp_path):
+    plan = peers.parse_args(args(student_dir, teacher_dir, tmp_path, "--cpu", "--shapes", "2x2x8"))
+    assert (plan.prompt_len, plan.prompt_tokens, plan.stop_median, plan.stop_ids) == ((3, 8), 0, 0, ())
+    shape, out = plan.shapes[0], tmp_path / "c.json"
+    hf = peers.CELLS["trl-distill-hf"].command(plan, shape, out)
+    assert hf == [
+        sys.executable,
+        str(ROOT / "scripts" / "peers" / "trl_distill.py"),
+        *("--student", str(student_dir), "--teacher", str(teacher_dir), "--out", str(out)),
+        *("--prompts", "2", "--samples", "2", "--max-new-tokens", "8", "--steps", "5", "--beta", "0.5", "--cpu"),
+    ]
+    for name, cell in peers.CELLS.items():
+        if name == "trl-topk":
+            continue
+        command = cell.command(gpu_plan(plan), shape, out)
+        assert not [a for a in command if a.startswith(PROMPT_OPTIONS) or "stop" in a], name
+    found = scripts()
+    for name, script in SCRIPT_OF.items():
+        got = found[script]["parse_args"](peers.CELLS[name].command(gpu_plan(plan), shape, out)[2:])
+        assert (got.prompt_len, got.stop_ids) == ((3, 8), ()), name
+        if script == "trl_distill":
+            assert found[script]["generation_kwargs"](got) is None, name  # TRL's default, on both paths
+        else:
+            assert found[script]["stop_kwargs"](got) == {}  # GRPOConfig keeps Unsloth's default generation_kwargs
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt-len", "0:5"], "LO must be >= 1"),
+        (["--prompt-len", "9:5"], "LO 9 > HI 5; write the shorter bound first: 5:9"),
+        (["--prompt-len", "100-320"], "write LO:HI"),
+        (["--prompt-len=-1:5"], "write LO:HI"),  # argparse takes a bare -1:5 for an option
+        (["--stop-median", "-1"], "--stop-median=-1: give the median response length in tokens, or 0"),
+        # the built-in models hold 64 positions: 60 letters, '>' and BOS, and 8 new tokens do not fit
+        (["--prompt-len", "20:60", "--shapes", "2x2x8"], "= 70 pass the student's max_position_embeddings 64"),
+    ],
+)
+def test_bad_prompt_and_stop_options_name_the_fix(student_dir, teacher_dir, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit):
+        peers.parse_args(args(student_dir, teacher_dir, tmp_path, "--cpu", *extra))
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(["--prompt-len", "0:5"], "LO must be >= 1"), (["--stop-ids", "5,x"], "non-negative integers joined by commas")],
+)
+def test_the_cell_scripts_refuse_bad_prompt_and_stop_options(capsys, extra, message):
+    base = ["--student", "s", "--teacher", "t", "--out", "o.json", "--prompts", "2", "--samples", "2"]
+    for script in scripts().values():
+        with pytest.raises(SystemExit):
+            script["parse_args"]([*base, "--max-new-tokens", "8", *extra])
+        assert message in capsys.readouterr().err
+
+
+def test_every_cell_carries_the_bounds_and_the_stop_ids_to_its_script(student_dir, teacher_dir, tmp_path):
+    from miniverl.bench.random_stops import stop_set
+
+    argv = args(student_dir, teacher_dir, tmp_path, "--cpu", "--shapes", "2x2x8", "--prompt-len", "20:40")
+    plan = gpu_plan(peers.parse_args([*argv, "--stop-median", "3"]))
+    stops = stop_set(3, 43, peers.STOP_SEED)  # the built-in tokenizer's 43 tokens
+    assert plan.stop_ids == stops and len(stops) == 10 and plan.prompt_tokens == 42  # 40 letters, '>' and BOS
+    shape, out = plan.shapes[0], tmp_path / "c.json"
+    found = scripts()
+    for name, script in SCRIPT_OF.items():
+        got = found[script]["parse_args"](peers.CELLS[name].command(plan, shape, out)[2:])
+        assert (got.prompt_len, got.stop_ids) == ((20, 40), stops), name
+        if name == "trl-distill-vllm":  # vLLM's SamplingParams; transformers' generate reads the model's EOS list
+            assert found[script]["generation_kwargs"](got) == {"stop_token_ids": list(stops)}
+        elif name == "trl-distill-hf":
+            assert found[script]["generation_kwargs"](got) is None
+        else:
+            assert found[script]["stop_kwargs"](got) == {"generation_kwargs": {"stop_token_ids": list(stops)}}
+    for name in ("miniverl-gkd-16g", "miniverl-pg_k1-free"):
+        command = peers.CELLS[name].command(plan, shape, out)
+        assert {"data.min_len=20", "data.max_len=40", "data.max_prompt_length=42"} <= set(command), name
+        assert f"rollout.stop_token_ids=[{','.join(map(str, stops))}]" in command, name
+
+
+def test_each_cells_json_records_the_bounds_and_the_stops(student_dir, teacher_dir, tmp_path, monkeypatch):
+    def fake_child(plan, command, env, folder, name):
+        out = Path(command[command.index("--out") + 1])
+        out.write_text(json.dumps({"step_seconds": [2.0, 1.0], "trained_tokens_per_step": 24}))
+        return 0, ["done"], None
+
+    monkeypatch.setattr(peers, "_run_child", fake_child)
+    monkeypatch.setattr(peers, "preflight", lambda cell, env: {"missing": [], "versions": {}})
+    argv = args(student_dir, teacher_dir, tmp_path, "--cpu", "--shapes", "2x2x8", "--prompt-len", "20:40")
+    plan = peers.parse_args([*argv, "--stop-median", "3", "--cells", "trl-distill-hf"])
+    r = peers.run_cell(plan, peers.CELLS["trl-distill-hf"], plan.shapes[0], log=lambda s: None)
+    assert r.status == "ok" and (r.prompt_len, r.stop_median, r.stop_ids) == ([20, 40], 3, 10)
+    assert {"prompt_len": [20, 40], "stop_median": 3, "stop_ids": 10}.items() <= asdict(r).items()
+    report = peers.report(plan, [r], argv)
+    assert "strings of 20-40 characters; rows also stop on 10 ids (stop_set median 3, seed 7)" in report
+
+
+def qwen_shaped(model: Path, path: Path) -> Path:
+    """`model`'s tokenizer and config with the 0.5B shape's vocabulary and positions (the harness's GPU models): what
+    composing a cell's config reads; no weights."""
+    path.mkdir()
+    for f in model.iterdir():
+        if f.name.startswith(("tokenizer", "generation_config")):
+            shutil.copy(f, path / f.name)
+    config = json.loads((model / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": 151_936, "max_position_embeddings": 4096}))
+    return path
+
+
+def composed(command: list[str]):
+    """The config `python -m miniverl.main` would train under for a miniVERL cell's command, checked as a run checks
+    it before loading a model (miniverl.fit's steps)."""
+    from hydra import compose, initialize_config_dir
+
+    from miniverl.config import check_values, register_configs, to_config
+    from miniverl.main import CONF
+    from miniverl.setup.argv import checked_command_line
+
+    assert command[1:3] == ["-m", "miniverl.main"]
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = to_config(compose(config_name="config", overrides=checked_command_line(command[3:], None)))
+    check_values(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_miniverl_and_the_peers_draw_the_same_prompts_at_realistic_bounds(student_dir, tmp_path, gpu):
+    """At 100:320 with stops of median 150: miniVERL's composed run (gkd on the CPU, gkd_4080 on the GPU) draws the
+    peers' prompts step for step, holds out the same evaluation prompts, its max_prompt_length holds the longest
+    prompt exactly, and its stop ids are the harness's 702 (a list that long parses on Hydra's command line)."""
+    from transformers import AutoTokenizer
+
+    from miniverl.bench.random_stops import stop_set
+    from miniverl.data.build import build_prompt_source
+
+    qwen = qwen_shaped(student_dir, tmp_path / "qwen")
+    argv = args(qwen, qwen, tmp_path / "out", "--cpu", "--shapes", "4x2x16", "--steps", "3", "--prompt-len", "100:320")
+    plan = peers.parse_args([*argv, "--stop-median", "150"])
+    plan = gpu_plan(plan) if gpu else plan
+    tok = AutoTokenizer.from_pretrained(qwen)
+    bounds = (100, 320)
+    for name in ("miniverl-gkd-free", "miniverl-pg_k1-16g"):
+        shape = plan.shapes[0].grouped() if "pg_k1" in name else plan.shapes[0]
+        cfg = composed(peers.CELLS[name].command(plan, plan.shapes[0], tmp_path / "c.json"))
+        d = cfg.data
+        assert (d.task, d.min_len, d.max_len, d.seed, d.eval_prompts) == ("reverse", *bounds, 0, peers.EVAL_PROMPTS)
+        assert d.max_prompt_length == len(tok("a" * 320 + ">")["input_ids"]) == 322  # the longest, to the token
+        assert cfg.rollout.stop_token_ids == list(stop_set(150, 151_936, 7)) and len(cfg.rollout.stop_token_ids) == 702
+        source = build_prompt_source(d, tok, cfg.trainer.total_steps, log=lambda s: None)  # raises on a long prompt
+        peer = step_examples(shape.prompts, plan.steps, bounds)
+        for step in range(plan.steps):
+            rows = peer[step * shape.prompts : (step + 1) * shape.prompts]
+            assert source.batch(step, d.prompts_per_step).prompt_ids == [tok(p)["input_ids"] for p, _ in rows]
+        assert source.held_out == held_out_prompts(peers.TASK, *bounds, peers.DATA_SEED, peers.EVAL_PROMPTS)
+        assert all(100 <= len(p) - 1 <= 320 for p, _ in peer) and len({len(p) for p, _ in peer}) > 1
+
+
+def test_a_peers_eos_list_is_miniverls_union_with_the_stop_ids():
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from miniverl.bench.peer_cell import stop_on
+    from miniverl.errors import ConfigError
+
+    def model(eos):
+        return SimpleNamespace(
+            generation_config=GenerationConfig(eos_token_id=eos), config=SimpleNamespace(vocab_size=43)
+        )
+
+    tok = SimpleNamespace(eos_token_id=2)
+    instruct = model([7, 2])  # an instruct model's end-of-turn first, the tokenizer's EOS among its ids
+    assert stop_on(instruct, tok, (5, 7, 9)) == [2, 7, 5, 9] == instruct.generation_config.eos_token_id
+    plain = model(2)
+    assert stop_on(plain, tok, (5,)) == [2, 5] == plain.generation_config.eos_token_id
+    with pytest.raises(ConfigError, match="outside the student's vocabulary"):
+        stop_on(model(2), tok, (43,))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed (CI has none)")
+def test_trl_and_miniverl_cells_stop_at_varied_lengths_on_the_cpu(random_model_dir, teacher_dir, tmp_path):
+    """A random student (nearly uniform next-token law) at --stop-median 3: rows end at varied lengths in both
+    cells, TRL's EOS list holds the stops, and each cell's trained tokens are its rows' real tokens."""
+    out = tmp_path / "out"
+    argv = args(random_model_dir, teacher_dir, out, "--cpu", "--shapes", "2x2x8", "--steps", "3")
+    argv += ["--prompt-len", "20:40", "--stop-median", "3", "--cells", "trl-distill-hf,miniverl-gkd-free"]
+    assert peers.main([*argv, "--cell-timeout", "300"]) == 0
+    results = {r["cell"]: r for r in json.loads((out / "peers.json").read_text())}
+    for r in results.values():
+        assert r["status"] == "ok", r["reason"] + "\n" + "\n".join(r["log_tail"])
+        assert (r["prompt_len"], r["stop_median"], r["stop_ids"]) == ([20, 40], 3, 10)
+    trl = json.loads((out / "2x2x8" / "trl-distill-hf.json").read_text())
+    assert trl["settings"]["eos_token_ids"] == 11  # the tokenizer's EOS and the 10 stop ids
+    assert any(lo < hi for lo, hi in trl["length_ranges"]) and max(hi for _, hi in trl["length_ranges"]) <= 8
+    assert trl["trained_tokens_per_step"] == 4 * statistics.median(trl["mean_lengths"][1:]) < 4 * 8
+    assert results["trl-distill-hf"]["trained_tokens_per_step"] == trl["trained_tokens_per_step"]
+    metrics = [json.loads(line) for line in (out / "2x2x8" / "miniverl-gkd-free" / "metrics.jsonl").open()]
+    tokens = [m["response_tokens"] for m in metrics if "time/step" in m]
+    assert len(tokens) == 3 and max(tokens) < 4 * 8  # no step of 4 rows ran every row to 8 tokens
+    assert results["miniverl-gkd-free"]["trained_tokens_per_step"] == statistics.median(tokens[1:])
