@@ -32,7 +32,9 @@ def step_timer(cuda: bool) -> tuple[Any, list[float], list[float]]:
     class Timer(TrainerCallback):
         generation: list[float] | None = None  # per step, once time_generation has wrapped the trainer
         pending = 0.0  # the generation seconds of the step under way
-        ranges: list[tuple[float, float]]
+
+        def __init__(self):
+            self.ranges: list[tuple[float, float]] = []  # per logged step, the (min, max) completion length
 
         def on_step_begin(self, *_args, **_kwargs):
             if cuda:
@@ -53,9 +55,7 @@ def step_timer(cuda: bool) -> tuple[Any, list[float], list[float]]:
             if logs and "completions/min_length" in logs and "completions/max_length" in logs:
                 self.ranges.append((float(logs["completions/min_length"]), float(logs["completions/max_length"])))
 
-    timer = Timer()
-    timer.ranges = []
-    return timer, seconds, lengths
+    return Timer(), seconds, lengths
 
 
 # TRL 1.15 / 1.16 (DistillationTrainer, and GRPOTrainer as Unsloth patches it): the weights synced to vLLM when the
