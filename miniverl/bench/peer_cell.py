@@ -142,10 +142,9 @@ def stop_on(model: Any, tokenizer: Any, stop_ids: tuple[int, ...]) -> list[int]:
     the ids the model declares, then `stop_ids`). TRL 1.15 / 1.16 read that list once, in the trainer's __init__
     (`self.eos_token_ids`), for transformers' generate, the mask after a completion's first EOS and the clipped
     ratio it logs: call this before building the trainer. Returns the list."""
-    from miniverl.models.stops import stop_token_ids
+    from miniverl.models.stops import eos_id_list, stop_token_ids
 
-    declared = model.generation_config.eos_token_id
-    declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    declared = eos_id_list(model.generation_config.eos_token_id)
     ids = list(stop_token_ids(tokenizer.eos_token_id, declared, list(stop_ids), model.config.vocab_size))
     model.generation_config.eos_token_id = ids
     return ids

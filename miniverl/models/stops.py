@@ -18,6 +18,11 @@ def declared_eos_ids(model_path: str) -> list[int]:
         eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
         return []
+    return eos_id_list(eos)
+
+
+def eos_id_list(eos: int | list[int] | None) -> list[int]:
+    """A generation config's eos_token_id (an int, a list or None) as a list of ids."""
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
