@@ -315,6 +315,15 @@ def run(args) -> dict:
     result["args"] = vars(args)
     cells_asked = parse_cells(args.cells)
     cls, kwargs = backend_class(args, cells_asked, hi)
+    if args.prefill_tokens is not None:  # hf_cached's padded tokens a prefill pass (its PREFILL_TOKENS otherwise)
+        from miniverl.rollout import hf_cached
+
+        if args.backend != "hf_cached" or args.prefill_tokens < 1:
+            raise SystemExit(
+                f"--prefill-tokens is hf_cached's and at least 1, got {args.prefill_tokens} for {args.backend}"
+            )
+        hf_cached.PREFILL_TOKENS = args.prefill_tokens
+    result["prefill_tokens"] = args.prefill_tokens
     with tempfile.TemporaryDirectory(prefix="decode-profile-") as tmp:
         model_dir = build_random_model(shape, dtype, device, Path(tmp) / "model")
         try:
@@ -389,6 +398,9 @@ def main() -> None:
     ap.add_argument("--stop-median", type=int, default=0, help="median length under stop tokens (0: none)")
     ap.add_argument("--profile-steps", type=int, default=64, help="new tokens of the traced call (0: no trace)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--prefill-tokens", type=int, default=None, help="hf_cached's padded tokens a prefill pass (default: its own)"
+    )
     ap.add_argument(
         "--oracle-rows", type=int, default=0, help="rows of each cell teacher-forced through hf_reference (0: none)"
     )

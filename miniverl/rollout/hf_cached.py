@@ -18,6 +18,7 @@ the same tokens. What changes is the work per token:
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -43,10 +44,13 @@ PROBE_DECODE_STEPS = 8  # cache length rounds up to this, so slightly longer pro
 DONE_CHECK_STEPS = 8
 PLAIN = SamplingParams(n=1, max_new_tokens=1)  # the graphs the probe replays before any generate call
 # Padded prompt tokens per prefill pass of generate. The prefill's activations live beside the whole step's decode
-# cache: in one pass, 64 prompts of 320 tokens held about 1.7 GiB at the 0.5B shape, a third of the 4080 recipe's
-# rollout share (docs/benchmarks/fit-planner.md); 8k tokens a pass hold about a fifth of that, and a pass of
-# 8k tokens is already a large batch of GEMMs. Measured on the H200: 1.0-2.7 GiB off the peak, tokens/s within 4%.
-PREFILL_TOKENS = 8192
+# cache, and once freed their blocks stay reserved by torch's allocator, which the share's cap counts: in one pass,
+# 64 prompts of 320 tokens held about 1.7 GiB at the 0.5B shape and left 1.35 GiB reserved, both a third of the 4080
+# recipe's rollout share (docs/benchmarks/fit-planner.md). At 8k tokens a pass that recipe still ran out of its share
+# at 322-token prompts (docs/benchmarks/peers.md run 6); 4k tokens a pass hold half of that, and a pass of 4k tokens
+# is still a large batch of GEMMs (the whole prefill is ~2% of a 512-token generate call). A pass that runs out of
+# memory anyway is redone in passes of half as many prompts (the smaller size kept for later calls).
+PREFILL_TOKENS = 4096
 
 
 def _mode(params: SamplingParams) -> tuple[float, int, float]:
@@ -69,6 +73,7 @@ class HFCachedBackend:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # one memory pool for every graph of the cache: they never replay at once
         self._params = PLAIN  # the sampling settings of the last generate call (the probe replays its graphs)
+        self._prefill_cap = sys.maxsize  # padded tokens a prefill pass, lowered below PREFILL_TOKENS by an OOM
 
     def load_adapter(self, weights: dict[str, torch.Tensor]) -> None:
         """Only the adapter moves: into the serving buffers the decode step reads (the peft module's own
@@ -156,16 +161,37 @@ class HFCachedBackend:
     def _prefill(self, prompts: list[list[int]], n: int, cache: DecodeCache) -> torch.Tensor:
         """Run each prompt once, copy its keys/values into its n rows, return next-token logits per row. The prompts
         go through in passes of at most PREFILL_TOKENS padded tokens (whole prompts, at least one a pass), so the
-        prefill's activations stay that size beside the whole step's decode cache.
+        prefill's activations stay that size beside the whole step's decode cache. A pass that runs out of GPU
+        memory is redone at half as many prompts, down to one (then the error stands); later calls keep the size.
 
         Shapes: -> [G * N, V].
         """
         width = max(map(len, prompts))
-        per_pass = max(1, PREFILL_TOKENS // width)
-        logits = []
-        for first in range(0, len(prompts), per_pass):
-            h = self._prefill_hidden(prompts[first : first + per_pass], n, cache, first * n, width)  # [g, P, E]
-            logits.append(self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0))  # [g*N, V]
+        per_pass = max(1, min(PREFILL_TOKENS, self._prefill_cap) // width)
+        logits, first = [], 0
+        while first < len(prompts):
+            try:
+                h = self._prefill_hidden(prompts[first : first + per_pass], n, cache, first * n, width)  # [g, P, E]
+                logits.append(self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0))  # [g*N, V]
+            except torch.OutOfMemoryError as e:
+                if per_pass == 1:
+                    raise
+                error = str(e).split(". ")[0]
+            else:
+                first += per_pass
+                continue
+            h = None  # with the failed pass's tensors (freed with the exception), their blocks go back to the card
+            per_pass //= 2
+            self._prefill_cap = per_pass * width
+            if self.cuda_graphs:  # on CUDA
+                with CUDA_CAPTURE_LOCK:  # not while a colocated role captures a CUDA graph
+                    torch.cuda.empty_cache()
+            print(
+                f"rollout: out of GPU memory in a prefill pass ({error}); redoing it in passes of {per_pass} prompts"
+                f" ({per_pass * width} padded tokens), kept for later calls. To avoid the retry: a larger"
+                " resources.rollout.num_gpus, or shorter data.max_prompt_length",
+                flush=True,
+            )
         return torch.cat(logits) if len(logits) > 1 else logits[0]
 
     def _prefill_hidden(

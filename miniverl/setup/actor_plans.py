@@ -9,7 +9,8 @@ with them).
   engine_overhead_bytes, the KV pool); the HF backends hold the weights, a bf16 copy of the adapter, the decode cache
   of every row of the step at full length (data.max_prompt_length + rollout.max_new_tokens: the longest a step can
   ask for) and the sampler's fp32 logits and the prefill's activations, calibrated on hf_cached
-  (ROLLOUT_FIXED_BYTES).
+  (ROLLOUT_FIXED_BYTES), and the blocks the prefill leaves reserved (PREFILL_RESERVED_COPIES): the cap limits
+  reserved memory.
 NF4 weights are estimated (models/loading.py NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16
 bits). The learner and scorer models are calibrated on the GPU (models/sizing.py); the rollout's model is fitted to
 five H200 cells and not yet checked on shapes outside them, and the NF4 estimate not at all, so a plan they put over
@@ -39,6 +40,12 @@ PREFILL_TOKEN_BYTES_PER_INTERMEDIATE = 7.7  # gate, up and their product in 16 b
 PREFILL_TOKEN_BYTES_PER_HIDDEN = 20.6  # about 10 [P, hidden] 16-bit tensors alive in a layer
 PREFILL_SCORE_COPIES = 1.6
 ROLLOUT_FIXED_BYTES = int(0.30 * 2**30)
+# What the cap limits is what torch's caching allocator reserves, not what is allocated: the prefill's freed blocks
+# stay reserved beside the decode's tensors, which are of other sizes. Reserved peak = allocated peak + the prefill
+# once more: within -0.2% to +5.0% of the reserved peak on all eight H200 cells with both numbers (one pass and
+# passes; docs/benchmarks/fit-planner.md "The allocator's reserve"). Without it the 4080 recipe's rollout planned
+# 4.7 GiB of its 4.9 GiB share at 322-token prompts and ran out of memory in its first prefill (peers.md run 6).
+PREFILL_RESERVED_COPIES = 1.0
 ADAPTER_COPY_BYTES = 2  # the rollout's copy of the adapter, in the base's 16-bit dtype
 KV_BYTES = 2  # keys and values in the model's 16-bit dtype
 
@@ -235,11 +242,13 @@ def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float
     eval_rows = -(-cfg.data.eval_prompts // max(cfg.resources.gpus or 1, 1))
     calls = [parts(rows, -(-rows // r.n)), parts(eval_rows, eval_rows)]
     cache, logits, prefill = max(calls, key=sum)
-    plan.peak_bytes = weights + adapter_bytes + ROLLOUT_FIXED_BYTES + cache + logits + prefill
+    held = int(PREFILL_RESERVED_COPIES * prefill)
+    plan.peak_bytes = weights + adapter_bytes + ROLLOUT_FIXED_BYTES + cache + logits + prefill + held
     widest = rows if (cache, logits, prefill) == calls[0] else eval_rows
     plan.choice = (
         f"decode cache {widest} rows x {columns:,} tokens = {human(cache)}, sampler logits {human(logits)},"
-        f" prefill {human(prefill)}" + ("" if widest == rows else " (the evaluation's rows: more than a step's)")
+        f" prefill {human(prefill)} (+{human(held)} its freed blocks keep reserved)"
+        + ("" if widest == rows else " (the evaluation's rows: more than a step's)")
     )
     if plan.peak_bytes > share:
         fixes = [

@@ -51,9 +51,21 @@ def test_on_a_gpu_the_replays_by_column_stay_inside_the_cache_and_a_later_column
 def profile_args(tmp_path, **changes) -> argparse.Namespace:
     args = dict(
         out=str(tmp_path), backend="hf_cached", backend_args="{}", shape="tiny", cells="4x2x24,2x1x8",
-        prompt_len="3:9", stop_median=6, profile_steps=8, repeats=1, oracle_rows=0,
+        prompt_len="3:9", stop_median=6, profile_steps=8, repeats=1, oracle_rows=0, prefill_tokens=None,
     )  # fmt: skip
     return argparse.Namespace(**(args | changes))
+
+
+def test_the_prefill_pass_is_set_for_the_run_and_recorded(tmp_path, monkeypatch):
+    """`--prefill-tokens` (hf_cached's passes, to measure another size against the default in one sitting): the same
+    rows at 9 padded tokens a pass (one prompt) as at the default, and the size in the results."""
+    from miniverl.rollout import hf_cached
+
+    monkeypatch.setattr(hf_cached, "PREFILL_TOKENS", hf_cached.PREFILL_TOKENS)  # restored after the test
+    default = decode_profile.run(profile_args(tmp_path / "a", profile_steps=0))
+    one = decode_profile.run(profile_args(tmp_path / "b", profile_steps=0, prefill_tokens=9))
+    assert hf_cached.PREFILL_TOKENS == 9 and one["prefill_tokens"] == 9 and default["prefill_tokens"] is None
+    assert [c["generate"]["lengths"] for c in one["cells"]] == [c["generate"]["lengths"] for c in default["cells"]]
 
 
 def test_a_bench_peer_runs_the_same_cells_and_an_untraced_cell_has_no_trace(tmp_path):
@@ -73,6 +85,8 @@ def test_a_bench_peer_runs_the_same_cells_and_an_untraced_cell_has_no_trace(tmp_
         ({"backend_args": "[1]"}, "--backend-args must be a JSON object"),
         ({"backend": "hf_generate", "backend_args": '{"logprobs": false}'}, "--backend-args do not fit hf_generate"),
         ({"backend": "sglang", "backend_args": '{"gpu_share": 2}'}, "--backend-args do not fit sglang: the bench's"),
+        ({"prefill_tokens": 0}, "--prefill-tokens is hf_cached's and at least 1, got 0"),
+        ({"backend": "hf_generate", "prefill_tokens": 64}, "got 64 for hf_generate"),
     ],
 )
 def test_a_wrong_backend_or_argument_names_the_fix_before_any_cell_runs(tmp_path, changes, message):

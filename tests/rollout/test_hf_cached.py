@@ -388,3 +388,46 @@ def test_the_prefill_in_passes_gives_the_one_pass_rows(random_model_dir, monkeyp
     assert compare(ref.generate(prompts, params, seeds), passes) == (1.0, pytest.approx(0.0, abs=LOGPROB_TOL))
     monkeypatch.setattr(hf_cached, "PREFILL_TOKENS", 1)  # narrower than a prompt: still one whole prompt a pass
     assert [c.token_ids for c in fast.generate(prompts, params, seeds)] == [c.token_ids for c in one_pass]
+
+
+def test_a_prefill_pass_out_of_memory_is_redone_in_smaller_passes_and_one_prompt_that_does_not_fit_fails(
+    random_model_dir, monkeypatch, capsys
+):
+    """A prefill pass that runs out of GPU memory (the 4080 recipe at 322-token prompts, peers.md run 6) is redone at
+    half as many prompts: the same rows as without the error, one line saying so, the smaller pass kept for the next
+    call. A single prompt that does not fit is the run's error, not a loop."""
+    import miniverl.rollout.hf_cached as hf_cached
+
+    _, fast = pair(random_model_dir)
+    prompts = prompts_of(random_model_dir, 7)
+    params = SamplingParams(n=2, max_new_tokens=6, seed=5)
+    seeds = row_seeds(params.seed, len(prompts) * params.n)
+    want = fast.generate(prompts, params, seeds)
+    width = max(map(len, prompts))
+    monkeypatch.setattr(hf_cached, "PREFILL_TOKENS", 8 * width)  # all seven prompts in one pass
+    real, passes = fast._prefill_hidden, []
+
+    def tight(group, *args):  # a card that holds two prompts a pass
+        passes.append(len(group))
+        if len(group) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 150.00 MiB")
+        return real(group, *args)
+
+    monkeypatch.setattr(fast, "_prefill_hidden", tight)
+    got = fast.generate(prompts, params, seeds)
+    assert [(c.token_ids, c.finished) for c in got] == [(c.token_ids, c.finished) for c in want]
+    assert max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_TOL
+    assert passes == [7, 4, 2, 2, 2, 1]  # 8 a pass (7 there) and 4 failed, then 2 a pass
+    out = capsys.readouterr().out
+    assert out.count("rollout: out of GPU memory in a prefill pass (CUDA out of memory)") == 2
+    assert "redoing it in passes of 2 prompts" in out and "resources.rollout.num_gpus" in out
+    passes.clear()
+    fast.generate(prompts, params, seeds)  # the next call starts at the size that fitted
+    assert passes == [2, 2, 2, 1] and "out of GPU memory" not in capsys.readouterr().out
+
+    def none_fit(group, *args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(fast, "_prefill_hidden", none_fit)
+    with pytest.raises(torch.OutOfMemoryError, match="9.00 GiB"):
+        fast.generate(prompts, params, seeds)

@@ -78,21 +78,27 @@ def test_the_4080_recipe_plans_the_learners_measured_micro_batch_and_fits(qwen_c
     assert compiled.layout["trainer.compile_layers"] is True
     assert "micro-batches of up to 14,305 tokens" in compiled.actors[0].choice
     assert scorer.peak_bytes / GIB == pytest.approx(3.65, rel=0.15)
-    # hf_cached measured on the H200 (docs/benchmarks/fit-planner.md, decode_profile; the cells the model is fitted to)
-    assert rollout.peak_bytes / GIB == pytest.approx(5.51, rel=0.05)
-    cells = ((32, 320, 512, 3.36), (128, 320, 512, 9.76), (48, 600, 512, 6.93), (96, 64, 1024, 6.64))
-    for prompts, longest, new, measured in cells:
+    # hf_cached measured on the H200 (docs/benchmarks/fit-planner.md, decode_profile): the plan is the reserved peak
+    # (what the cap limits), the allocated model fitted to these cells plus the prefill its freed blocks keep reserved;
+    # never under the measured reserved peak, at most 5.7% over it
+    cells = (
+        (64, 320, 512, 6.86),
+        (32, 320, 512, 3.99),
+        (128, 320, 512, 12.89),
+        (48, 600, 512, 9.88),
+        (96, 64, 1024, 6.81),
+    )
+    for prompts, longest, new, reserved in cells:
         shape = dict(data__prompts_per_step=prompts, data__max_prompt_length=longest, rollout__max_new_tokens=new)
         # the cells timed a step's generate call alone: no evaluation's rows beside it
         other = plan(recipe(**shape, data__eval_prompts=1), qwen_configs).actors[2]
-        assert other.peak_bytes / GIB == pytest.approx(measured, rel=0.05), shape
-    # At the recipe's longest prompts (320 tokens, every row 832 long) the rollout's estimate exceeds its 4.9 GiB
-    # share: reported (an estimate), not refused; 192-token prompts fit
+        assert 1.0 <= other.peak_bytes / GIB / reserved <= 1.06, shape
+    # in one pass, the recipe's longest prompts (320 tokens, every row 832 long) put the rollout over its 4.9 GiB
+    # share: reported (an estimate), not refused
+    assert rollout.peak_bytes > rollout.share_bytes
     assert p.contexts == 3 and not p.refusals and [w.split(":")[0] for w in p.warnings] == ["rollout"]
     rollout_line = next(line for line in p.lines() if line.startswith("  rollout "))
-    assert rollout_line.endswith("over its share (estimate)")
-    shorter = plan(recipe(data__max_prompt_length=192), qwen_configs)
-    assert not shorter.warnings and shorter.lines()[-1] == "  => fits" and "3 CUDA context(s)" in shorter.lines()[-2]
+    assert rollout_line.endswith("over its share (estimate)") and "its freed blocks keep reserved" in rollout_line
 
 
 def test_a_plan_that_does_not_fit_names_the_actor_and_the_knob(qwen_configs):
@@ -224,7 +230,8 @@ def test_a_user_run_without_the_recipe_gets_micro_batches_twenty_times_longer(qw
     assert chosen.layout["trainer.logprob_chunk_tokens"] in (512, 1024)
     learner, scorer, rollout = chosen.actors
     assert learner.choice == "micro-batches of up to 6,071 tokens (the step: 4,608 at most)"
-    assert (rollout.fraction, learner.fraction, scorer.fraction) == (0.16, 0.2, 0.64)
+    # the rollout counts what its prefill leaves reserved since peers run 6 (0.16 before)
+    assert (rollout.fraction, learner.fraction, scorer.fraction) == (0.17, 0.2, 0.63)
     assert "(the evaluation's rows: more than a step's)" in rollout.choice  # 64 held-out prompts against 16 rows
     assert not chosen.refusals and not chosen.warnings
     cfg.trainer.logprob_chunk_tokens, cfg.trainer.gradient_checkpointing = 0, False  # the old defaults, set by hand
@@ -388,17 +395,27 @@ def test_the_command_exits_1_with_the_plan_when_it_does_not_fit():
 
 
 def test_the_rollouts_prefill_in_passes_brings_the_4080_recipe_inside_its_share(qwen_configs, monkeypatch):
-    """hf_cached's prefill in passes of PREFILL_TOKENS: at 320-token prompts 25 of the 64 prompts a pass, about 1 GiB
-    less than one pass, and the recipe's rollout fits its 4.9 GiB share (the H200 measured 4.47 GiB allocated against
-    the plan's 4.52: docs/benchmarks/fit-planner.md)."""
+    """hf_cached's prefill in passes of PREFILL_TOKENS. At 8,192 tokens a pass the plan is within 4.3% over the H200's
+    reserved peaks (docs/benchmarks/fit-planner.md), and puts the recipe over its 4.9 GiB share at 322-token prompts,
+    where it ran out of memory in its first prefill (peers.md run 6). At 4,096, the default, it fits at 320 and 322
+    with room beside it, and far below one pass."""
     import miniverl.rollout.hf_cached as hf_cached
 
+    assert hf_cached.PREFILL_TOKENS == 4096
     passes = plan(recipe(), qwen_configs)
+    realistic = plan(recipe(data__max_prompt_length=322), qwen_configs)  # the peers harness's --prompt-len 100:320
+    for p in (passes, realistic):
+        rollout = p.actors[2]
+        assert not p.warnings and p.lines()[-1] == "  => fits"
+        assert rollout.peak_bytes < 0.96 * rollout.share_bytes
+    monkeypatch.setattr(hf_cached, "PREFILL_TOKENS", 8192)
+    for prompts, reserved in ((64, 4.95), (128, 7.53)):  # 100-320-token prompts, measured in passes of 8,192
+        shape = dict(data__prompts_per_step=prompts, data__eval_prompts=1)
+        assert 1.0 <= plan(recipe(**shape), qwen_configs).actors[2].peak_bytes / GIB / reserved <= 1.05
+    run6 = plan(recipe(data__max_prompt_length=322), qwen_configs)
+    assert [w.split(":")[0] for w in run6.warnings] == ["rollout"]
     monkeypatch.setattr(hf_cached, "PREFILL_TOKENS", 10**9)
-    one_pass = plan(recipe(), qwen_configs).actors[2]
-    rollout = passes.actors[2]
-    assert one_pass.peak_bytes - rollout.peak_bytes > GIB and rollout.peak_bytes < rollout.share_bytes
-    assert not passes.warnings and passes.lines()[-1] == "  => fits"
+    assert plan(recipe(), qwen_configs).actors[2].peak_bytes - passes.actors[2].peak_bytes > 2 * GIB
 
 
 def composed(experiment: str, *overrides: str) -> MiniVerlConfig:
