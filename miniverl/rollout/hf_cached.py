@@ -48,8 +48,8 @@ PLAIN = SamplingParams(n=1, max_new_tokens=1)  # the graphs the probe replays be
 # 64 prompts of 320 tokens held about 1.7 GiB at the 0.5B shape and left 1.35 GiB reserved, both a third of the 4080
 # recipe's rollout share (docs/benchmarks/fit-planner.md). At 8k tokens a pass that recipe still ran out of its share
 # at 322-token prompts (docs/benchmarks/peers.md run 6); 4k tokens a pass hold half of that, and a pass of 4k tokens
-# is still a large batch of GEMMs (the whole prefill is ~2% of a 512-token generate call). A pass that runs out of
-# memory anyway is redone in passes of half as many prompts (the smaller size kept for later calls).
+# is still a large batch of GEMMs (by FLOPs the whole prefill is a few percent of a 512-token generate call). A
+# pass that runs out of memory anyway is redone in passes of half as many prompts (the smaller size kept after).
 PREFILL_TOKENS = 4096
 
 

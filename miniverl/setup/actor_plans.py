@@ -42,9 +42,10 @@ PREFILL_SCORE_COPIES = 1.6
 ROLLOUT_FIXED_BYTES = int(0.30 * 2**30)
 # What the cap limits is what torch's caching allocator reserves, not what is allocated: the prefill's freed blocks
 # stay reserved beside the decode's tensors, which are of other sizes. Reserved peak = allocated peak + the prefill
-# once more: within -0.2% to +5.0% of the reserved peak on all eight H200 cells with both numbers (one pass and
-# passes; docs/benchmarks/fit-planner.md "The allocator's reserve"). Without it the 4080 recipe's rollout planned
-# 4.7 GiB of its 4.9 GiB share at 322-token prompts and ran out of memory in its first prefill (peers.md run 6).
+# once more: the plan is never under the reserved peak of the eight H200 cells with both numbers, at most 5.7% over
+# (one pass and passes; docs/benchmarks/fit-planner.md "The allocator's reserve"). Without it the 4080 recipe's
+# rollout planned 4.7 GiB of its 4.9 GiB share at 322-token prompts and ran out of memory in its first prefill
+# (peers.md run 6).
 PREFILL_RESERVED_COPIES = 1.0
 ADAPTER_COPY_BYTES = 2  # the rollout's copy of the adapter, in the base's 16-bit dtype
 KV_BYTES = 2  # keys and values in the model's 16-bit dtype
