@@ -17,6 +17,15 @@ import torch
 CUDA_CAPTURE_LOCK = threading.RLock()
 
 
+def release_cached_memory(device: str) -> None:
+    """After an out-of-memory on `device`: the caching allocator's unused blocks back to the card (a no-op off CUDA),
+    never during another thread's graph capture (CUDA_CAPTURE_LOCK). The learner's shrunk update and hf_cached's
+    halved prefill pass both retry in what this frees."""
+    if device.startswith("cuda"):
+        with CUDA_CAPTURE_LOCK:
+            torch.cuda.empty_cache()
+
+
 @dataclass(frozen=True)
 class ProcessSettings:
     """How an actor process uses its hardware."""

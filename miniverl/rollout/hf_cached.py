@@ -26,7 +26,7 @@ import torch
 from miniverl.models.fused_head import head_logprobs
 from miniverl.models.logprobs import token_logprobs
 from miniverl.models.lora import LoraSettings, build_lora_model
-from miniverl.process import CUDA_CAPTURE_LOCK
+from miniverl.process import CUDA_CAPTURE_LOCK, release_cached_memory
 from miniverl.rollout import Completion, decode_kernels
 from miniverl.rollout.cached_decoder import CachedDecoder
 from miniverl.rollout.decode_cache import DecodeCache
@@ -183,9 +183,7 @@ class HFCachedBackend:
             h = None  # with the failed pass's tensors (freed with the exception), their blocks go back to the card
             per_pass //= 2
             self._prefill_cap = per_pass * width
-            if self.cuda_graphs:  # on CUDA
-                with CUDA_CAPTURE_LOCK:  # not while a colocated role captures a CUDA graph
-                    torch.cuda.empty_cache()
+            release_cached_memory(self.device)
             print(
                 f"rollout: out of GPU memory in a prefill pass ({error}); redoing it in passes of {per_pass} prompts"
                 f" ({per_pass * width} padded tokens), kept for later calls. To avoid the retry: a larger"

@@ -8,10 +8,8 @@ redoes an out-of-memory update at the lowered one.
 
 from __future__ import annotations
 
-import torch
-
 from miniverl.errors import MiniVerlError
-from miniverl.process import CUDA_CAPTURE_LOCK, ProcessSettings, memory_share_bytes
+from miniverl.process import ProcessSettings, memory_share_bytes, release_cached_memory
 
 # How much an out-of-memory update lowers the token budget before it is redone (shrink_after_oom).
 OOM_SHRINK = 0.75
@@ -85,9 +83,7 @@ def shrink_after_oom(tokens: int, world_size: int, longest_row: int, error: str,
             f" resources.learner.num_gpus share, lower trainer.max_tokens_per_micro_batch or"
             f" trainer.logprob_chunk_tokens, or shorten rollout.max_new_tokens. CUDA said: {error[:300]}"
         )
-    if device == "cuda":
-        with CUDA_CAPTURE_LOCK:  # not while a colocated rollout captures a CUDA graph (torch asserts)
-            torch.cuda.empty_cache()
+    release_cached_memory(device)
     print(
         f"learner: out of GPU memory at micro-batches of {tokens} tokens; redoing this update at"
         f" {smaller} tokens, kept for the rest of the run",
