@@ -414,13 +414,14 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         ap.error(f"--unsloth-site={a.unsloth_site}: no such folder; unpack the unsloth bundle there first")
     if not a.cpu and not _cuda_visible():
         ap.error("no CUDA GPU here; run on the GPU machine, or pass --cpu for a smoke test with tiny models")
-    stop_ids = stop_set(a.stop_median, _model_config(a.student)["vocab_size"], STOP_SEED) if a.stop_median else ()
+    configs = {name: _model_config(getattr(a, name)) for name in ("student", "teacher")}
+    stop_ids = stop_set(a.stop_median, configs["student"]["vocab_size"], STOP_SEED) if a.stop_median else ()
     prompt_tokens = 0
     if prompt_len != DEFAULT_PROMPT_LEN:  # the default keeps today's cells, which checked no positions either
         prompt_tokens = _longest_prompt_tokens(a.student, prompt_len[1])
         for shape in shapes:  # vLLM refuses a context past it; transformers would run RoPE beyond what the model saw
-            for name in ("student", "teacher"):
-                positions = _model_config(getattr(a, name)).get("max_position_embeddings")
+            for name, config in configs.items():
+                positions = config.get("max_position_embeddings")
                 if positions is not None and prompt_tokens + shape.tokens > positions:
                     ap.error(
                         f"--prompt-len {a.prompt_len} with shape {shape.name}: rows of up to {prompt_tokens} prompt +"
