@@ -275,6 +275,14 @@ class CachedDecoder:
                 " must write the adapter's own blocks only (CachedDecoder.load)"
             )
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the decoder holds beside the model's own parameters: the fused serving weights and biases,
+        the adapter's buffers and the digest's flat copy (hf_cached's out-of-memory lines count them)."""
+        held = [t for w in self.weights for t in w.values() if isinstance(t, torch.Tensor)]
+        for lora in self._loras():
+            held += [lora.a, lora.b, lora.scale, lora.a_cast, lora.sb_cast]
+        return held + ([] if self._served is None else [self._served.flat])
+
     def _adapter_views(self) -> dict[str, torch.Tensor]:
         """Each LoRA weight as a view of the buffer the decode step reads. Shapes: A [r, in], B [out, r]."""
         views = {}

@@ -67,6 +67,13 @@ class DecodeCache:
         )
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer the cache holds (keys and values above all)."""
+        tensors = [*self.keys, *self.values]
+        tensors += [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
     def rows(self) -> int:
         return self.tokens.shape[0]
 

@@ -185,9 +185,9 @@ class HFCachedBackend:
             self._prefill_cap = per_pass * width
             release_cached_memory(self.device)
             print(
-                f"rollout: out of GPU memory in a prefill pass ({error}); redoing it in passes of {per_pass} prompts"
-                f" ({per_pass * width} padded tokens), kept for later calls. To avoid the retry: a larger"
-                " resources.rollout.num_gpus, or shorter data.max_prompt_length",
+                f"rollout: out of GPU memory in a prefill pass ({error}){self._memory_note()}; redoing it in passes"
+                f" of {per_pass} prompts ({per_pass * width} padded tokens), kept for later calls. To avoid the"
+                " retry: a larger resources.rollout.num_gpus, or shorter data.max_prompt_length",
                 flush=True,
             )
         return torch.cat(logits) if len(logits) > 1 else logits[0]
@@ -274,28 +274,51 @@ class HFCachedBackend:
         key = (width, _mode(params))
         if key not in self._graphs:
             try:
-                self._graphs[key] = self._capture(width, params)
+                self._graphs[key] = self._capture_fitting(width, params)
             except RuntimeError as e:  # keep serving, but say so: the speed claim no longer holds
-                warnings.warn(f"hf_cached: CUDA graph capture failed ({e}); decoding eagerly", stacklevel=2)
+                warnings.warn(
+                    f"hf_cached: CUDA graph capture failed ({e}){self._memory_note()}; decoding eagerly", stacklevel=2
+                )
                 self.cuda_graphs = False
                 return self._step(width, params)
         graph, logits = self._graphs[key]
         graph.replay()
         return logits
 
+    def _capture_fitting(self, width: int, params: SamplingParams) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture one step; if that runs out of GPU memory, give the allocator's cache back and capture once more.
+        Inside a capture the allocator cannot free its cached blocks to make room, so blocks left reserved by the
+        prefill passes and the warm-up's stream can fail a capture that fits once they are freed (the 4080 recipe
+        at 322-token prompts: 32 MiB refused with 177 MiB reserved unused, docs/benchmarks/peers.md run 7)."""
+        try:
+            return self._capture(width, params)
+        except torch.OutOfMemoryError as e:
+            error = str(e).split(". ")[0]
+            note = self._memory_note()
+        release_cached_memory(self.device)
+        print(
+            f"rollout: a CUDA graph capture at width {width} ran out of GPU memory ({error}){note}; the allocator's"
+            " cache given back, capturing once more",
+            flush=True,
+        )
+        return self._capture(width, params)
+
     def _capture(self, width: int, params: SamplingParams) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture one step. A warm-up runs first (lazy cuBLAS state); it advances the state, so the small
-        state tensors are put back after it. Its writes to the cache and outputs are the ones the replay that
-        follows the capture makes again, with the same values."""
+        state tensors are put back after it, also when it fails (the step redone eagerly or captured again must
+        start where this one did). Its writes to the cache and outputs are the ones the replay that follows the
+        capture makes again, with the same values."""
         c = self._cache
         state = (c.tokens, c.positions, c.column, c.step, c.dest)
         saved = [t.clone() for t in state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._step(width, params)
-            for t, s in zip(state, saved):
-                t.copy_(s)
+            try:
+                self._step(width, params)
+            finally:
+                for t, s in zip(state, saved):
+                    t.copy_(s)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -305,6 +328,24 @@ class HFCachedBackend:
         with CUDA_CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._step(width, params)
         return graph, logits
+
+    def _memory_note(self) -> str:
+        """Where this process's GPU memory is, for an out-of-memory line (empty off CUDA): what is allocated, split
+        into the model with its serving buffers, the decode cache and the rest, and what the allocator keeps
+        reserved unused (the share's cap counts reserved memory). Read after the failed pass's tensors are freed."""
+        if not self.device.startswith("cuda"):
+            return ""
+        storages = {}  # each storage once: the peft module's base weights are views of the fused serving weights
+        for t in (*self.model.parameters(), *self.model.buffers(), *self.decoder.tensors()):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        model, cache = sum(storages.values()), 0 if self._cache is None else self._cache.nbytes
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        gib = 2**30
+        return (
+            f"; {allocated / gib:.2f} GiB allocated (model and adapter {model / gib:.2f}, decode cache"
+            f" {cache / gib:.2f}, the rest {(allocated - model - cache) / gib:.2f}), {(reserved - allocated) / gib:.2f}"
+            " reserved unused"
+        )
 
     def _width(self, live: int, rows: int) -> int:
         """Slots a decode step computes: exactly the live rows eagerly; the next power of two with graphs."""
