@@ -233,7 +233,10 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     print(f"  run directory: {run_dir} ({', '.join(written(run_dir))})")
     memory = {k: v for k, v in summary["memory"].items() if v}
     if memory:
-        print(f"  peak GPU memory per actor (GiB): {json.dumps(memory)}")
+        print(
+            "  peak GPU memory per actor (GiB; alloc_retries: how often its allocator emptied its cache to fit under"
+            f" the cap): {json.dumps(memory)}"
+        )
 
 
 RUN_OUTPUTS = (  # (what is listed, the path that shows it was written)

@@ -135,12 +135,17 @@ def setup_process(settings: ProcessSettings) -> str:
 
 
 def memory_report(device: str) -> dict[str, float]:
-    """Peak GPU memory this process allocated/reserved (GiB); empty on the CPU."""
+    """Peak GPU memory this process allocated/reserved (GiB), and how often torch's allocator found no room under
+    the cap, gave its cached blocks back to the card and asked again (`alloc_retries`): each is a device-wide
+    synchronisation, and an actor that keeps reaching its cap does it every micro-batch (peers.md run 7: the
+    learner's and scorer's reserved peaks at their caps at realistic shapes, their steps 2-3x slower a token).
+    Empty on the CPU."""
     if device != "cuda":
         return {}
     return {
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "alloc_retries": float(torch.cuda.memory_stats().get("num_alloc_retries", 0)),
     }
 
 

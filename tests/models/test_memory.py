@@ -112,3 +112,19 @@ def test_bad_memory_settings_name_the_key(override, message):
 
     with pytest.raises(ConfigError, match=message):
         validate(load(override))
+
+
+def test_the_memory_report_carries_the_allocators_retries(monkeypatch):
+    """Each actor's report: its peaks, and how often the allocator gave its cache back to find room under the cap
+    (torch's num_alloc_retries: a device-wide sync each); nothing on the CPU."""
+    import torch
+
+    from miniverl.process import memory_report
+
+    assert memory_report("cpu") == {}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 4 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": 17})
+    assert memory_report("cuda") == {"peak_allocated_gib": 3.0, "peak_reserved_gib": 4.0, "alloc_retries": 17.0}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {})  # an allocator that keeps no such count
+    assert memory_report("cuda")["alloc_retries"] == 0.0
