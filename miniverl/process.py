@@ -131,15 +131,79 @@ def setup_process(settings: ProcessSettings) -> str:
     if settings.gpu_memory_gib is not None and settings.process_cap:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, settings.gpu_memory_gib * 2**30 / total), 0)
+    record_memory_history()
     return "cuda"
+
+
+MEMORY_HISTORY_ENV = "MINIVERL_CUDA_MEMORY_HISTORY"
+_history = {"on": False}
+
+
+def memory_history_requested() -> bool:
+    """Whether MINIVERL_CUDA_MEMORY_HISTORY asks every actor to record where its GPU blocks are allocated (1) or not
+    (0 or unset); any other value is refused with the fix."""
+    import os
+
+    from miniverl.errors import ConfigError
+
+    value = os.environ.get(MEMORY_HISTORY_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise ConfigError(f"{MEMORY_HISTORY_ENV}={value!r}: set it to 1 (record) or 0 (off)")
+    return value == "1"
+
+
+def record_memory_history() -> bool:
+    """A diagnostic, off by default: with MINIVERL_CUDA_MEMORY_HISTORY=1 this process records the Python stack of
+    every GPU block it allocates from now on (torch's memory history: each allocation pays for a Python stack walk), so
+    an out-of-memory line can say which code holds the memory (`allocation_sites_note`). Ray actors inherit the
+    driver's environment. Peers run 8's rollout held 0.80 GiB beside its model and decode cache that no
+    Python-visible tensor accounts for. Returns whether it records."""
+    if not memory_history_requested() or not torch.cuda.is_available():
+        return False
+    # "state": the stacks of the live blocks only (no event log); "python": no C++ unwinding at each allocation
+    torch.cuda.memory._record_memory_history(enabled="state", stacks="python")
+    _history["on"] = True
+    return True
+
+
+def allocation_sites(snapshot: dict, top: int = 6, code: str = "miniverl/") -> list[tuple[str, int]]:
+    """Bytes of the live allocated blocks in a torch memory snapshot (torch.cuda.memory._snapshot()), by where they
+    were allocated: the innermost stack frame in `code` (the call in this project that asked for it, whatever torch
+    or transformers function allocated inside it), else the innermost frame, else "allocated before the history
+    started". The `top` largest, largest first."""
+    sites: dict[str, int] = {}
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            ours = [f for f in frames if code in f.get("filename", "")]
+            frame = (ours or frames or [None])[0]
+            if frame is None:
+                site = "allocated before the history started"
+            else:
+                name = frame["filename"]
+                name = name[name.rindex(code) :] if code in name else name.rsplit("/", 1)[-1]
+                site = f"{name}:{frame.get('line', '?')} {frame.get('name', '?')}"
+            sites[site] = sites.get(site, 0) + block["size"]
+    return sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+
+
+def allocation_sites_note() -> str:
+    """'; live GPU blocks by where they were allocated: 0.62 GiB at file:line function, ...' for an out-of-memory
+    line, when this process records its memory history (record_memory_history); else empty."""
+    if not _history["on"]:
+        return ""
+    sites = allocation_sites(torch.cuda.memory._snapshot())
+    listed = ", ".join(f"{size / 2**30:.2f} GiB at {site}" for site, size in sites)
+    return f"; live GPU blocks by where they were allocated: {listed}"
 
 
 def memory_report(device: str) -> dict[str, float]:
     """Peak GPU memory this process allocated/reserved (GiB), and how often torch's allocator found no room under
     the cap, gave its cached blocks back to the card and asked again (`alloc_retries`): each is a device-wide
-    synchronisation, and an actor that keeps reaching its cap does it every micro-batch (peers.md run 7: the
-    learner's and scorer's reserved peaks at their caps at realistic shapes, their steps 2-3x slower a token).
-    Empty on the CPU."""
+    synchronisation (peers.md runs 7-8: suspected of slowing the learner and scorer at their caps, ruled out by
+    this count, 0-1 there; the rollout's 13 are its halved prefill passes). Empty on the CPU."""
     if device != "cuda":
         return {}
     return {

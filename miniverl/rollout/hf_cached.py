@@ -26,7 +26,7 @@ import torch
 from miniverl.models.fused_head import head_logprobs
 from miniverl.models.logprobs import token_logprobs
 from miniverl.models.lora import LoraSettings, build_lora_model
-from miniverl.process import CUDA_CAPTURE_LOCK, release_cached_memory
+from miniverl.process import CUDA_CAPTURE_LOCK, allocation_sites_note, release_cached_memory
 from miniverl.rollout import Completion, decode_kernels
 from miniverl.rollout.cached_decoder import CachedDecoder
 from miniverl.rollout.decode_cache import DecodeCache
@@ -344,7 +344,7 @@ class HFCachedBackend:
         return (
             f"; {allocated / gib:.2f} GiB allocated (model and adapter {model / gib:.2f}, decode cache"
             f" {cache / gib:.2f}, the rest {(allocated - model - cache) / gib:.2f}), {(reserved - allocated) / gib:.2f}"
-            " reserved unused"
+            f" reserved unused{allocation_sites_note()}"
         )
 
     def _width(self, live: int, rows: int) -> int:

@@ -128,3 +128,92 @@ def test_the_memory_report_carries_the_allocators_retries(monkeypatch):
     assert memory_report("cuda") == {"peak_allocated_gib": 3.0, "peak_reserved_gib": 4.0, "alloc_retries": 17.0}
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {})  # an allocator that keeps no such count
     assert memory_report("cuda")["alloc_retries"] == 0.0
+
+
+def test_the_memory_history_is_asked_for_by_one_variable(monkeypatch):
+    """MINIVERL_CUDA_MEMORY_HISTORY: 1 records, 0 or unset does not, anything else is refused with the fix; off
+    CUDA nothing records and the out-of-memory lines carry no sites."""
+    from miniverl.process import (
+        MEMORY_HISTORY_ENV,
+        allocation_sites_note,
+        memory_history_requested,
+        record_memory_history,
+    )
+
+    monkeypatch.delenv(MEMORY_HISTORY_ENV, raising=False)
+    assert not memory_history_requested()
+    monkeypatch.setenv(MEMORY_HISTORY_ENV, "0")
+    assert not memory_history_requested()
+    monkeypatch.setenv(MEMORY_HISTORY_ENV, "1")
+    assert memory_history_requested()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert record_memory_history() is False
+    assert allocation_sites_note() == ""
+    monkeypatch.setenv(MEMORY_HISTORY_ENV, "yes")
+    with pytest.raises(ConfigError, match="MINIVERL_CUDA_MEMORY_HISTORY='yes': set it to 1"):
+        memory_history_requested()
+
+
+def test_allocation_sites_sum_live_blocks_by_the_projects_innermost_frame():
+    """A snapshot's live blocks summed by the innermost frame in miniverl's code (torch's own frames inside it
+    skipped), blocks without a stack grouped apart, freed or cached blocks not counted; largest first."""
+    from miniverl.process import allocation_sites
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    torch_alloc = frame("/venv/torch/nn/functional.py", 10, "linear")
+    prefill = frame("/tmp/tree/miniverl/rollout/hf_cached.py", 180, "_prefill")
+    cache = frame("/tmp/tree/miniverl/rollout/decode_cache.py", 40, "allocate")
+    outside = frame("/venv/transformers/modeling_utils.py", 99, "load")
+    snapshot = {
+        "segments": [
+            {
+                "blocks": [
+                    {"size": 300, "state": "active_allocated", "frames": [torch_alloc, prefill, cache]},
+                    {"size": 200, "state": "active_allocated", "frames": [prefill]},
+                    {"size": 1000, "state": "inactive", "frames": [cache]},  # cached, not allocated
+                    {"size": 700, "state": "active_allocated", "frames": [cache]},
+                ]
+            },
+            {
+                "blocks": [
+                    {"size": 50, "state": "active_allocated", "frames": [outside]},
+                    {"size": 80, "state": "active_allocated", "frames": []},
+                ]
+            },
+        ]
+    }
+    assert allocation_sites(snapshot) == [
+        ("miniverl/rollout/decode_cache.py:40 allocate", 700),
+        ("miniverl/rollout/hf_cached.py:180 _prefill", 500),
+        ("allocated before the history started", 80),
+        ("modeling_utils.py:99 load", 50),
+    ]
+    assert allocation_sites(snapshot, top=1) == [("miniverl/rollout/decode_cache.py:40 allocate", 700)]
+    assert allocation_sites({}) == []
+
+
+def test_the_sites_note_reads_the_snapshot_when_recording(monkeypatch):
+    """While a process records its history, the note an out-of-memory line carries lists the sites in GiB."""
+    from miniverl import process
+
+    snapshot = {
+        "segments": [
+            {
+                "blocks": [
+                    {
+                        "size": 3 * 2**29,
+                        "state": "active_allocated",
+                        "frames": [{"filename": "/x/miniverl/a.py", "line": 7, "name": "f"}],
+                    }
+                ]
+            }
+        ]
+    }
+    monkeypatch.setitem(process._history, "on", True)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: snapshot)
+    assert (
+        process.allocation_sites_note()
+        == "; live GPU blocks by where they were allocated: 1.50 GiB at miniverl/a.py:7 f"
+    )
