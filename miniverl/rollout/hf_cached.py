@@ -168,11 +168,14 @@ class HFCachedBackend:
         """
         width = max(map(len, prompts))
         per_pass = max(1, min(PREFILL_TOKENS, self._prefill_cap) // width)
-        logits, first = [], 0
+        logits, first = None, 0  # [G, N, V], filled pass by pass (a list and a cat would hold it twice at the end)
         while first < len(prompts):
             try:
                 h = self._prefill_hidden(prompts[first : first + per_pass], n, cache, first * n, width)  # [g, P, E]
-                logits.append(self.decoder.lm_head(h[:, -1]).repeat_interleave(n, dim=0))  # [g*N, V]
+                last = self.decoder.lm_head(h[:, -1])  # [g, V]
+                if logits is None:
+                    logits = last.new_empty(len(prompts), n, last.shape[-1])
+                logits[first : first + last.shape[0]] = last[:, None]  # each prompt's logits in its N rows
             except torch.OutOfMemoryError as e:
                 if per_pass == 1:
                     raise
@@ -180,7 +183,9 @@ class HFCachedBackend:
             else:
                 first += per_pass
                 continue
-            h = None  # with the failed pass's tensors (freed with the exception), their blocks go back to the card
+            h = last = (
+                None  # with the failed pass's tensors (freed with the exception), their blocks go back to the card
+            )
             per_pass //= 2
             self._prefill_cap = per_pass * width
             release_cached_memory(self.device)
@@ -190,7 +195,7 @@ class HFCachedBackend:
                 " retry: a larger resources.rollout.num_gpus, or shorter data.max_prompt_length",
                 flush=True,
             )
-        return torch.cat(logits) if len(logits) > 1 else logits[0]
+        return logits.flatten(0, 1)
 
     def _prefill_hidden(
         self, prompts: list[list[int]], n: int, cache: DecodeCache, first_row: int = 0, width: int = 0
