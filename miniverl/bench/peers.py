@@ -160,6 +160,7 @@ class Plan:
     prompt_tokens: int = 0  # the longest such prompt in the student's tokens (0: the default bounds, not computed)
     stop_median: int = 0  # --stop-median (0: no stop ids beyond the models' EOS)
     stop_ids: tuple[int, ...] = ()  # stop_set(stop_median, the student's vocabulary, STOP_SEED), every cell's
+    miniverl_overrides: tuple[str, ...] = ()  # --miniverl-overrides: Hydra overrides added to every miniVERL cell
 
     @property
     def default_prompts(self) -> bool:
@@ -284,7 +285,15 @@ def _miniverl(objective: str, capped: bool, full: bool = False) -> Callable[[Pla
             args += [f"data.min_len={lo}", f"data.max_len={hi}", f"data.max_prompt_length={plan.prompt_tokens}"]
         if plan.stop_ids:  # unioned with the student's EOS ids (miniverl/models/stops.py)
             args += [f"rollout.stop_token_ids=[{','.join(map(str, plan.stop_ids))}]"]
-        return args + budget + (["resources.emulate_gpu_gib=16"] if capped else [])
+        args += budget + (["resources.emulate_gpu_gib=16"] if capped else [])
+        ours = {a.split("=", 1)[0].lstrip("+~") for a in args[3:]}
+        clash = [o for o in plan.miniverl_overrides if o.split("=", 1)[0].lstrip("+~") in ours]
+        if clash:
+            raise NotRunnable(
+                f"--miniverl-overrides {' '.join(clash)}: the harness sets that key for this cell (its shape, steps,"
+                " prompts or caps); change the harness option that sets it instead"
+            )
+        return args + list(plan.miniverl_overrides)
 
     return command
 
@@ -383,6 +392,11 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         help="LO:HI, the reverse task's string lengths in characters (default %(default)s: the task's own)",
     )
     ap.add_argument(
+        "--miniverl-overrides",
+        default="",
+        help="Hydra overrides added to every miniVERL cell, space-separated (e.g. 'trainer.compile_layers=false')",
+    )
+    ap.add_argument(
         "--stop-median",
         type=int,
         default=0,
@@ -414,6 +428,13 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         ap.error(f"--unsloth-site={a.unsloth_site}: no such folder; unpack the unsloth bundle there first")
     if not a.cpu and not _cuda_visible():
         ap.error("no CUDA GPU here; run on the GPU machine, or pass --cpu for a smoke test with tiny models")
+    overrides = tuple(a.miniverl_overrides.split())
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        ap.error(
+            f"--miniverl-overrides: {' '.join(bad)} is not a Hydra override; write key=value, e.g."
+            " trainer.compile_layers=false"
+        )
     configs = {name: _model_config(getattr(a, name)) for name in ("student", "teacher")}
     stop_ids = stop_set(a.stop_median, configs["student"]["vocab_size"], STOP_SEED) if a.stop_median else ()
     prompt_tokens = 0
@@ -430,7 +451,7 @@ def parse_args(argv: list[str] | None = None) -> Plan:
                     )
     return Plan(
         *(a.student, a.teacher, a.out, shapes, cells, a.steps, a.cell_timeout, a.unsloth_site, a.gpu, a.cpu),
-        *(prompt_len, prompt_tokens, a.stop_median, stop_ids),
+        *(prompt_len, prompt_tokens, a.stop_median, stop_ids, overrides),
     )
 
 
@@ -594,6 +615,8 @@ def run_cell(plan: Plan, cell: Cell, shape: Shape, log=print) -> CellResult:
     r.settings, r.versions = got.get("settings", {}), {**r.versions, **got.get("versions", {})}
     if tried:
         r.settings["micro-batches out of memory"] = tried
+    if cell.reads == "miniverl" and plan.miniverl_overrides:
+        r.settings["overrides"] = list(plan.miniverl_overrides)
     timed = r.step_seconds[WARMUP_STEPS:] or r.step_seconds
     r.median_step_s = statistics.median(timed)
     generation = [float(s) for s in got.get("generate_seconds") or []]

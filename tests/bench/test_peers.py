@@ -46,6 +46,7 @@ def args(student, teacher, out, *extra) -> list[str]:
         (["--cells", "trl-distill-hf,nope"], "unknown nope"),
         (["--steps", "1"], "--steps=1: need more than the 1 warm-up"),
         (["--unsloth-site", "/nonexistent/site"], "unpack the unsloth bundle there first"),
+        (["--miniverl-overrides", "trainer.compile_layers"], "write key=value, e.g. trainer.compile_layers=false"),
     ],
 )
 def test_bad_arguments_name_the_fix(student_dir, teacher_dir, tmp_path, capsys, extra, message):
@@ -521,3 +522,24 @@ def test_trl_and_miniverl_cells_stop_at_varied_lengths_on_the_cpu(random_model_d
     tokens = [m["response_tokens"] for m in metrics if "time/step" in m]
     assert len(tokens) == 3 and max(tokens) < 4 * 8  # no step of 4 rows ran every row to 8 tokens
     assert results["miniverl-gkd-free"]["trained_tokens_per_step"] == statistics.median(tokens[1:])
+
+
+def test_miniverl_overrides_reach_every_miniverl_cell_and_a_key_the_harness_sets_is_refused(
+    student_dir, teacher_dir, tmp_path
+):
+    """--miniverl-overrides: appended to each miniVERL cell's command (the peers' commands unchanged); one that
+    sets a key the harness sets for the cell (its steps, shape, caps) makes that cell a failed one with the fix."""
+    argv = args(student_dir, teacher_dir, tmp_path, "--cpu", "--shapes", "2x2x8")
+    plain = gpu_plan(peers.parse_args(argv))
+    plan = gpu_plan(peers.parse_args([*argv, "--miniverl-overrides", "trainer.compile_layers=false +x.y=1"]))
+    assert plan.miniverl_overrides == ("trainer.compile_layers=false", "+x.y=1")
+    shape, out = plan.shapes[0], tmp_path / "c.json"
+    for name in ("miniverl-gkd-16g", "miniverl-pg_k1-free"):
+        before = peers.CELLS[name].command(plain, shape, out)
+        assert peers.CELLS[name].command(plan, shape, out) == [*before, "trainer.compile_layers=false", "+x.y=1"]
+    assert peers.CELLS["trl-distill-vllm"].command(plan, shape, out) == peers.CELLS["trl-distill-vllm"].command(
+        plain, shape, out
+    )
+    clash = gpu_plan(peers.parse_args([*argv, "--miniverl-overrides", "trainer.total_steps=9"]))
+    with pytest.raises(peers.NotRunnable, match="trainer.total_steps=9: the harness sets that key for this cell"):
+        peers.CELLS["miniverl-gkd-16g"].command(clash, shape, out)
