@@ -72,6 +72,10 @@ class HFCachedBackend:
         self._cache: DecodeCache | None = None
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # one memory pool for every graph of the cache: they never replay at once
+        # One side stream for every capture's warm-up and the capture itself: cuBLAS keeps a workspace on each stream
+        # a GEMM ran on (32 MiB on Hopper, allocated for the process's life), and a new stream per capture held ~0.8
+        # GiB of them in the 4080 recipe's rollout at realistic shapes (peers.md run 8).
+        self._capture_stream = None
         self._params = PLAIN  # the sampling settings of the last generate call (the probe replays its graphs)
         self._prefill_cap = sys.maxsize  # padded tokens a prefill pass, lowered below PREFILL_TOKENS by an OOM
 
@@ -309,14 +313,16 @@ class HFCachedBackend:
         return self._capture(width, params)
 
     def _capture(self, width: int, params: SamplingParams) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture one step. A warm-up runs first (lazy cuBLAS state); it advances the state, so the small
-        state tensors are put back after it, also when it fails (the step redone eagerly or captured again must
-        start where this one did). Its writes to the cache and outputs are the ones the replay that follows the
-        capture makes again, with the same values."""
+        """Capture one step, its warm-up and the capture on the backend's one side stream (`_capture_stream`). The
+        warm-up runs first (lazy cuBLAS state); it advances the state, so the small state tensors are put back after
+        it, also when it fails (the step redone eagerly or captured again must start where this one did). Its writes
+        to the cache and outputs are the ones the replay that follows the capture makes again, with the same values."""
         c = self._cache
         state = (c.tokens, c.positions, c.column, c.step, c.dest)
         saved = [t.clone() for t in state]
-        side = torch.cuda.Stream()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             try:
@@ -330,7 +336,8 @@ class HFCachedBackend:
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls (a profiler, a memory poll, a colocated learner) must not break
         # the capture; the lock keeps that learner's cache release out of it (miniverl/process.py).
-        with CUDA_CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        graphing = torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local")
+        with CUDA_CAPTURE_LOCK, graphing:
             logits = self._step(width, params)
         return graph, logits
 

@@ -7,6 +7,8 @@ the removal of finished rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -528,3 +530,69 @@ def test_the_decode_cache_counts_its_bytes():
         4 * columns * 8 + 4 * columns * 4 + 4 * 8 + 4 + 11
     )  # out_tokens, out_logprobs, out_length, stopped, is_stop
     assert cache.nbytes == kv + small + outputs
+
+
+def test_every_capture_warms_up_and_captures_on_one_side_stream(random_model_dir, monkeypatch):
+    """cuBLAS keeps a 32 MiB workspace (Hopper) on every stream a GEMM ran on, for the process's life: a new side
+    stream per capture held ~0.8 GiB in the recipe's rollout (peers.md run 8). The backend makes one side stream, at
+    its first capture, and warms up and captures every graph on it. CUDA's stream and graph calls are stand-ins here
+    (the real ones: test_cuda_graphs_match_the_oracle_and_follow_adapter_reloads on a GPU)."""
+    import contextlib
+
+    _, fast = pair(random_model_dir)
+    prompts = prompts_of(random_model_dir, 3)
+    params = SamplingParams(n=2, max_new_tokens=7, seed=3)
+    seeds = row_seeds(params.seed, len(prompts) * params.n)
+    want = fast.generate(prompts, params, seeds)  # eager: no graphs on the CPU
+    made, current, captured_on = [], [], []
+
+    class Stream:
+        def __init__(self, record: bool = True):
+            if record:
+                made.append(self)
+
+        def wait_stream(self, other):
+            pass
+
+    default = Stream(record=False)
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
+        captured_on.append(stream)
+        with on(stream):
+            yield
+
+    class Graph:  # replays the step eagerly, as _FakeGraph does
+        def replay(self):
+            self.logits.copy_(fast._step(self.width, self.params))
+
+    def capture_graph(width, params):
+        g, logits = capture(width, params)
+        g.width, g.params, g.logits = width, params, logits
+        return g, logits
+
+    for name, value in {
+        "Stream": Stream,
+        "stream": on,
+        "current_stream": lambda: default,
+        "graph": graph,
+        "graph_pool_handle": lambda: ("pool",),
+        "CUDAGraph": Graph,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, value, raising=False)
+    capture = fast._capture
+    monkeypatch.setattr(fast, "_capture", capture_graph)
+    fast.cuda_graphs = True
+    got = fast.generate(prompts, params, seeds)
+    assert [(c.token_ids, c.logprobs) for c in got] == [(c.token_ids, c.logprobs) for c in want]
+    assert made == [fast._capture_stream] and captured_on == [fast._capture_stream]
+    fast.generate(prompts, dataclasses.replace(params, temperature=0.0), seeds)  # another mode: another graph
+    more = prompts_of(random_model_dir, 6)  # more rows: the cache grows and every graph is captured again
+    fast.generate(more, params, row_seeds(params.seed, len(more) * params.n))
+    assert len(captured_on) >= 3 and len(made) == 1 and set(captured_on) == {fast._capture_stream}
