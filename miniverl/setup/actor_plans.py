@@ -39,9 +39,10 @@ ROLLOUT_LOGIT_COPIES = 1.25
 PREFILL_TOKEN_BYTES_PER_INTERMEDIATE = 7.7  # gate, up and their product in 16 bits, x1.29 as fitted
 PREFILL_TOKEN_BYTES_PER_HIDDEN = 20.6  # about 10 [P, hidden] 16-bit tensors alive in a layer
 PREFILL_SCORE_COPIES = 1.6
-# The fitted cells captured CUDA graphs at 9 widths, each on a stream of its own then, and cuBLAS keeps a 32 MiB
-# workspace per stream on Hopper (peers.md run 8): about 0.28 GiB of this intercept. hf_cached now captures on one
-# stream, so the plan should be ~0.25 GiB over the rollout's peak until the decode cells are measured and re-fitted.
+# cuBLAS keeps a 32 MiB workspace (Hopper) per stream a GEMM ran on. The fitted cells' rows never stopped: one graph
+# width, one or two streams. End to end, hf_cached used to warm up each capture (the gate's, the evaluation's, the
+# probes', every width as rows stop) on a new stream: ~0.8 GiB more than this plan (peers.md run 8). It now captures
+# on one stream, so this intercept should hold end to end too; not yet measured.
 ROLLOUT_FIXED_BYTES = int(0.30 * 2**30)
 # What the cap limits is what torch's caching allocator reserves, not what is allocated: the prefill's freed blocks
 # stay reserved beside the decode's tensors, which are of other sizes. Reserved peak = allocated peak + the prefill
