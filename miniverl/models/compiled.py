@@ -16,7 +16,8 @@ here: it would run the compiled forward twice and lose most of the gain; later r
 the checkpoint here is the same in both). The layers stay where they are, so the adapter's parameter names
 (publishing, checkpoints) do not change; `torch.compile(layer)` would rename them. Shapes are dynamic: micro-batches
 of any [rows, length] share one graph (a one-row micro-batch compiles its own variant: dynamo specializes sizes 0
-and 1). `fullgraph=True`: a graph break is an error, not a silent fall-back to eager.
+and 1; models/packing.py plan_micro_batches keeps a trailing row from going alone where it can). `fullgraph=True`:
+a graph break is an error, not a silent fall-back to eager.
 
 What it changes besides speed: Inductor keeps bf16 intermediates in fp32 unless told otherwise; here it rounds them
 as eager bf16 does (`emulate_precision_casts`), so the learner's log-probs stay within about 1e-3 nats of the eager

@@ -28,7 +28,11 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Row indices per micro-batch: longest rows first, each group's rows x longest row <= `max_tokens`.
 
     A row longer than `max_tokens` gets a micro-batch of its own (validation refuses a budget below the
-    longest possible row, so this only happens when the budget was set for shorter data).
+    longest possible row, so this only happens when the budget was set for shorter data). A last group of one
+    row takes the shortest row of the group before it when that one keeps two: the compiled learner's layers
+    (models/compiled.py) compile separate variants for a one-row micro-batch (dynamo specializes size 1), seconds
+    each on a GPU at the first step that happens to leave one row over. Both still fit: the moved row is at most
+    the longest of its old group, which held three or more.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -39,6 +43,8 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
             groups[-1].append(i)
         else:
             groups.append([i])
+    if len(groups) > 1 and len(groups[-1]) == 1 and len(groups[-2]) >= 3:
+        groups[-1].insert(0, groups[-2].pop())  # the shortest of the group before, longest-first order kept
     return groups
 
 

@@ -121,6 +121,12 @@ def test_token_budget_and_checkpointing_change_no_number(student_dir, scored, na
 def test_plan_groups_longest_rows_first_under_the_budget():
     assert plan_micro_batches([3, 5, 2, 5, 1], 10) == [[1, 3], [0, 2, 4]]  # 2 x 5 <= 10, then 3 x 3 <= 10
     assert plan_micro_batches([4, 4, 4], 1) == [[0], [1], [2]]  # a row over the budget goes alone
+    # A last group of one row takes the shortest of the group before (the compiled layers' size-1 variants):
+    # greedily [[0, 1, 2], [3]]; 2 x 3 <= 9 still fits
+    assert plan_micro_batches([3, 3, 3, 2], 9) == [[0, 1], [2, 3]]
+    assert plan_micro_batches([5, 4, 2], 8) == [[0], [1, 2]]  # a lone row that is not the last stays (2 x 5 > 8)
+    assert plan_micro_batches([5, 5, 1], 10) == [[0, 1], [2]]  # the group before keeps fewer than two: left
+    assert plan_micro_batches([7], 3) == [[0]]
     assert plan_micro_batches([], 8) == []
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         plan_micro_batches([1], 0)
