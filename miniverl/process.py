@@ -203,7 +203,7 @@ def memory_report(device: str) -> dict[str, float]:
     """Peak GPU memory this process allocated/reserved (GiB), and how often torch's allocator found no room under
     the cap, gave its cached blocks back to the card and asked again (`alloc_retries`): each is a device-wide
     synchronisation (peers.md runs 7-8: suspected of slowing the learner and scorer at their caps, ruled out by
-    this count, 0-1 there; the rollout's 13 are its halved prefill passes). Empty on the CPU."""
+    this count, 0-1 there against the capped rollout's 13). Empty on the CPU."""
     if device != "cuda":
         return {}
     return {

@@ -187,9 +187,8 @@ class HFCachedBackend:
             else:
                 first += per_pass
                 continue
-            h = last = (
-                None  # with the failed pass's tensors (freed with the exception), their blocks go back to the card
-            )
+            # with the failed pass's tensors (freed with the exception), their blocks go back to the card
+            h = last = None
             per_pass //= 2
             self._prefill_cap = per_pass * width
             release_cached_memory(self.device)
