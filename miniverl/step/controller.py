@@ -47,6 +47,7 @@ SAME_ON_EVERY_RANK = (
     "sampler_version_tokens",
 )
 MAX_OVER_RANKS = ("sampler_gap_max", "sampler_gap_p99", "policy_drift_max", "ratio_max", "micro_batch_tokens")
+MAX_OVER_RANKS_PREFIX = "time/update/"  # the learner's own split of its update (workers/learner.py update_split)
 
 
 def _as_list(x: Any) -> list[Any]:
@@ -338,7 +339,7 @@ def parts_holding(parts: list[tuple[Any, int, int]], start: int, stop: int) -> l
 def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     out = dict(per_rank[0])
     for key in out:
-        if key in MAX_OVER_RANKS:
+        if key in MAX_OVER_RANKS or key.startswith(MAX_OVER_RANKS_PREFIX):
             out[key] = max(m[key] for m in per_rank)
         elif key not in SAME_ON_EVERY_RANK:
             out[key] = sum(m[key] for m in per_rank)

@@ -212,6 +212,7 @@ class LearnerWorker:
         num_tokens = int(batch.response_mask.sum()) if num_step_tokens is None else num_step_tokens
         row_weights = self._row_weights(batch)  # [B] or None
         self.model.train()
+        prepared = time.time()
         while True:
             try:
                 loss_sum, logprobs, terms = self._gradients(batch, scores, advantages, num_tokens, row_weights)
@@ -219,7 +220,8 @@ class LearnerWorker:
             except torch.OutOfMemoryError as oom:
                 error = str(oom)
             self._shrink_after_oom(batch, error)  # outside the handler: its traceback holds the failed tensors
-        logprobs, terms = logprobs.cpu(), (None if terms is None else terms.cpu())
+        logprobs, terms = logprobs.cpu(), (None if terms is None else terms.cpu())  # waits for the micro-batches
+        backward = time.time()
         mask = batch.response_mask.bool()
         recomputed = logprobs if behaviour is None else behaviour  # the learner's, under the sampling version
         gap = (recomputed - batch.rollout_log_probs).abs()[mask]
@@ -245,10 +247,12 @@ class LearnerWorker:
         if self.world_size > 1:
             self._sum_gradients()
         version_z = self._check_sampler_gap(gap_abs, gap_max, gap_tail, votes, num_tokens, batch.policy_version)
+        checked = time.time()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         skipped = self._step_if_finite(loss, float(grad_norm))
         self.window = (start, time.time())
         return {
+            **update_split(start, prepared, backward, checked, self.window[1]),
             "skipped_step": float(skipped),
             "loss": loss,
             "grad_norm": float(grad_norm),
@@ -423,3 +427,15 @@ class LearnerWorker:
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)
+
+
+UPDATE_PARTS = ("prepare", "gradients", "checks", "optimizer")
+
+
+def update_split(*marks: float) -> dict[str, float]:
+    """`time/update/<part>`: the update's own split, on the learner's clock, from its five marks. prepare: the
+    reference policy's and lagging batches' extra forwards and the objective's advantages; gradients: every
+    micro-batch's forward and backward (it ends when their log-probs reach the host); checks: the sampler-gap and
+    version checks (their extra forwards), the metrics and, with several ranks, the gradients' all-reduce;
+    optimizer: clipping and the optimizer step. The rest of the controller's `time/update` is the round trip."""
+    return {f"time/update/{part}": b - a for part, a, b in zip(UPDATE_PARTS, marks, marks[1:])}

@@ -58,14 +58,15 @@ def test_concat_rollouts_repads_both_sides():
 
 def test_combine_rank_metrics():
     ranks = [
-        {"loss": 0.5, "grad_norm": 2.0, "sampler_gap_max": 0.1, "response_tokens": 10},
-        {"loss": 0.25, "grad_norm": 2.0, "sampler_gap_max": 0.3, "response_tokens": 10},
+        {"loss": 0.5, "grad_norm": 2.0, "sampler_gap_max": 0.1, "response_tokens": 10, "time/update/gradients": 2.0},
+        {"loss": 0.25, "grad_norm": 2.0, "sampler_gap_max": 0.3, "response_tokens": 10, "time/update/gradients": 3.0},
     ]
     assert combine_rank_metrics(ranks) == {
         "loss": 0.75,
         "grad_norm": 2.0,
         "sampler_gap_max": 0.3,
         "response_tokens": 10,
+        "time/update/gradients": 3.0,  # the slowest rank's part, not a sum of the ranks' seconds
     }
 
 

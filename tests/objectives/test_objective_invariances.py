@@ -118,6 +118,27 @@ def test_micro_batch_split_changes_nothing(name, data, student_dir):
     assert_same(whole, split, rtol=1e-5, atol=1e-6)
 
 
+def test_the_update_reports_its_own_split(data, student_dir):
+    """time/update/{prepare,gradients,checks,optimizer}: the learner's marks in order, so the four parts are
+    non-negative and add up to the update's window on its clock (peers.md run 8: the update is the step's largest
+    phase at realistic shapes, and no metric said where in it the time went)."""
+    from miniverl.workers.learner import UPDATE_PARTS, update_split
+
+    assert update_split(1.0, 1.5, 4.0, 4.25, 5.0) == {
+        "time/update/prepare": 0.5,
+        "time/update/gradients": 2.5,
+        "time/update/checks": 0.25,
+        "time/update/optimizer": 0.75,
+    }
+    batch, scorer = data
+    objective = objectives()["pg_k1"]
+    learner = make_learner(student_dir, objective, 2)
+    metrics, _, _ = two_updates(learner, batch, score(scorer, objective, batch))
+    parts = [metrics[-1][f"time/update/{part}"] for part in UPDATE_PARTS]
+    assert min(parts) >= 0 and parts[1] > 0  # four micro-batches' forwards and backwards take time
+    assert sum(parts) == pytest.approx(learner.window[1] - learner.window[0], abs=1e-6)
+
+
 def pad(batch: RolloutBatch, left: int, right: int) -> RolloutBatch:
     """Extra prompt left-padding and response right-padding (all masked out)."""
 
