@@ -554,11 +554,17 @@ def read_miniverl_run(run_dir: Path, shape: Shape) -> dict:
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = [r for r in rows if r.get("step", 0) >= 1 and "time/step" in r]
     tokens = [r["response_tokens"] for r in steps[WARMUP_STEPS:] if "response_tokens" in r]
+    timed = steps[WARMUP_STEPS:] or steps
+    phases = sorted({k for r in timed for k in r if k.startswith(("time/generate", "time/score", "time/update"))})
     return {
         "step_seconds": [r["time/step"] for r in steps],
         "generate_seconds": [r["time/generate"] for r in steps] if all("time/generate" in r for r in steps) else None,
         "trained_tokens_per_step": statistics.median(tokens) if tokens else float(shape.rows * shape.tokens),
-        "settings": {"experiment metrics": str(metrics)},
+        "settings": {
+            "experiment metrics": str(metrics),
+            # each phase's median over the timed steps (the update's own split included: time/update/<part>)
+            "phase medians (s)": {k: statistics.median(r[k] for r in timed if k in r) for k in phases},
+        },
     }
 
 

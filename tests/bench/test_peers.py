@@ -100,13 +100,15 @@ def test_peers_draw_miniverls_training_prompts_without_the_held_out_ones():
 
 def test_miniverl_run_is_read_from_its_metrics(tmp_path):
     rows = [{"step": 0, "accuracy": 0.1}] + [
-        {"step": s, "time/step": t, "time/generate": t / 4, "response_tokens": n}
+        {"step": s, "time/step": t, "time/generate": t / 4, "time/update/gradients": t / 2, "response_tokens": n}
         for s, t, n in [(1, 9.0, 100), (2, 2.0, 64), (3, 4.0, 80)]
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     got = peers.read_miniverl_run(tmp_path, peers.Shape(2, 2, 32))
     assert got["step_seconds"] == [9.0, 2.0, 4.0] and got["generate_seconds"] == [2.25, 0.5, 1.0]
     assert got["trained_tokens_per_step"] == 72  # median of the timed steps' tokens (the warm-up step left out)
+    # each phase's median over the timed steps, the update's split included
+    assert got["settings"]["phase medians (s)"] == {"time/generate": 0.75, "time/update/gradients": 1.5}
     del rows[2]["time/generate"]  # a step without it: the cell's generation is not reported rather than misaligned
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     assert peers.read_miniverl_run(tmp_path, peers.Shape(2, 2, 32))["generate_seconds"] is None
