@@ -10,6 +10,8 @@ Shapes: B rows, Tp prompt tokens, Tr response tokens, K teacher support.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -49,6 +51,36 @@ def synthetic_batch(rows: int, prompt_tokens: int, response_tokens: int, vocab: 
         uid=[f"p{i // 4}" for i in range(rows)],
         ground_truth=[""] * rows,
         policy_version=0,
+    )
+
+
+def vary_lengths(batch: RolloutBatch, prompt_min: int, response_median: int, seed: int) -> RolloutBatch:
+    """`batch` with realistic row lengths: each prompt keeps its last `prompt_min`..Tp tokens (uniform), each response
+    its first 1..Tr tokens, geometric with median `response_median` (0: all Tr), as rows that stop do; the rest is
+    padding (0 under a 0 mask, left for prompts, right for responses).
+
+    Shapes: the batch's own, [B, Tp] and [B, Tr]."""
+    b, tp = batch.prompts.shape
+    tr = batch.responses.shape[1]
+    if not 1 <= prompt_min <= tp or response_median < 0:
+        raise ValueError(f"need 1 <= prompt_min <= {tp} and response_median >= 0, got {prompt_min}, {response_median}")
+    g = torch.Generator().manual_seed(seed + 2)
+    prompt_lens = torch.randint(prompt_min, tp + 1, (b,), generator=g)
+    if response_median:
+        stop = 1 - 2 ** (-1 / response_median)  # per token, so half the rows end within `response_median` tokens
+        u = torch.rand(b, generator=g).clamp(min=1e-12)
+        response_lens = (1 + torch.floor(torch.log(u) / math.log(1 - stop))).long().clamp(max=tr)
+    else:
+        response_lens = torch.full((b,), tr)
+    prompt_mask = (torch.arange(tp) >= tp - prompt_lens[:, None]).long()
+    response_mask = (torch.arange(tr) < response_lens[:, None]).long()
+    return dataclasses.replace(
+        batch,
+        prompts=batch.prompts * prompt_mask,
+        prompt_mask=prompt_mask,
+        responses=batch.responses * response_mask,
+        response_mask=response_mask,
+        rollout_log_probs=batch.rollout_log_probs * response_mask,
     )
 
 

@@ -16,7 +16,12 @@ plus the top kernels by time. On a GPU `--share-gib` caps the process as the rec
 sizes them; `--max-tokens` sets them instead.
 
     python -m miniverl.bench.scorer_profile --teacher DIR --out DIR [--rows 256] [--prompt-tokens 64]
-        [--response-tokens 512] [--topk 64] [--chunk 1024] [--share-gib 4.94] [--max-tokens 0] [--repeats 3]
+        [--response-tokens 512] [--prompt-min 0] [--response-median 0] [--topk 64] [--chunk 1024]
+        [--share-gib 4.94] [--max-tokens 0] [--repeats 3]
+
+`--prompt-min` and `--response-median` give the rows varied lengths (bench/learner.py vary_lengths), as realistic
+prompts and rows that stop do (peers.md run 8: the end-to-end scorer was slower a token at 100-320-token prompts and
+~150-token responses than at full-length rows).
 
 Writes scorer_profile.json: the command, device and versions, the shape, each timed call's seconds, the median,
 scored tokens/s, the forward size the scorer chose, and per phase its device (or CPU) milliseconds.
@@ -43,6 +48,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=256, help="rows of the step (prompts x samples)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens of every prompt")
     p.add_argument("--response-tokens", type=int, default=512, help="tokens of every response")
+    p.add_argument(
+        "--prompt-min",
+        type=int,
+        default=0,
+        help="prompts of this many up to --prompt-tokens tokens, uniform (0: every prompt --prompt-tokens long)",
+    )
+    p.add_argument(
+        "--response-median",
+        type=int,
+        default=0,
+        help="responses of geometric length with this median, capped at --response-tokens (0: all full length)",
+    )
     p.add_argument("--topk", type=int, default=64, help="the teacher's support K (0: the whole vocabulary; -1: none)")
     p.add_argument("--chunk", type=int, default=1024, help="LM-head chunk in response tokens (0: one per forward)")
     p.add_argument("--share-gib", type=float, default=None, help="cap the process at this many GiB (GPU only)")
@@ -60,6 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--chunk and --max-tokens must be >= 0 (0: one chunk per forward / what the share holds)")
     if not (Path(a.teacher) / "config.json").is_file():
         p.error(f"--teacher {a.teacher}: no config.json there; give a model directory (scripts/make_random_model.py)")
+    if a.prompt_min < 0 or a.prompt_min > a.prompt_tokens or a.response_median < 0:
+        p.error(
+            f"--prompt-min={a.prompt_min} --response-median={a.response_median}: need 0 <= --prompt-min <="
+            f" --prompt-tokens ({a.prompt_tokens}) and --response-median >= 0 (0: fixed lengths)"
+        )
     if a.share_gib is not None and not a.device.startswith("cuda"):
         p.error("--share-gib caps GPU memory: leave it out on the CPU")
     if a.share_gib is not None and a.share_gib <= 0:
@@ -91,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
     from torch.profiler import ProfilerActivity, profile
 
-    from miniverl.bench.learner import synthetic_batch
+    from miniverl.bench.learner import synthetic_batch, vary_lengths
     from miniverl.process import ProcessSettings
     from miniverl.workers.scorer import ScorerWorker
 
@@ -112,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     vocab = scorer.model.config.vocab_size
     batch = synthetic_batch(a.rows, a.prompt_tokens, a.response_tokens, vocab, seed=0)
+    if a.prompt_min or a.response_median:  # rows of varied lengths, as rows that stop and real prompts give
+        batch = vary_lengths(batch, a.prompt_min or a.prompt_tokens, a.response_median, seed=0)
     tokens = int(batch.response_mask.sum())
     seconds = []
     for i in range(1 + a.repeats):  # the first call warms the allocator and the kernels: not timed
@@ -134,7 +158,14 @@ def main(argv: list[str] | None = None) -> dict:
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "shape": {"rows": a.rows, "prompt_tokens": a.prompt_tokens, "response_tokens": a.response_tokens},
+        "shape": {
+            "rows": a.rows,
+            "prompt_tokens": a.prompt_tokens,
+            "response_tokens": a.response_tokens,
+            "prompt_min": a.prompt_min or a.prompt_tokens,
+            "response_median": a.response_median,
+            "row_tokens": int(batch.prompt_mask.sum() + batch.response_mask.sum()),  # what the forwards carry
+        },
         "support_k": support,
         "chunk_tokens": a.chunk,
         "forward_tokens": scorer.max_tokens,

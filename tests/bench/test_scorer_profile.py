@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from miniverl.bench import scorer_profile
 
@@ -35,10 +36,43 @@ def test_without_a_support_the_support_phase_never_runs(random_model_dir, tmp_pa
     assert result["phases_ms"]["scorer/head"] > 0
 
 
+def test_varied_lengths_score_only_the_real_tokens(random_model_dir, tmp_path):
+    """--prompt-min / --response-median: rows of varied lengths (left-padded prompts, right-padded responses);
+    only the real response tokens are scored and counted."""
+    result = scorer_profile.main(
+        ["--teacher", str(random_model_dir), "--out", str(tmp_path), "--rows", "16", "--prompt-tokens", "8",
+         "--response-tokens", "12", "--prompt-min", "2", "--response-median", "3", "--topk", "5", "--repeats", "1",
+         "--dtype", "float32", "--device", "cpu"]
+    )  # fmt: skip
+    shape = result["shape"]
+    assert (shape["prompt_min"], shape["response_median"]) == (2, 3)
+    assert 16 <= result["scored_tokens"] < 16 * 12 and 16 * 3 <= shape["row_tokens"] < 16 * 20
+
+
+def test_vary_lengths_pads_prompts_left_and_responses_right():
+    from miniverl.bench.learner import synthetic_batch, vary_lengths
+
+    batch = vary_lengths(synthetic_batch(2000, 10, 64, 50, seed=0), 4, 20, seed=0)
+    prompts, responses = batch.prompt_mask.sum(1), batch.response_mask.sum(1)
+    assert prompts.min() == 4 and prompts.max() == 10 and responses.min() >= 1 and responses.max() <= 64
+    assert abs(float(responses.float().median()) - 20) <= 3  # geometric, median ~20
+    assert (batch.prompt_mask == (torch.arange(10) >= 10 - prompts[:, None]).long()).all()  # left padding
+    assert (batch.response_mask == (torch.arange(64) < responses[:, None]).long()).all()  # right padding
+    assert (batch.responses[batch.response_mask == 0] == 0).all() and (
+        batch.rollout_log_probs[batch.response_mask == 0] == 0
+    ).all()
+    full = vary_lengths(synthetic_batch(4, 10, 8, 50, seed=0), 10, 0, seed=0)
+    assert full.prompt_mask.all() and full.response_mask.all()  # the defaults: every row full length
+    with pytest.raises(ValueError, match="need 1 <= prompt_min <= 10"):
+        vary_lengths(synthetic_batch(4, 10, 8, 50, seed=0), 11, 0, seed=0)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--rows", "0"], "--rows=0: must be >= 1"),
+        (["--prompt-min", "9", "--prompt-tokens", "8"], "need 0 <= --prompt-min <= --prompt-tokens (8)"),
+        (["--response-median", "-1"], "--response-median >= 0 (0: fixed lengths)"),
         (["--topk", "-2"], "--topk=-2: use K >= 1"),
         (["--chunk", "-1"], "--chunk and --max-tokens must be >= 0"),
         (["--share-gib", "4", "--device", "cpu"], "--share-gib caps GPU memory: leave it out on the CPU"),
