@@ -4,10 +4,12 @@
 
 cells.json: a list of {"name", "objective", "rows", "prompt_tokens", "response_tokens", "topk", "settings",
 "gpu_memory_gib"}; `settings` are LearnerWorker keyword arguments; "dtype" (bfloat16 on CUDA, float32 on the CPU by
-default) sets the model's. Three switches measure what the product no longer does, to credit each change:
-"peft_lora": true gives peft's own LoRA arithmetic back (fp32 adapter matmuls over upcast inputs), "eager_vocab":
-true turns off the Triton vocabulary passes (models/vocab_kernels.py) and "per_call_rounding": true rounds the
-adapter to the base's dtype at every call again instead of once per update (RoundedAdapter). Each cell builds a
+default) sets the model's; "prompt_min" and "response_median" give the rows varied lengths (bench/learner.py
+vary_lengths: prompts of prompt_min..prompt_tokens, responses geometric with that median, capped). Three switches
+measure what the product no longer does, to credit each change: "peft_lora": true gives peft's own LoRA arithmetic
+back (fp32 adapter matmuls over upcast inputs), "eager_vocab": true turns off the Triton vocabulary passes
+(models/vocab_kernels.py) and "per_call_rounding": true rounds the adapter to the base's dtype at every call again
+instead of once per update (RoundedAdapter). Each cell builds a
 fresh learner in this process (its memory cap applies to the process: run capped cells in their own process, or
 last). A cell that fails (OOM, refusal) is written with its error, never dropped. --profile NAME writes the torch
 profiler's top kernels for that cell's last update to <out>.NAME.prof.txt.
@@ -28,7 +30,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from miniverl.bench.config import ModelShape
-from miniverl.bench.learner import objective_for, profile_update, synthetic_batch, synthetic_scores, time_updates
+from miniverl.bench.learner import (
+    objective_for,
+    profile_update,
+    synthetic_batch,
+    synthetic_scores,
+    time_updates,
+    vary_lengths,
+)
 from miniverl.bench.workload import build_random_model, real_shape
 from miniverl.models import vocab_kernels
 from miniverl.models.lora import LoraSettings
@@ -102,6 +111,8 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
             if hasattr(module, "_peft_forward"):
                 module.__class__ = type(module).__mro__[1]  # peft's own class and forward again
     batch = synthetic_batch(cell["rows"], cell["prompt_tokens"], cell["response_tokens"], vocab, seed=0)
+    if cell.get("prompt_min") or cell.get("response_median"):  # rows of varied lengths (vary_lengths)
+        batch = vary_lengths(batch, cell.get("prompt_min") or cell["prompt_tokens"], cell.get("response_median", 0), 0)
     topk = cell["topk"] if cell["objective"] == "gkd" else None
     scores = synthetic_scores(batch, vocab, topk, seed=0)
     result = time_updates(learner, batch, scores, warmup=cell.get("warmup", 1), repeats=cell.get("repeats", 3))

@@ -166,6 +166,8 @@ def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: in
         "tokens_per_s": tokens / median,
         "loss": metrics["loss"],
         "micro_batch_tokens": metrics["micro_batch_tokens"],  # lower than planned after an out-of-memory redo
+        "row_tokens": int(batch.prompt_mask.sum() + batch.response_mask.sum()),  # what the forwards carry
+        "update_split_s": {k: v for k, v in metrics.items() if k.startswith("time/update/")},  # the last update's
         **learner.memory(),
     }
 

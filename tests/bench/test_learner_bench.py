@@ -11,6 +11,7 @@ from miniverl.bench.learner import (
     synthetic_batch,
     synthetic_scores,
     time_updates,
+    vary_lengths,
 )
 from miniverl.models.lora import LoraSettings
 from miniverl.process import ProcessSettings
@@ -42,6 +43,20 @@ def test_bench_updates_pass_the_sampler_gap_check(tmp_path):
         assert result["trained_tokens"] == 48 and result["tokens_per_s"] > 0
         assert len(result["warmup_update_s"]) == 1 and len(result["update_s"]) == 1  # the warm-up's seconds kept apart
         assert learner.version == 2  # both updates applied, none refused
+
+
+def test_a_bench_update_of_varied_rows_trains_their_real_tokens_and_reports_its_split(tmp_path):
+    """Rows of varied lengths (vary_lengths): the update trains the real response tokens only, the forwards carry the
+    real prompt and response tokens, and the result holds the last update's split (time/update/<part>)."""
+    save_random_qwen2(tmp_path, hidden_size=32, intermediate_size=64, vocab_size=96)
+    batch = vary_lengths(synthetic_batch(8, 6, 10, vocab=96, seed=0), 2, 4, seed=0)
+    learner = _learner(tmp_path, objective_for("gkd", topk=8))
+    result = time_updates(learner, batch, synthetic_scores(batch, 96, 8, seed=0), warmup=1, repeats=1)
+    assert result["trained_tokens"] == int(batch.response_mask.sum()) < 80
+    assert result["row_tokens"] == int(batch.prompt_mask.sum() + batch.response_mask.sum()) < 8 * 16
+    assert set(result["update_split_s"]) == {
+        f"time/update/{p}" for p in ("prepare", "gradients", "checks", "optimizer")
+    }
 
 
 def test_exact_sampler_reports_the_learners_logprobs(tmp_path):
