@@ -52,6 +52,7 @@ from miniverl.bench.config import AdapterSpec, ModelShape
 from miniverl.bench.random_stops import stop_set
 from miniverl.bench.workload import build_random_model, lora_settings, make_adapter, real_shape
 from miniverl.errors import ConfigError
+from miniverl.process import memory_report
 from miniverl.rollout.sampling import SamplingParams, row_seeds
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -141,15 +142,8 @@ def time_generate(backend, prompts, params, seeds, device: str, repeats: int) ->
         # rows are independent draws: on a random-init model two rows repeat each other only when they share
         # sampling noise (a seed handed to several requests), so a share below 1 flags correlated rows
         "distinct_rows": len({tuple(c.token_ids) for c in out}) / max(1, len(out)),
-        **(_peak_memory() if device.startswith("cuda") else {}),
+        **memory_report("cuda" if device.startswith("cuda") else device),  # the actors' peaks and alloc_retries
     }, out
-
-
-def _peak_memory() -> dict[str, float]:
-    return {
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-    }
 
 
 def trace(backend, prompts, params, seeds, device: str) -> dict:

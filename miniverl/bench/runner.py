@@ -33,6 +33,7 @@ from miniverl.bench.workload import (
 )
 from miniverl.errors import ConfigError
 from miniverl.models.loading import torch_dtype
+from miniverl.process import memory_report
 from miniverl.rollout import BACKENDS, Completion
 
 
@@ -339,8 +340,4 @@ def _memory(device: str) -> dict[str, float]:
     if device != "cuda":
         return {}
     free, total = torch.cuda.mem_get_info()
-    return {
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-        "device_used_gib": (total - free) / 2**30,
-    }
+    return {**memory_report(device), "device_used_gib": (total - free) / 2**30}  # the actors' peaks, alloc_retries
