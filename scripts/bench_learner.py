@@ -29,15 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from miniverl.bench import learner as bench
 from miniverl.bench.config import ModelShape
-from miniverl.bench.learner import (
-    objective_for,
-    profile_update,
-    synthetic_batch,
-    synthetic_scores,
-    time_updates,
-    vary_lengths,
-)
 from miniverl.bench.workload import build_random_model, real_shape
 from miniverl.models import vocab_kernels
 from miniverl.models.lora import LoraSettings
@@ -94,7 +87,7 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
     settings = {"micro_batch_size": cell["rows"], **cell["settings"]}
     if device == "cuda" and cell.get("gpu_memory_gib") is None:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)  # an earlier capped cell's cap stays otherwise
-    objective = objective_for(cell["objective"], cell["topk"])
+    objective = bench.objective_for(cell["objective"], cell["topk"])
     learner = LearnerWorker(
         str(model_path),
         LoraSettings(rank=32, alpha=64.0, dropout=0.0, target_modules=ALL_LINEAR, init_seed=0),
@@ -110,14 +103,16 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
         for module in learner.model.modules():
             if hasattr(module, "_peft_forward"):
                 module.__class__ = type(module).__mro__[1]  # peft's own class and forward again
-    batch = synthetic_batch(cell["rows"], cell["prompt_tokens"], cell["response_tokens"], vocab, seed=0)
+    batch = bench.synthetic_batch(cell["rows"], cell["prompt_tokens"], cell["response_tokens"], vocab, seed=0)
     if cell.get("prompt_min") or cell.get("response_median"):  # rows of varied lengths (vary_lengths)
-        batch = vary_lengths(batch, cell.get("prompt_min") or cell["prompt_tokens"], cell.get("response_median", 0), 0)
+        batch = bench.vary_lengths(
+            batch, cell.get("prompt_min") or cell["prompt_tokens"], cell.get("response_median", 0), 0
+        )
     topk = cell["topk"] if cell["objective"] == "gkd" else None
-    scores = synthetic_scores(batch, vocab, topk, seed=0)
-    result = time_updates(learner, batch, scores, warmup=cell.get("warmup", 1), repeats=cell.get("repeats", 3))
+    scores = bench.synthetic_scores(batch, vocab, topk, seed=0)
+    result = bench.time_updates(learner, batch, scores, warmup=cell.get("warmup", 1), repeats=cell.get("repeats", 3))
     if profile is not None:
-        profile_update(learner, batch, scores, profile)
+        bench.profile_update(learner, batch, scores, profile)
     del learner
     gc.collect()  # nothing of this cell's learner may stay allocated into the next cell's peak
     if device == "cuda":
