@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from miniverl.batches import RolloutBatch, TeacherScores
+from miniverl.models.packing import row_lengths
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: in
         "tokens_per_s": tokens / median,
         "loss": metrics["loss"],
         "micro_batch_tokens": metrics["micro_batch_tokens"],  # lower than planned after an out-of-memory redo
-        "row_tokens": int(batch.prompt_mask.sum() + batch.response_mask.sum()),  # what the forwards carry
+        "row_tokens": sum(row_lengths(batch)),  # the real tokens the forwards carry
         "update_split_s": {k: v for k, v in metrics.items() if k.startswith("time/update/")},  # the last update's
         **learner.memory(),
     }

@@ -286,8 +286,12 @@ def _miniverl(objective: str, capped: bool, full: bool = False) -> Callable[[Pla
         if plan.stop_ids:  # unioned with the student's EOS ids (miniverl/models/stops.py)
             args += [f"rollout.stop_token_ids=[{','.join(map(str, plan.stop_ids))}]"]
         args += budget + (["resources.emulate_gpu_gib=16"] if capped else [])
-        ours = {a.split("=", 1)[0].lstrip("+~") for a in args[3:]}
-        clash = [o for o in plan.miniverl_overrides if o.split("=", 1)[0].lstrip("+~") in ours]
+
+        def key(override: str) -> str:  # `+a.b=1`, `~a.b`, `a.b=1` -> a.b
+            return override.split("=", 1)[0].lstrip("+~")
+
+        ours = {key(a) for a in args[3:]}
+        clash = [o for o in plan.miniverl_overrides if key(o) in ours]
         if clash:
             raise NotRunnable(
                 f"--miniverl-overrides {' '.join(clash)}: the harness sets that key for this cell (its shape, steps,"

@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from miniverl.bench.learner import synthetic_batch, vary_lengths
+    from miniverl.models.packing import row_lengths
     from miniverl.process import ProcessSettings
     from miniverl.workers.scorer import ScorerWorker
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
             "response_tokens": a.response_tokens,
             "prompt_min": a.prompt_min or a.prompt_tokens,
             "response_median": a.response_median,
-            "row_tokens": int(batch.prompt_mask.sum() + batch.response_mask.sum()),  # what the forwards carry
+            "row_tokens": sum(row_lengths(batch)),  # the real tokens the forwards carry
         },
         "support_k": support,
         "chunk_tokens": a.chunk,
