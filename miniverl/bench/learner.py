@@ -122,10 +122,10 @@ def objective_for(name: str, topk: int):
 
 
 def exact_sampler(learner, batch: RolloutBatch) -> RolloutBatch:
-    """`batch` with the log-probs an exact sampler of the learner's current policy would report: its own,
-    computed once, untimed. The learner refuses a step whose sampler sits too far from it (SamplerGapError);
-    the bench's random stand-ins (log 1/V minus noise) sit 0.59 nats away, over every objective's bound.
-    Updates at the bench's lr move the policy far less than that bound. Shapes: rollout_log_probs [B, Tr]."""
+    """`batch` with the log-probs an exact sampler of the learner's current policy would report: its own, computed
+    untimed before each update. The learner refuses a step whose sampler sits too far from it (SamplerGapError): the
+    bench's random stand-ins (log 1/V minus noise) sit 0.59 nats away, over every objective's bound; and, in batches
+    the version test votes on, log-probs of the policy before the last update. Shapes: rollout_log_probs [B, Tr]."""
     import dataclasses
 
     learner.model.eval()
@@ -137,17 +137,19 @@ def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: in
     """Seconds of each timed update after `warmup` untimed ones (their seconds too: a compiled learner,
     trainer.compile_layers, compiles in the first), and the learner's peak memory.
 
-    The batch is re-stamped with the learner's version before each call (strict sync refuses stale data).
+    Before each call, untimed, the batch gets the sampler log-probs of the learner's current policy and is
+    stamped with its version: strict sync refuses stale data, and the version test (objectives/sampler_check.py)
+    refuses log-probs of the policy before the last update once a batch has VERSION_TEST_MIN_ROWS rows (peers run 9
+    lost its four learner cells to log-probs computed once, before the first update).
     """
     import dataclasses
 
     cuda = torch.cuda.is_available() and learner.device == "cuda"
-    batch = exact_sampler(learner, batch)
     times: list[float] = []
     warmups: list[float] = []
     for i in range(warmup + repeats):
         learner.publish_policy(include_weights=False)
-        stamped = dataclasses.replace(batch, policy_version=learner.version)
+        stamped = dataclasses.replace(exact_sampler(learner, batch), policy_version=learner.version)
         if cuda:
             torch.cuda.synchronize()
             if i == warmup:

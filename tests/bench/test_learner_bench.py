@@ -19,7 +19,7 @@ from miniverl.workers.learner import LearnerWorker
 from tests.random_models import save_random_qwen2
 
 
-def _learner(path, objective):
+def _learner(path, objective, micro_batch_size=8):
     return LearnerWorker(
         str(path),
         LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"), init_seed=0),
@@ -29,7 +29,7 @@ def _learner(path, objective):
         weight_decay=0.0,
         max_grad_norm=1.0,
         process=ProcessSettings("cpu"),
-        micro_batch_size=8,
+        micro_batch_size=micro_batch_size,
     )
 
 
@@ -43,6 +43,19 @@ def test_bench_updates_pass_the_sampler_gap_check(tmp_path):
         assert result["trained_tokens"] == 48 and result["tokens_per_s"] > 0
         assert len(result["warmup_update_s"]) == 1 and len(result["update_s"]) == 1  # the warm-up's seconds kept apart
         assert learner.version == 2  # both updates applied, none refused
+
+
+def test_every_timed_update_gets_the_current_policys_sampler_where_the_version_test_votes(tmp_path):
+    """With VERSION_TEST_MIN_ROWS rows the learner votes on which policy sampled: log-probs of the policy before the
+    last update are refused (SamplerGapError). The bench must hand each update its current policy's, or its second
+    update fails (peers run 9 lost its four learner cells so)."""
+    from miniverl.objectives.sampler_check import VERSION_TEST_MIN_ROWS
+
+    save_random_qwen2(tmp_path, hidden_size=32, intermediate_size=64, vocab_size=96)
+    batch = synthetic_batch(VERSION_TEST_MIN_ROWS, 4, 6, vocab=96, seed=0)
+    learner = _learner(tmp_path, objective_for("gkd", topk=8), micro_batch_size=VERSION_TEST_MIN_ROWS)
+    result = time_updates(learner, batch, synthetic_scores(batch, 96, 8, seed=0), warmup=1, repeats=2)
+    assert learner.version == 3 and len(result["update_s"]) == 2  # every update applied, none refused
 
 
 def test_a_bench_update_of_varied_rows_trains_their_real_tokens_and_reports_its_split(tmp_path):
