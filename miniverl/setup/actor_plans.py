@@ -42,7 +42,8 @@ PREFILL_SCORE_COPIES = 1.6
 # cuBLAS keeps a 32 MiB workspace (Hopper) per stream a GEMM ran on. The fitted cells' rows never stopped: one graph
 # width, one or two streams. End to end, hf_cached used to warm up each capture (the gate's, the evaluation's, the
 # probes', every width as rows stop) on a new stream: ~0.8 GiB more than this plan (peers.md run 8). It now captures
-# on one stream, so this intercept should hold end to end too; not yet measured.
+# on one stream, and end to end the 4080 recipe's rollout then peaked at 4.48 GiB allocated against its plan of 4.7
+# (peers.md run 9): the intercept holds.
 ROLLOUT_FIXED_BYTES = int(0.30 * 2**30)
 # What the cap limits is what torch's caching allocator reserves, not what is allocated: the prefill's freed blocks
 # stay reserved beside the decode's tensors, which are of other sizes. Reserved peak = allocated peak + the prefill
