@@ -186,6 +186,8 @@ def profile_update(learner, batch: RolloutBatch, scores: TeacherScores, path) ->
 
     from torch.profiler import ProfilerActivity, profile
 
+    from miniverl.observe.profile import write_profile
+
     cuda = torch.cuda.is_available() and learner.device == "cuda"
     batch = exact_sampler(learner, batch)
     learner.publish_policy(include_weights=False)
@@ -194,9 +196,4 @@ def profile_update(learner, batch: RolloutBatch, scores: TeacherScores, path) ->
         learner.update(stamped, scores, None)
         if cuda:
             torch.cuda.synchronize()
-    table = prof.key_averages()
-    Path(path).write_text(
-        table.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
-        + "\n\nby self cpu time:\n"
-        + table.table(sort_by="self_cpu_time_total", row_limit=25)
-    )
+    write_profile(prof, Path(path), cuda)

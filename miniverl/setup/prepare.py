@@ -248,4 +248,22 @@ def prepare_run(
     check_device_settings(cfg, device)
     check_gpu_request(cfg, device, cuda_device_count(), ray.is_initialized())
     check_tracking(cfg.tracking.wandb_mode)
+    check_diagnostics(log)
     return resume, load_setup(cfg, device, log)  # models, vocabularies, the card's plan, prompts, rewards
+
+
+def check_diagnostics(log=print) -> None:
+    """The diagnostics the actors read from the environment, refused here before Ray when their values are bad (an
+    actor would refuse them only once started, and only on a GPU), and said when on."""
+    from miniverl.observe.profile import PROFILE_CALL_ENV, profile_request
+    from miniverl.process import MEMORY_HISTORY_ENV, memory_history_requested
+
+    if memory_history_requested():
+        log(f"[miniverl] {MEMORY_HISTORY_ENV}=1: every actor on a GPU records where its memory is allocated (slower)")
+    request = profile_request()
+    if request is not None:
+        call, directory = request
+        log(
+            f"[miniverl] {PROFILE_CALL_ENV}={call}: each learner's update {call} and each teacher's scoring call {call}"
+            f" run under torch's profiler (slower); their tables go to {directory}"
+        )

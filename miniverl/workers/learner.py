@@ -23,6 +23,7 @@ from miniverl.models.lora import LoraSettings, RoundedAdapter, build_lora_model
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.objectives.sampler_check import SamplerGapError, judge_step
+from miniverl.observe.profile import CallProfile
 from miniverl.policy import PolicyIdentity, PolicySnapshot
 from miniverl.process import ProcessSettings, gpu_uuid, memory_report, setup_process
 from miniverl.workers.batch_checks import StaleBatchError, check_lag, gap_sums, lag_metrics, sum_over_ranks
@@ -76,6 +77,7 @@ class LearnerWorker:
         or None computes the loss exactly as without it. `compile_layers` (trainer.compile_layers): each decoder
         layer through torch.compile (models/compiled.py)."""
         self.device = setup_process(process)
+        self.profile = CallProfile(f"learner{rank}", self.device)  # MINIVERL_PROFILE_CALL (observe/profile.py)
         self.rank, self.world_size = rank, world_size
         self.model = build_lora_model(model_path, lora, torch_dtype(dtype, self.device), self.device, quantization)
         if gradient_checkpointing:
@@ -192,7 +194,19 @@ class LearnerWorker:
         version that sampled (its adapter kept since it was published), and the change since then is
         reported as `policy_drift_*`; PG-k1's advantage takes the current policy's log-probs, its importance
         ratio stays against the sampler's; the step's `reverse_kl` is importance-weighted to the current policy.
+
+        MINIVERL_PROFILE_CALL=K profiles the K-th update where it runs (observe/profile.py).
         """
+        with self.profile():
+            return self._update(batch, scores, rewards, num_step_tokens)
+
+    def _update(
+        self,
+        batch: RolloutBatch,
+        scores: TeacherScores,
+        rewards: torch.Tensor | None,
+        num_step_tokens: int | None = None,
+    ) -> dict[str, float]:
         start = time.time()
         kept = self.sampler_gap.behaviour
         lag = check_lag(self.version, self.published, batch.policy_version, self.staleness, kept)

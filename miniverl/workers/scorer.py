@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch.profiler import record_function
 
@@ -10,6 +12,7 @@ from miniverl.models.fused_head import sampled_logprobs
 from miniverl.models.loading import load_causal_lm, torch_dtype
 from miniverl.models.packing import batch_micro_batches, pack_rows, packed_hidden
 from miniverl.models.vocab_kernels import row_logsumexp
+from miniverl.observe.profile import CallProfile
 from miniverl.process import ProcessSettings, memory_report, memory_share_bytes, setup_process
 
 
@@ -37,6 +40,8 @@ class ScorerWorker:
         for the support the run asks for (`support_k` and `loss_temperature`, as `score` takes them; the default
         counts the largest, a full support) and refused when a row of `max_row_tokens` does not fit."""
         self.device = setup_process(process)
+        # MINIVERL_PROFILE_CALL (observe/profile.py); named by the teacher's directory: several share a process
+        self.profile = CallProfile(f"scorer-{Path(model_path).name}", self.device)
         self.model = load_causal_lm(model_path, torch_dtype(dtype, self.device), self.device, quantization).eval()
         self.micro_batch_size = micro_batch_size
         self.vocab_size = vocab_size
@@ -54,7 +59,12 @@ class ScorerWorker:
         in token-budget micro-batches without inner padding (models/packing.py), the LM head on
         `chunk_tokens` response tokens at a time; positions outside the response mask score 0.
         Shapes: -> teacher_log_probs [B, Tr], support [B, Tr, K] (or [B, Tr, V]) and tail [B, Tr].
+        MINIVERL_PROFILE_CALL=K profiles the K-th call where it runs (observe/profile.py).
         """
+        with self.profile():
+            return self._score(batch, support_k, temperature)
+
+    def _score(self, batch: RolloutBatch, support_k: int | None, temperature: float) -> TeacherScores:
         b, tr = batch.responses.shape
         v = self.vocab_size or self.model.config.vocab_size
         k = None if support_k is None else (v if support_k == 0 or support_k >= v else support_k)
