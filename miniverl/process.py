@@ -45,6 +45,9 @@ class ProcessSettings:
     # sys.setswitchinterval for this process, seconds (resources.switch_interval_ms: colocated roles share one
     # interpreter); None keeps Python's.
     switch_interval_s: float | None = None
+    # resources.cudnn_attention: whether torch's scaled_dot_product_attention may pick cuDNN's kernels on this
+    # process's GPU (set_attention_backends).
+    cudnn_attention: bool = False
 
 
 # What every actor process holds on the GPU outside torch's allocator (its CUDA context, cuBLAS and NCCL
@@ -131,8 +134,21 @@ def setup_process(settings: ProcessSettings) -> str:
     if settings.gpu_memory_gib is not None and settings.process_cap:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, settings.gpu_memory_gib * 2**30 / total), 0)
+    set_attention_backends(settings.cudnn_attention)
     record_memory_history()
     return "cuda"
+
+
+def set_attention_backends(cudnn: bool) -> None:
+    """Whether torch's scaled_dot_product_attention may use cuDNN in this process (`cudnn`), or only flash, memory-
+    efficient and math attention. On Hopper and newer cards torch 2.9+ tries cuDNN first, and cuDNN builds an
+    execution plan for every new (rows, heads, length) shape it sees, tens of milliseconds or more each (torch's
+    TORCH_CUDNN_SDPA_AVOID_RECOMPILE names that cost). A step's micro-batches and prefill passes of rows that stop
+    at different lengths are new shapes every step: peers run 9 (docs/benchmarks/peers.md) measured the learner's
+    update at 2.6x a row token what it costs at rows of one length, and the teacher 0.7 s a step slower than its bench,
+    which repeats one batch. Flash attention has no per-shape plan. Every actor of a run sets the same, so the
+    rollout's and the learner's log-probs come from the same kernels."""
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
 MEMORY_HISTORY_ENV = "MINIVERL_CUDA_MEMORY_HISTORY"

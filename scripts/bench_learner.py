@@ -5,7 +5,10 @@
 cells.json: a list of {"name", "objective", "rows", "prompt_tokens", "response_tokens", "topk", "settings",
 "gpu_memory_gib"}; `settings` are LearnerWorker keyword arguments; "dtype" (bfloat16 on CUDA, float32 on the CPU by
 default) sets the model's; "prompt_min" and "response_median" give the rows varied lengths (bench/learner.py
-vary_lengths: prompts of prompt_min..prompt_tokens, responses geometric with that median, capped). Three switches
+vary_lengths: prompts of prompt_min..prompt_tokens, responses geometric with that median, capped), "redraw": true
+draws new lengths for every update (new micro-batch shapes each update, as a run's steps have: a fixed batch repeats
+its shapes, which hides per-shape costs such as cuDNN attention's plans), "cudnn_attention": true lets torch's SDPA
+use cuDNN (resources.cudnn_attention; default flash attention, as the product's actors). Three switches
 measure what the product no longer does, to credit each change: "peft_lora": true gives peft's own LoRA arithmetic
 back (fp32 adapter matmuls over upcast inputs), "eager_vocab": true turns off the Triton vocabulary passes
 (models/vocab_kernels.py) and "per_call_rounding": true rounds the adapter to the base's dtype at every call again
@@ -96,21 +99,33 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
         lr=1e-5,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        process=ProcessSettings(device, gpu_memory_gib=cell.get("gpu_memory_gib")),
+        process=ProcessSettings(
+            device, gpu_memory_gib=cell.get("gpu_memory_gib"), cudnn_attention=cell.get("cudnn_attention", False)
+        ),
         **settings,
     )
     if cell.get("peft_lora"):
         for module in learner.model.modules():
             if hasattr(module, "_peft_forward"):
                 module.__class__ = type(module).__mro__[1]  # peft's own class and forward again
-    batch = bench.synthetic_batch(cell["rows"], cell["prompt_tokens"], cell["response_tokens"], vocab, seed=0)
-    if cell.get("prompt_min") or cell.get("response_median"):  # rows of varied lengths (vary_lengths)
-        batch = bench.vary_lengths(
-            batch, cell.get("prompt_min") or cell["prompt_tokens"], cell.get("response_median", 0), 0
-        )
+    full = bench.synthetic_batch(cell["rows"], cell["prompt_tokens"], cell["response_tokens"], vocab, seed=0)
+    varied = cell.get("prompt_min") or cell.get("response_median")
     topk = cell["topk"] if cell["objective"] == "gkd" else None
-    scores = bench.synthetic_scores(batch, vocab, topk, seed=0)
-    result = bench.time_updates(learner, batch, scores, warmup=cell.get("warmup", 1), repeats=cell.get("repeats", 3))
+
+    def draw(seed: int):  # rows of varied lengths (vary_lengths) as `seed` draws them, and their teacher's scores
+        batch = full
+        if varied:
+            batch = bench.vary_lengths(
+                full, cell.get("prompt_min") or cell["prompt_tokens"], cell.get("response_median", 0), seed
+            )
+        return batch, bench.synthetic_scores(batch, vocab, topk, seed=0)
+
+    if cell.get("redraw") and not varied:
+        raise ValueError("redraw draws new row lengths each update: give the cell prompt_min or response_median")
+    batch, scores = draw(0)
+    warmup, repeats = cell.get("warmup", 1), cell.get("repeats", 3)
+    # redraw: every update new lengths, so new micro-batch shapes, as every step of a run has
+    result = bench.time_updates(learner, batch, scores, warmup, repeats, draw if cell.get("redraw") else None)
     if profile is not None:
         bench.profile_update(learner, batch, scores, profile)
     del learner

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -133,7 +134,14 @@ def exact_sampler(learner, batch: RolloutBatch) -> RolloutBatch:
     return dataclasses.replace(batch, rollout_log_probs=logprobs)
 
 
-def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: int, repeats: int) -> dict:
+def time_updates(
+    learner,
+    batch: RolloutBatch,
+    scores: TeacherScores,
+    warmup: int,
+    repeats: int,
+    draw: Callable[[int], tuple[RolloutBatch, TeacherScores]] | None = None,
+) -> dict:
     """Seconds of each timed update after `warmup` untimed ones (their seconds too: a compiled learner,
     trainer.compile_layers, compiles in the first), and the learner's peak memory.
 
@@ -141,13 +149,20 @@ def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: in
     stamped with its version: strict sync refuses stale data, and the version test (objectives/sampler_check.py)
     refuses log-probs of the policy before the last update once a batch has VERSION_TEST_MIN_ROWS rows (peers run 9
     lost its four learner cells to log-probs computed once, before the first update).
+
+    `draw(i)`: the i-th update's (batch, scores) instead of `batch` every time: rows of new lengths each update, so
+    each update's micro-batches are new shapes as a run's steps are (`batch` then only names the shapes). The rate
+    is the median update's own (its tokens / its seconds).
     """
     import dataclasses
 
     cuda = torch.cuda.is_available() and learner.device == "cuda"
     times: list[float] = []
     warmups: list[float] = []
+    tokens: list[int] = []
     for i in range(warmup + repeats):
+        if draw is not None:
+            batch, scores = draw(i)
         learner.publish_policy(include_weights=False)
         stamped = dataclasses.replace(exact_sampler(learner, batch), policy_version=learner.version)
         if cuda:
@@ -159,17 +174,19 @@ def time_updates(learner, batch: RolloutBatch, scores: TeacherScores, warmup: in
         if cuda:
             torch.cuda.synchronize()
         (times if i >= warmup else warmups).append(time.perf_counter() - start)
-    tokens = int(batch.response_mask.sum())
-    median = sorted(times)[len(times) // 2]
+        if i >= warmup:
+            tokens.append(int(batch.response_mask.sum()))
+    middle = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]  # the median update
     return {
         "update_s": times,
         "warmup_update_s": warmups,
-        "median_update_s": median,
-        "trained_tokens": tokens,
-        "tokens_per_s": tokens / median,
+        "median_update_s": times[middle],
+        "trained_tokens": tokens[-1],  # the last update's (every update's when `draw` is None)
+        "trained_tokens_each": tokens,
+        "tokens_per_s": tokens[middle] / times[middle],  # the median update's own rate
         "loss": metrics["loss"],
         "micro_batch_tokens": metrics["micro_batch_tokens"],  # lower than planned after an out-of-memory redo
-        "row_tokens": sum(row_lengths(batch)),  # the real tokens the forwards carry
+        "row_tokens": sum(row_lengths(batch)),  # the real tokens the last update's forwards carried
         "update_split_s": {k: v for k, v in metrics.items() if k.startswith("time/update/")},  # the last update's
         **learner.memory(),
     }

@@ -60,6 +60,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="responses of geometric length with this median, capped at --response-tokens (0: all full length)",
     )
+    p.add_argument(
+        "--redraw",
+        action="store_true",
+        help="every call scores rows of newly drawn lengths (new forward shapes, as every step of a run): needs"
+        " --prompt-min or --response-median",
+    )
+    p.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="let torch's SDPA use cuDNN (resources.cudnn_attention); default flash attention, as the product's actors",
+    )
     p.add_argument("--topk", type=int, default=64, help="the teacher's support K (0: the whole vocabulary; -1: none)")
     p.add_argument("--chunk", type=int, default=1024, help="LM-head chunk in response tokens (0: one per forward)")
     p.add_argument("--share-gib", type=float, default=None, help="cap the process at this many GiB (GPU only)")
@@ -82,6 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"--prompt-min={a.prompt_min} --response-median={a.response_median}: need 0 <= --prompt-min <="
             f" --prompt-tokens ({a.prompt_tokens}) and --response-median >= 0 (0: fixed lengths)"
         )
+    if a.redraw and not (a.prompt_min or a.response_median):
+        p.error("--redraw draws new row lengths for every call: give --prompt-min or --response-median too")
     if a.share_gib is not None and not a.device.startswith("cuda"):
         p.error("--share-gib caps GPU memory: leave it out on the CPU")
     if a.share_gib is not None and a.share_gib <= 0:
@@ -119,7 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
     from miniverl.workers.scorer import ScorerWorker
 
     cuda = a.device.startswith("cuda")
-    process = ProcessSettings(a.device, torch_threads=0 if cuda else 1, gpu_memory_gib=a.share_gib)
+    process = ProcessSettings(
+        a.device, torch_threads=0 if cuda else 1, gpu_memory_gib=a.share_gib, cudnn_attention=a.cudnn_attention
+    )
     support = None if a.topk == -1 else a.topk
     row = a.prompt_tokens + a.response_tokens
     print(f"scorer profile: loading {a.teacher} ({a.dtype}, {a.device})", flush=True)
@@ -134,12 +149,18 @@ def main(argv: list[str] | None = None) -> dict:
         max_row_tokens=row,
     )
     vocab = scorer.model.config.vocab_size
-    batch = synthetic_batch(a.rows, a.prompt_tokens, a.response_tokens, vocab, seed=0)
-    if a.prompt_min or a.response_median:  # rows of varied lengths, as rows that stop and real prompts give
-        batch = vary_lengths(batch, a.prompt_min or a.prompt_tokens, a.response_median, seed=0)
-    tokens = int(batch.response_mask.sum())
-    seconds = []
+    full = synthetic_batch(a.rows, a.prompt_tokens, a.response_tokens, vocab, seed=0)
+
+    def draw(seed: int):  # rows of varied lengths, as rows that stop and real prompts give
+        if not (a.prompt_min or a.response_median):
+            return full
+        return vary_lengths(full, a.prompt_min or a.prompt_tokens, a.response_median, seed=seed)
+
+    batch = draw(0)
+    seconds, scored = [], []
     for i in range(1 + a.repeats):  # the first call warms the allocator and the kernels: not timed
+        if a.redraw:
+            batch = draw(i)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -148,12 +169,17 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.synchronize()
         if i:
             seconds.append(time.perf_counter() - start)
+            scored.append(int(batch.response_mask.sum()))
         print(f"scorer profile: call {i + 1} of {1 + a.repeats}: {time.perf_counter() - start:.3f} s", flush=True)
+    if a.redraw:  # the profiled call's shapes are new too
+        batch = draw(1 + a.repeats)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         scorer.score(batch, support, 1.0)
         if cuda:
             torch.cuda.synchronize()
-    median = sorted(seconds)[len(seconds) // 2]
+    middle = sorted(range(len(seconds)), key=seconds.__getitem__)[len(seconds) // 2]  # the median call
+    median = seconds[middle]
+    tokens = scored[-1]
     result = {
         "command": "python -m miniverl.bench.scorer_profile " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -165,15 +191,18 @@ def main(argv: list[str] | None = None) -> dict:
             "response_tokens": a.response_tokens,
             "prompt_min": a.prompt_min or a.prompt_tokens,
             "response_median": a.response_median,
-            "row_tokens": sum(row_lengths(batch)),  # the real tokens the forwards carry
+            "row_tokens": sum(row_lengths(batch)),  # the real tokens the (last, profiled) forwards carry
         },
         "support_k": support,
         "chunk_tokens": a.chunk,
         "forward_tokens": scorer.max_tokens,
         "score_s": seconds,
         "median_score_s": median,
-        "scored_tokens": tokens,
-        "tokens_per_s": tokens / median,
+        "redraw": a.redraw,
+        "cudnn_attention": a.cudnn_attention,
+        "scored_tokens": tokens,  # the last timed call's (every call's without --redraw)
+        "scored_tokens_each": scored,
+        "tokens_per_s": scored[middle] / median,  # the median call's own rate
         "phases_ms": phase_times(prof, cuda),
         "top_kernels": top_kernels(prof, cuda),
         **scorer.memory(),
@@ -182,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "scorer_profile.json").write_text(json.dumps(result, indent=1) + "\n")
     phases = ", ".join(f"{k.split('/')[1]} {v:.0f} ms" for k, v in result["phases_ms"].items())
-    print(f"scorer profile: {median:.3f} s for {tokens:,} tokens ({tokens / median:,.0f}/s); {phases}", flush=True)
+    rate = result["tokens_per_s"]
+    print(f"scorer profile: {median:.3f} s for {tokens:,} tokens ({rate:,.0f}/s); {phases}", flush=True)
     return result
 
 

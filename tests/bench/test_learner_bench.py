@@ -96,3 +96,58 @@ def test_profiled_update_is_applied_not_refused(tmp_path):
     profile_update(learner, batch, synthetic_scores(batch, 96, None, 0), tmp_path / "p.txt")
     assert learner.version == 1
     assert "by self cpu time" in (tmp_path / "p.txt").read_text()
+
+
+def test_redrawn_rows_give_every_update_new_lengths_and_the_rate_is_the_updates_own(tmp_path):
+    """`draw`: each update its own rows (a run's steps are new micro-batch shapes each time; a repeated batch hides
+    per-shape costs); every update is applied and the result keeps each one's tokens."""
+    save_random_qwen2(tmp_path, hidden_size=32, intermediate_size=64, vocab_size=96)
+    full = synthetic_batch(8, 6, 10, vocab=96, seed=0)
+    drawn = []
+
+    def draw(i):
+        batch = vary_lengths(full, 2, 4, seed=i)
+        drawn.append(batch)
+        return batch, synthetic_scores(batch, 96, 8, seed=0)
+
+    learner = _learner(tmp_path, objective_for("gkd", topk=8))
+    result = time_updates(learner, full, synthetic_scores(full, 96, 8, seed=0), warmup=1, repeats=2, draw=draw)
+    assert learner.version == 3 and len(drawn) == 3
+    assert result["trained_tokens_each"] == [int(b.response_mask.sum()) for b in drawn[1:]]
+    assert len(set(result["trained_tokens_each"] + [int(drawn[0].response_mask.sum())])) > 1  # new lengths
+    middle = sorted(range(2), key=result["update_s"].__getitem__)[1]  # the median of two: the slower
+    assert result["tokens_per_s"] == result["trained_tokens_each"][middle] / result["update_s"][middle]
+
+
+def test_the_bench_script_runs_a_redrawn_cell_and_refuses_one_without_varied_rows(tmp_path):
+    """scripts/bench_learner.py on the CPU at the tiny shape: a redraw cell is timed; a redraw cell of fixed rows is
+    written as failed with the reason, and the run goes on."""
+    import json
+    import subprocess
+    import sys
+
+    cell = {
+        "objective": "gkd",
+        "rows": 8,
+        "prompt_tokens": 6,
+        "response_tokens": 10,
+        "topk": 8,
+        "warmup": 1,
+        "repeats": 2,
+        "settings": {"micro_batch_size": 8},
+        "redraw": True,
+    }
+    cells = [{**cell, "name": "redrawn", "prompt_min": 2, "response_median": 4}, {**cell, "name": "fixed-redraw"}]
+    (tmp_path / "cells.json").write_text(json.dumps(cells))
+    out = tmp_path / "out.jsonl"
+    args = ["--cells", str(tmp_path / "cells.json"), "--out", str(out), "--shape", "tiny"]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_learner.py", *args, "--model-dir", str(tmp_path / "models")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    redrawn, fixed = (json.loads(line) for line in out.read_text().splitlines())
+    assert redrawn["ok"] and len(redrawn["trained_tokens_each"]) == 2 and redrawn["tokens_per_s"] > 0
+    assert not fixed["ok"] and "redraw draws new row lengths each update" in fixed["error"]

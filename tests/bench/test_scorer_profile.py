@@ -49,6 +49,20 @@ def test_varied_lengths_score_only_the_real_tokens(random_model_dir, tmp_path):
     assert 16 <= result["scored_tokens"] < 16 * 12 and 16 * 3 <= shape["row_tokens"] < 16 * 20
 
 
+def test_redrawn_rows_give_every_call_new_lengths(random_model_dir, tmp_path):
+    """--redraw: each call scores rows of new lengths (a run's steps are new forward shapes; a repeated batch hides
+    per-shape costs such as cuDNN attention's plans); the rate is the median call's own."""
+    result = scorer_profile.main(
+        ["--teacher", str(random_model_dir), "--out", str(tmp_path), "--rows", "16", "--prompt-tokens", "8",
+         "--response-tokens", "12", "--prompt-min", "2", "--response-median", "3", "--topk", "5", "--repeats", "3",
+         "--redraw", "--dtype", "float32", "--device", "cpu"]
+    )  # fmt: skip
+    each = result["scored_tokens_each"]
+    assert result["redraw"] and len(each) == 3 and len(set(each)) > 1 and result["scored_tokens"] == each[-1]
+    middle = sorted(range(3), key=result["score_s"].__getitem__)[1]
+    assert result["tokens_per_s"] == each[middle] / result["score_s"][middle] and not result["cudnn_attention"]
+
+
 def test_vary_lengths_pads_prompts_left_and_responses_right():
     from miniverl.bench.learner import synthetic_batch, vary_lengths
 
@@ -76,6 +90,7 @@ def test_vary_lengths_pads_prompts_left_and_responses_right():
         (["--topk", "-2"], "--topk=-2: use K >= 1"),
         (["--chunk", "-1"], "--chunk and --max-tokens must be >= 0"),
         (["--share-gib", "4", "--device", "cpu"], "--share-gib caps GPU memory: leave it out on the CPU"),
+        (["--redraw"], "--redraw draws new row lengths for every call: give --prompt-min or --response-median"),
     ],
 )
 def test_bad_arguments_name_the_flag_before_anything_loads(random_model_dir, tmp_path, capsys, args, message):

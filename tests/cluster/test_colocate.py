@@ -139,3 +139,25 @@ def test_a_process_takes_the_switch_interval_it_is_given_and_keeps_pythons_other
         assert sys.getswitchinterval() == before
     finally:
         sys.setswitchinterval(before)
+
+
+def test_an_actor_on_a_gpu_takes_flash_attention_unless_cudnn_is_asked_for(monkeypatch):
+    """resources.cudnn_attention reaches every actor as ProcessSettings.cudnn_attention: off (the default), torch's
+    SDPA may not pick cuDNN, whose per-shape plans cost peers run 9's learner and teacher seconds a step."""
+    import torch
+
+    from miniverl.process import setup_process
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # setup_process's CUDA branch, without a GPU
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert setup_process(ProcessSettings("cuda", torch_threads=1)) == "cuda"
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        setup_process(ProcessSettings("cuda", torch_threads=1, cudnn_attention=True))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        setup_process(CPU)  # a CPU actor leaves torch's attention settings alone
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
