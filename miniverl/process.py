@@ -140,14 +140,14 @@ def setup_process(settings: ProcessSettings) -> str:
 
 
 def set_attention_backends(cudnn: bool) -> None:
-    """Whether torch's scaled_dot_product_attention may use cuDNN in this process (`cudnn`), or only flash, memory-
-    efficient and math attention. On Hopper and newer cards torch 2.9+ tries cuDNN first, and cuDNN builds an
+    """Whether torch's scaled_dot_product_attention may use cuDNN in this process (`cudnn`), or only flash,
+    memory-efficient and math attention. On Hopper and newer cards torch 2.9+ tries cuDNN first, and cuDNN builds an
     execution plan for every new (rows, heads, length) shape it sees, tens of milliseconds or more each (torch's
-    TORCH_CUDNN_SDPA_AVOID_RECOMPILE names that cost). A step's micro-batches and prefill passes of rows that stop
-    at different lengths are new shapes every step: peers run 9 (docs/benchmarks/peers.md) measured the learner's
-    update at 2.6x a row token what it costs at rows of one length, and the teacher 0.7 s a step slower than its bench,
-    which repeats one batch. Flash attention has no per-shape plan. Every actor of a run sets the same, so the
-    rollout's and the learner's log-probs come from the same kernels."""
+    TORCH_CUDNN_SDPA_AVOID_RECOMPILE names that cost). The learner's micro-batches and the teacher's forwards of rows
+    that stop at different lengths are new shapes every step: peers run 9 (docs/benchmarks/peers.md) measured the
+    learner's update at 2.6x a row token what it costs at rows of one length, and the teacher 0.7 s a step slower than
+    its bench, which repeats one batch. Flash attention has no per-shape plan. Every actor of a run sets the same
+    (hf_cached's own attention is not SDPA)."""
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
