@@ -16,6 +16,7 @@ alone, which is what differs.
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,10 +63,21 @@ def write_profile(prof, path: Path, cuda: bool) -> None:
     )
 
 
+def profiled(method):
+    """An actor method whose calls `self.profile` (a CallProfile) counts, and profiles the one it was asked for."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self.profile():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class CallProfile:
     """Counts an actor method's calls and profiles the one MINIVERL_PROFILE_CALL names (read once, at construction).
 
-    Usage: `with self.profile():` around the method's body."""
+    Usage: `@profiled` on the method, `self.profile = CallProfile(...)` in the actor's constructor."""
 
     def __init__(self, actor: str, device: str) -> None:
         self.actor = actor

@@ -23,7 +23,7 @@ from miniverl.models.lora import LoraSettings, RoundedAdapter, build_lora_model
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
 from miniverl.objectives.sampler_check import SamplerGapError, judge_step
-from miniverl.observe.profile import CallProfile
+from miniverl.observe.profile import CallProfile, profiled
 from miniverl.policy import PolicyIdentity, PolicySnapshot
 from miniverl.process import ProcessSettings, gpu_uuid, memory_report, setup_process
 from miniverl.workers.batch_checks import StaleBatchError, check_lag, gap_sums, lag_metrics, sum_over_ranks
@@ -175,6 +175,7 @@ class LearnerWorker:
         """probe_logprobs under another adapter (a trial snapshot's), then the learner's own is put back."""
         return self.publisher.probe_logprobs_with(snapshot, sequences)
 
+    @profiled
     def update(
         self,
         batch: RolloutBatch,
@@ -197,16 +198,6 @@ class LearnerWorker:
 
         MINIVERL_PROFILE_CALL=K profiles the K-th update where it runs (observe/profile.py).
         """
-        with self.profile():
-            return self._update(batch, scores, rewards, num_step_tokens)
-
-    def _update(
-        self,
-        batch: RolloutBatch,
-        scores: TeacherScores,
-        rewards: torch.Tensor | None,
-        num_step_tokens: int | None = None,
-    ) -> dict[str, float]:
         start = time.time()
         kept = self.sampler_gap.behaviour
         lag = check_lag(self.version, self.published, batch.policy_version, self.staleness, kept)

@@ -12,7 +12,7 @@ from miniverl.models.fused_head import sampled_logprobs
 from miniverl.models.loading import load_causal_lm, torch_dtype
 from miniverl.models.packing import batch_micro_batches, pack_rows, packed_hidden
 from miniverl.models.vocab_kernels import row_logsumexp
-from miniverl.observe.profile import CallProfile
+from miniverl.observe.profile import CallProfile, profiled
 from miniverl.process import ProcessSettings, memory_report, memory_share_bytes, setup_process
 
 
@@ -51,6 +51,7 @@ class ScorerWorker:
         if self.device == "cuda":
             self.max_tokens = self._size_micro_batches(process)
 
+    @profiled
     @torch.no_grad()
     def score(self, batch: RolloutBatch, support_k: int | None, temperature: float = 1.0) -> TeacherScores:
         """support_k None: sampled-token log-probs only; 0 (or >= V): full distribution; K: top-K + tail.
@@ -61,10 +62,6 @@ class ScorerWorker:
         Shapes: -> teacher_log_probs [B, Tr], support [B, Tr, K] (or [B, Tr, V]) and tail [B, Tr].
         MINIVERL_PROFILE_CALL=K profiles the K-th call where it runs (observe/profile.py).
         """
-        with self.profile():
-            return self._score(batch, support_k, temperature)
-
-    def _score(self, batch: RolloutBatch, support_k: int | None, temperature: float) -> TeacherScores:
         b, tr = batch.responses.shape
         v = self.vocab_size or self.model.config.vocab_size
         k = None if support_k is None else (v if support_k == 0 or support_k >= v else support_k)
