@@ -161,3 +161,34 @@ def test_an_actor_on_a_gpu_takes_flash_attention_unless_cudnn_is_asked_for(monke
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_the_launcher_hands_every_actor_process_the_runs_attention_setting(
+    student_dir, teacher_dir, monkeypatch, colocate
+):
+    """resources.cudnn_attention reaches the ProcessSettings of every actor process build_actors starts, separate
+    and colocated (Ray's calls stubbed: what is checked is what the launcher passes)."""
+    import ray
+
+    from miniverl.cluster import launch
+    from miniverl.objectives.gkd import GkdObjective
+    from miniverl.setup.prepare import prepare
+    from tests.test_config import with_models
+
+    started: list[ProcessSettings] = []
+
+    def remote_actor(cls, num_cpus, num_gpus, placement, *args, **kwargs):
+        started.extend(a for a in args if isinstance(a, ProcessSettings))
+        return object()
+
+    monkeypatch.setattr(launch, "remote_actor", remote_actor)
+    monkeypatch.setattr(launch, "_wait_ready", lambda name, group: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
+    for asked in (False, True):
+        started.clear()
+        cfg = with_models(
+            student_dir, teacher_dir, f"resources.cudnn_attention={asked}", f"resources.colocate={colocate}"
+        )
+        launch.build_actors(cfg, prepare(cfg, log=lambda *_: None), GkdObjective(0.5, 1.0, 0))
+        assert len(started) == (1 if colocate else 3) and all(p.cudnn_attention is asked for p in started)
