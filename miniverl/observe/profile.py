@@ -7,7 +7,8 @@ teacher also scores each evaluation's samples (trainer.eval_every, step 0's incl
 0 its K-th call is step K-1's: pick K past the first steps (the compiled learner compiles in its first). The
 directory is required with K and made if missing; Ray actors inherit both from the driver's environment, which
 refuses bad values before Ray starts (`profile_request`). The profiled call runs slower than the others (the
-profiler records every operator): its step's times are not the run's.
+profiler records every operator): its step's times are not the run's. In a colocated process (resources.colocate)
+the profile also holds what the other roles ran on their threads meanwhile.
 
 Why: peers run 9 (docs/benchmarks/peers.md) measured the scorer 0.7 s a step slower end to end than alone at the same
 rows, and the learner's update 2.6x a row token what it costs at rows that never stop; the benches profile the actors
@@ -100,6 +101,10 @@ class CallProfile:
             if self.cuda:
                 torch.cuda.synchronize()
         path = self.request[1] / f"{self.actor}-call{self.calls}-pid{os.getpid()}.txt"
+        copies = 1
+        while path.exists():  # two teachers of one process whose directories share a name: both kept
+            copies += 1
+            path = path.with_name(f"{self.actor}-call{self.calls}-pid{os.getpid()}-{copies}.txt")
         write_profile(prof, path, self.cuda)
         self.written = path
         print(f"{self.actor}: call {self.calls} profiled ({PROFILE_CALL_ENV}) into {path}", flush=True)

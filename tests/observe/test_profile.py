@@ -64,6 +64,11 @@ def test_only_the_asked_call_is_profiled(monkeypatch, tmp_path):
     assert [f.name for f in files] == [profile.written.name] and profile.written.name.startswith("thing-call2-pid")
     text = profile.written.read_text()
     assert "aten::mm" in text and "by self cpu time:" in text
+    twin = CallProfile("thing", "cpu")  # another actor of this process with the same name: its table is kept beside
+    for _ in range(2):
+        with twin():
+            a = a @ a.T / 32
+    assert twin.written != profile.written and twin.written.name.endswith("-2.txt") and profile.written.exists()
 
 
 def test_a_teacher_and_a_learner_profile_their_asked_call_and_compute_the_same(monkeypatch, tmp_path):
