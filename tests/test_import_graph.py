@@ -3,11 +3,8 @@ large part of the package (issue 16: run.py imported 33 of the 91 other modules 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from tests.scripts_loader import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "import_graph.py"
 # A module that imports a quarter of the package is where every setting and every phase meet: the old
 # run.py imported 36% of the others (33 of 91); main, the composition root of the new layout, imports
 # 19%, the next (setup/prepare.py, cluster/launch.py) 15% and 13%.
@@ -15,11 +12,7 @@ MAX_FAN_OUT_FRACTION = 0.25
 
 
 def graph_module():
-    spec = importlib.util.spec_from_file_location("import_graph", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("import_graph.py")
 
 
 def test_no_import_cycle_at_module_level():

@@ -3,21 +3,16 @@ TRL is installed, as in the device bundle) runs TRL's GKDTrainer on tiny models 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "measurements" / "trl_gkd_compare.py"
+from tests.scripts_loader import load_script as load_path
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("trl_gkd_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_path("measurements/trl_gkd_compare.py")
 
 
 def test_importing_the_script_imports_no_trl():

@@ -3,7 +3,6 @@ recipe still retraces their builds, a first run copies them instead of training,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from miniverl.models.builtin import (
     torch_threads,
 )
 from tests.conftest import TINY_ARCH, TINY_RECIPE
+from tests.scripts_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 RESHIP = "rebuild them: python scripts/build_models.py --experiments --ship"
@@ -43,10 +43,7 @@ BUILT_FILES = sorted(
 
 
 def build_script():
-    spec = importlib.util.spec_from_file_location("build_models", ROOT / "scripts" / "build_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("build_models.py")
 
 
 @pytest.fixture(scope="module")

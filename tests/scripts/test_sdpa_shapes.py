@@ -3,20 +3,15 @@ fix; bad counts are refused before anything runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "measurements" / "sdpa_shapes.py"
+from tests.scripts_loader import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("sdpa_shapes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("measurements/sdpa_shapes.py")
 
 
 def test_the_cpu_smoke_run_times_first_and_repeated_shapes_for_both_variants(tmp_path):

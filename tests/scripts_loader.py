@@ -1,0 +1,20 @@
+"""The project's scripts (scripts/, not a package) imported by path, for the tests that call their functions."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str):
+    """scripts/<relative> as a fresh module named after its file, registered in sys.modules while it runs (a script's
+    dataclasses look their module up there)."""
+    path = ROOT / "scripts" / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
