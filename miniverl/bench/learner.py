@@ -127,8 +127,6 @@ def exact_sampler(learner, batch: RolloutBatch) -> RolloutBatch:
     untimed before each update. The learner refuses a step whose sampler sits too far from it (SamplerGapError): the
     bench's random stand-ins (log 1/V minus noise) sit 0.59 nats away, over every objective's bound; and, in batches
     the version test votes on, log-probs of the policy before the last update. Shapes: rollout_log_probs [B, Tr]."""
-    import dataclasses
-
     learner.model.eval()
     logprobs = learner.policy_logprobs(batch)
     return dataclasses.replace(batch, rollout_log_probs=logprobs)
@@ -154,8 +152,6 @@ def time_updates(
     each update's micro-batches are new shapes as a run's steps are (`batch` then only names the shapes). The rate
     is the median update's own (its tokens / its seconds).
     """
-    import dataclasses
-
     cuda = torch.cuda.is_available() and learner.device == "cuda"
     times: list[float] = []
     warmups: list[float] = []
@@ -198,7 +194,6 @@ def profile_update(learner, batch: RolloutBatch, scores: TeacherScores, path) ->
     Like the timed updates it hands the learner an exact sampler's log-probs: the bench's random stand-ins
     would be refused by the sampler-gap check (the first GPU profile attempt, 2026-12-01, was).
     """
-    import dataclasses
     from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
