@@ -112,12 +112,9 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
     varied = cell.get("prompt_min") or cell.get("response_median")
     topk = cell["topk"] if cell["objective"] == "gkd" else None
 
-    def draw(seed: int):  # rows of varied lengths (vary_lengths) as `seed` draws them, and their teacher's scores
-        batch = full
-        if varied:
-            batch = bench.vary_lengths(
-                full, cell.get("prompt_min") or cell["prompt_tokens"], cell.get("response_median", 0), seed
-            )
+    def draw(seed: int):  # the rows' lengths as `seed` draws them (every row full without prompt_min and a median)
+        prompt_min = cell.get("prompt_min") or cell["prompt_tokens"]
+        batch = bench.vary_lengths(full, prompt_min, cell.get("response_median", 0), seed)
         return batch, bench.synthetic_scores(batch, vocab, topk, seed=0)
 
     if cell.get("redraw") and not varied:

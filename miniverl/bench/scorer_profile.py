@@ -151,9 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = scorer.model.config.vocab_size
     full = synthetic_batch(a.rows, a.prompt_tokens, a.response_tokens, vocab, seed=0)
 
-    def draw(seed: int):  # rows of varied lengths, as rows that stop and real prompts give
-        if not (a.prompt_min or a.response_median):
-            return full
+    def draw(seed: int):  # rows of varied lengths, as rows that stop and real prompts give (without: every row full)
         return vary_lengths(full, a.prompt_min or a.prompt_tokens, a.response_median, seed=seed)
 
     batch = draw(0)
