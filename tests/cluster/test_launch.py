@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from miniverl.process import ProcessSettings
 from tests.test_config import load
 
 
@@ -51,3 +52,56 @@ def test_the_tests_own_ray_clusters_run_their_workers_at_the_drivers_priority_to
         assert actor_niceness(ray) == os.nice(0)
     finally:
         ray.shutdown()
+
+
+def test_an_actor_on_a_gpu_takes_flash_attention_unless_cudnn_is_asked_for(monkeypatch):
+    """resources.cudnn_attention reaches every actor as ProcessSettings.cudnn_attention: off (the default), torch's
+    SDPA may not pick cuDNN, whose per-shape plans cost peers run 9's learner and teacher seconds a step."""
+    import torch
+
+    from miniverl.process import setup_process
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # setup_process's CUDA branch, without a GPU
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert setup_process(ProcessSettings("cuda", torch_threads=1)) == "cuda"
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        setup_process(ProcessSettings("cuda", torch_threads=1, cudnn_attention=True))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        setup_process(ProcessSettings("cpu", torch_threads=1))  # a CPU actor leaves torch's attention settings alone
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_the_launcher_hands_every_actor_process_the_runs_attention_setting(
+    student_dir, teacher_dir, monkeypatch, colocate
+):
+    """resources.cudnn_attention reaches the ProcessSettings of every actor process build_actors starts, separate
+    and colocated (Ray's calls stubbed: what is checked is what the launcher passes)."""
+    import ray
+
+    from miniverl.cluster import launch
+    from miniverl.objectives.gkd import GkdObjective
+    from miniverl.setup.prepare import prepare
+    from tests.test_config import with_models
+
+    started: list[ProcessSettings] = []
+
+    def remote_actor(cls, num_cpus, num_gpus, placement, *args, **kwargs):
+        started.extend(a for a in args if isinstance(a, ProcessSettings))
+        return object()
+
+    monkeypatch.setattr(launch, "remote_actor", remote_actor)
+    monkeypatch.setattr(launch, "_wait_ready", lambda name, group: None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
+    for asked in (False, True):
+        started.clear()
+        cfg = with_models(
+            student_dir, teacher_dir, f"resources.cudnn_attention={asked}", f"resources.colocate={colocate}"
+        )
+        launch.build_actors(cfg, prepare(cfg, log=lambda *_: None), GkdObjective(0.5, 1.0, 0))
+        assert len(started) == (1 if colocate else 3) and all(p.cudnn_attention is asked for p in started)
