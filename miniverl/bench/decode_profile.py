@@ -148,11 +148,10 @@ def time_generate(backend, prompts, params, seeds, device: str, repeats: int) ->
 
 def trace(backend, prompts, params, seeds, device: str) -> dict:
     """One generate call under torch.profiler: kernel time by category, kernels per step, host calls."""
-    from torch.profiler import ProfilerActivity, profile
+    from miniverl.observe.profile import profiling
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     _sync(device)
-    with profile(activities=activities) as prof:
+    with profiling(device.startswith("cuda")) as prof:
         t0 = time.perf_counter()
         out = backend.generate(prompts, params, seeds)
         _sync(device)

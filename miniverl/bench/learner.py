@@ -196,16 +196,12 @@ def profile_update(learner, batch: RolloutBatch, scores: TeacherScores, path) ->
     """
     from pathlib import Path
 
-    from torch.profiler import ProfilerActivity, profile
-
-    from miniverl.observe.profile import write_profile
+    from miniverl.observe.profile import profiling, write_profile
 
     cuda = torch.cuda.is_available() and learner.device == "cuda"
     batch = exact_sampler(learner, batch)
     learner.publish_policy(include_weights=False)
     stamped = dataclasses.replace(batch, policy_version=learner.version)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profiling(cuda) as prof:
         learner.update(stamped, scores, None)
-        if cuda:
-            torch.cuda.synchronize()
     write_profile(prof, Path(path), cuda)

@@ -124,10 +124,10 @@ def top_kernels(prof, cuda: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     import transformers
-    from torch.profiler import ProfilerActivity, profile
 
     from miniverl.bench.learner import synthetic_batch, vary_lengths
     from miniverl.models.packing import row_lengths
+    from miniverl.observe.profile import profiling
     from miniverl.process import ProcessSettings
     from miniverl.workers.scorer import ScorerWorker
 
@@ -171,10 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"scorer profile: call {i + 1} of {1 + a.repeats}: {time.perf_counter() - start:.3f} s", flush=True)
     if a.redraw:  # the profiled call's shapes are new too
         batch = draw(1 + a.repeats)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profiling(cuda) as prof:
         scorer.score(batch, support, 1.0)
-        if cuda:
-            torch.cuda.synchronize()
     middle = sorted(range(len(seconds)), key=seconds.__getitem__)[len(seconds) // 2]  # the median call
     median = seconds[middle]
     tokens = scored[-1]

@@ -64,6 +64,18 @@ def write_profile(prof, path: Path, cuda: bool) -> None:
     )
 
 
+@contextmanager
+def profiling(cuda: bool):
+    """torch's profiler over the block: CPU activity and, with `cuda`, the GPU's, whose work is waited for before the
+    profile stops. Yields the profile (its tables once the block has ended)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield prof
+        if cuda:
+            torch.cuda.synchronize()
+
+
 def profiled(method):
     """An actor method whose calls `self.profile` (a CallProfile) counts, and profiles the one it was asked for."""
 
@@ -93,13 +105,8 @@ class CallProfile:
         if self.request is None or self.calls != self.request[0]:
             yield
             return
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        with profile(activities=activities) as prof:
+        with profiling(self.cuda) as prof:
             yield
-            if self.cuda:
-                torch.cuda.synchronize()
         path = self.request[1] / f"{self.actor}-call{self.calls}-pid{os.getpid()}.txt"
         copies = 1
         while path.exists():  # two teachers of one process whose directories share a name: both kept
