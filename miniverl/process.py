@@ -143,11 +143,12 @@ def set_attention_backends(cudnn: bool) -> None:
     """Whether torch's scaled_dot_product_attention may use cuDNN in this process (`cudnn`), or only flash,
     memory-efficient and math attention. On Hopper and newer cards torch 2.9+ tries cuDNN first, and cuDNN builds an
     execution plan for every new (rows, heads, length) shape it sees, tens of milliseconds or more each (torch's
-    TORCH_CUDNN_SDPA_AVOID_RECOMPILE names that cost). The learner's micro-batches and the teacher's forwards of rows
-    that stop at different lengths are new shapes every step: peers run 9 (docs/benchmarks/peers.md) measured the
-    learner's update at 2.6x a row token what it costs at rows of one length, and the teacher 0.7 s a step slower than
-    its bench, which repeats one batch. Flash attention has no per-shape plan. Every actor of a run sets the same
-    (hf_cached's own attention is not SDPA)."""
+    TORCH_CUDNN_SDPA_AVOID_RECOMPILE names that cost; with compiled layers it fails on torch 2.11). The learner's
+    micro-batches and the teacher's forwards of rows that stop at different lengths are new shapes every step: in
+    peers run 10 (docs/benchmarks/peers.md) a new shape's first call took 130 ms against 1 ms repeated, and the
+    realistic 4080 step 6.60 s with cuDNN allowed against 4.12 s without (update 3.35 -> 1.76 s, scoring 1.85 ->
+    1.15 s). Flash attention has no per-shape plan and cost nothing measurable where shapes repeat. Every actor of a
+    run sets the same (hf_cached's own attention is not SDPA)."""
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
