@@ -1,6 +1,6 @@
 """What a peer's cell script (scripts/peers/*.py, run by miniverl.bench.peers) shares: the step timer it hands its
 trainer (and the generation inside each step), the trained tokens per step it reports, the stop ids it adds to the
-model's EOS, and its command line (the prompt and stop options, parse, run, write the JSON).
+model's EOS, and its command line (the prompt, stop and attention options, parse, run, write the JSON).
 
 Importing it imports nothing heavy: transformers is imported when the timer is made, inside the script's run(), after
 the script's own first imports (Unsloth must patch transformers before anything else imports it).
@@ -100,8 +100,8 @@ def trained_tokens_per_step(rows: int, mean_lengths: list[float], max_new_tokens
     return rows * (statistics.median(timed) if timed else max_new_tokens)
 
 
-def add_prompt_options(ap: argparse.ArgumentParser) -> None:
-    """--prompt-len and --stop-ids, as the harness passes them (neither at its defaults)."""
+def add_harness_options(ap: argparse.ArgumentParser) -> None:
+    """--prompt-len, --stop-ids and --flash-attention, as the harness passes them (none at its defaults)."""
     ap.add_argument(
         "--prompt-len",
         type=_argument(parse_prompt_len),
@@ -114,6 +114,24 @@ def add_prompt_options(ap: argparse.ArgumentParser) -> None:
         default=(),
         help="comma-separated token ids that end a row besides the model's EOS (the harness's stop_set; default none)",
     )
+    ap.add_argument(
+        "--flash-attention",
+        action="store_true",
+        help="keep torch's SDPA off cuDNN's attention, as miniVERL's actors (resources.cudnn_attention=false); default:"
+        " torch's own choice, cuDNN first on Hopper",
+    )
+
+
+def apply_attention(args: argparse.Namespace) -> str:
+    """--flash-attention: torch's SDPA may not pick cuDNN in this process (miniverl.process.set_attention_backends,
+    the setting miniVERL's actors run with; cuDNN plans every new shape); call it in run() after the script's first
+    imports. Returns the setting, as the cell's JSON records it."""
+    if not args.flash_attention:
+        return "torch's default (cuDNN first on Hopper)"
+    from miniverl.process import set_attention_backends
+
+    set_attention_backends(cudnn=False)
+    return "flash (cuDNN's attention off, as miniVERL's actors)"
 
 
 def parse_stop_ids(text: str) -> tuple[int, ...]:

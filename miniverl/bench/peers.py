@@ -27,6 +27,9 @@ Realistic shapes, the same in every cell (the defaults pass nothing: the cells o
   miniVERL gets `rollout.stop_token_ids=[...]` (unioned with the student's EOS); TRL and Unsloth `--stop-ids`: the
   model's `generation_config.eos_token_id` list (what transformers' generate stops on and TRL masks after) and vLLM's
   SamplingParams `stop_token_ids` (their scripts' docstrings cite the source lines).
+- `--peer-attention flash` (default `default`): the peers' scripts `--flash-attention`, keeping their training
+  forwards' SDPA off cuDNN as miniVERL's actors are (resources.cudnn_attention=false: cuDNN plans every new shape,
+  peers.md run 10); by default they run torch's own choice. Each peer's JSON records which (`settings.attention`).
 Each cell's JSON records the bounds, the median and the number of stop ids. Trained tokens stay the rows' real
 tokens when lengths vary: a peer's are rows x the median over the timed steps of the mean completion length its
 trainer logs (its mask's tokens over its rows, the stop token included); miniVERL's the median of `response_tokens`.
@@ -161,6 +164,7 @@ class Plan:
     stop_median: int = 0  # --stop-median (0: no stop ids beyond the models' EOS)
     stop_ids: tuple[int, ...] = ()  # stop_set(stop_median, the student's vocabulary, STOP_SEED), every cell's
     miniverl_overrides: tuple[str, ...] = ()  # --miniverl-overrides: Hydra overrides added to every miniVERL cell
+    peer_attention: str = "default"  # --peer-attention: "flash" keeps the peers' SDPA off cuDNN, as miniVERL's actors
 
     @property
     def default_prompts(self) -> bool:
@@ -226,7 +230,7 @@ def _trl_command(vllm: bool) -> Callable[[Plan, Shape, Path], list[str]]:
             "--out",
             str(out_json),
         ]
-        args += [*_shape_args(shape), "--steps", str(plan.steps), "--beta", "0.5", *_prompt_args(plan)]
+        args += [*_shape_args(shape), "--steps", str(plan.steps), "--beta", "0.5", *_peer_args(plan)]
         return args + (["--vllm"] if vllm else []) + (["--cpu"] if plan.cpu else [])
 
     return command
@@ -243,7 +247,7 @@ def _trl_topk(plan: Plan, shape: Shape, out_json: Path) -> list[str]:
 def _unsloth(plan: Plan, shape: Shape, out_json: Path) -> list[str]:
     grouped = shape.grouped()
     args = [sys.executable, str(ROOT / "scripts" / "peers" / "unsloth_grpo.py"), "--student", str(plan.student)]
-    return [*args, "--out", str(out_json), *_shape_args(grouped), "--steps", str(plan.steps), *_prompt_args(plan)]
+    return [*args, "--out", str(out_json), *_shape_args(grouped), "--steps", str(plan.steps), *_peer_args(plan)]
 
 
 def full_support_gib(plan: Plan, shape: Shape) -> tuple[float, int]:
@@ -310,10 +314,12 @@ def _shape_args(shape: Shape) -> list[str]:
     return ["--prompts", str(shape.prompts), "--samples", str(shape.samples), "--max-new-tokens", str(shape.tokens)]
 
 
-def _prompt_args(plan: Plan) -> list[str]:
-    """A peer script's prompt bounds and stop ids; none at the defaults (the command line of before)."""
+def _peer_args(plan: Plan) -> list[str]:
+    """A peer script's prompt bounds, stop ids and attention setting; none at the defaults (the command line of
+    before)."""
     args = [] if plan.default_prompts else ["--prompt-len", "{}:{}".format(*plan.prompt_len)]
-    return args + (["--stop-ids", ",".join(map(str, plan.stop_ids))] if plan.stop_ids else [])
+    args += ["--stop-ids", ",".join(map(str, plan.stop_ids))] if plan.stop_ids else []
+    return args + (["--flash-attention"] if plan.peer_attention == "flash" else [])
 
 
 GKD_FULL = "generalized JSD beta 0.5 over the full vocabulary (TRL's chunked kernel), on-policy"
@@ -396,6 +402,13 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         help="LO:HI, the reverse task's string lengths in characters (default %(default)s: the task's own)",
     )
     ap.add_argument(
+        "--peer-attention",
+        choices=("default", "flash"),
+        default="default",
+        help="the peers' training attention: torch's default (cuDNN first on Hopper, a plan for every new shape) or"
+        " flash only, the setting miniVERL's actors run with (resources.cudnn_attention=false)",
+    )
+    ap.add_argument(
         "--miniverl-overrides",
         default="",
         help="Hydra overrides added to every miniVERL cell, space-separated (e.g. 'trainer.compile_layers=false')",
@@ -455,7 +468,7 @@ def parse_args(argv: list[str] | None = None) -> Plan:
                     )
     return Plan(
         *(a.student, a.teacher, a.out, shapes, cells, a.steps, a.cell_timeout, a.unsloth_site, a.gpu, a.cpu),
-        *(prompt_len, prompt_tokens, a.stop_median, stop_ids, overrides),
+        *(prompt_len, prompt_tokens, a.stop_median, stop_ids, overrides, a.peer_attention),
     )
 
 

@@ -32,7 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
 from miniverl.bench.peer_cell import (
-    add_prompt_options,
+    add_harness_options,
+    apply_attention,
     run_cell,
     step_timer,
     stop_on,
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--beta", type=float, default=0.5)
     ap.add_argument("--vllm", action="store_true", help="generate with vLLM colocated (vllm_mode='colocate')")
     ap.add_argument("--cpu", action="store_true", help="allow a run without CUDA (tiny models)")
-    add_prompt_options(ap)
+    add_harness_options(ap)
     args = ap.parse_args(argv)
     for name in ("prompts", "samples", "max_new_tokens", "steps"):
         if getattr(args, name) < 1:
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace) -> dict:
     from trl import DistillationConfig, DistillationTrainer
 
     cuda = torch.cuda.is_available() and not args.cpu
+    attention = apply_attention(args)
     dtype = torch.bfloat16 if cuda else torch.float32
     tok = AutoTokenizer.from_pretrained(args.student)
     tok.chat_template = PLAIN_CHAT_TEMPLATE
@@ -118,6 +120,7 @@ def run(args: argparse.Namespace) -> dict:
         "stop_ids": len(args.stop_ids),
         "eos_token_ids": len(eos) if eos else None,  # the student's EOS list, stops included (None: its own)
         "vllm_stop_token_ids": len(args.stop_ids) if generation_kwargs(args) else None,
+        "attention": attention,  # the training forwards' SDPA (vLLM's generation has its own)
     }
     config = DistillationConfig(
         output_dir=str(args.out.parent / f"{args.out.stem}_trl"),

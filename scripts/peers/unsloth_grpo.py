@@ -37,7 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
 from miniverl.bench.peer_cell import (
-    add_prompt_options,
+    add_harness_options,
+    apply_attention,
     run_cell,
     step_timer,
     stop_on,
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro-batch", type=int, default=0, help="rows per update forward (0: all rows)")
     ap.add_argument("--bf16", action="store_true", help="a 16-bit base instead of Unsloth's 4-bit default")
-    add_prompt_options(ap)
+    add_harness_options(ap)
     args = ap.parse_args(argv)
     for name in ("prompts", "max_new_tokens", "steps"):
         if getattr(args, name) < 1:
@@ -97,6 +98,8 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from miniverl.rewards.scoring import exact_match
+
+    attention = apply_attention(args)
 
     prompt_tokens = max(
         PROMPT_TOKENS_MAX, longest_prompt_tokens(args.prompt_len[1], AutoTokenizer.from_pretrained(args.student))
@@ -180,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
             "prompt_len": list(args.prompt_len),
             "stop_ids": len(args.stop_ids),
             "eos_token_ids": len(eos) if eos else None,  # the model's EOS list, stops included (None: its own)
+            "attention": attention,  # torch's SDPA where Unsloth's training attention calls it (vLLM has its own)
         },
         "versions": {"unsloth": unsloth.__version__, "trl": trl.__version__, "torch": torch.__version__},
         "device": torch.cuda.get_device_name(0),

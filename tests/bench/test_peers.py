@@ -545,3 +545,41 @@ def test_miniverl_overrides_reach_every_miniverl_cell_and_a_key_the_harness_sets
     clash = gpu_plan(peers.parse_args([*argv, "--miniverl-overrides", "trainer.total_steps=9"]))
     with pytest.raises(peers.NotRunnable, match="trainer.total_steps=9: the harness sets that key for this cell"):
         peers.CELLS["miniverl-gkd-16g"].command(clash, shape, out)
+
+
+def test_peer_attention_flash_reaches_each_peer_script_and_only_the_peers(student_dir, teacher_dir, tmp_path):
+    """--peer-attention flash: TRL's and Unsloth's scripts get --flash-attention (the setting miniVERL's actors run
+    with), miniVERL's commands do not change; without it no peer gets it; a value other than default/flash is
+    refused."""
+    argv = args(student_dir, teacher_dir, tmp_path, "--cpu", "--shapes", "2x2x8")
+    plain = gpu_plan(peers.parse_args(argv))
+    plan = gpu_plan(peers.parse_args([*argv, "--peer-attention", "flash"]))
+    shape, out = plan.shapes[0], tmp_path / "c.json"
+    found = scripts()
+    for name, script in SCRIPT_OF.items():
+        assert not found[script]["parse_args"](peers.CELLS[name].command(plain, shape, out)[2:]).flash_attention
+        assert found[script]["parse_args"](peers.CELLS[name].command(plan, shape, out)[2:]).flash_attention, name
+    for name in ("miniverl-gkd-16g", "miniverl-pg_k1-free"):
+        assert peers.CELLS[name].command(plan, shape, out) == peers.CELLS[name].command(plain, shape, out)
+    with pytest.raises(SystemExit):
+        peers.parse_args([*argv, "--peer-attention", "cudnn"])
+
+
+def test_a_peer_scripts_flash_attention_turns_cudnn_off_and_says_so():
+    """apply_attention: with --flash-attention torch's SDPA may not pick cuDNN in the script's process, and the
+    setting it returns is what the cell's JSON records; without it torch's choice is left alone."""
+    import argparse
+
+    import torch
+
+    from miniverl.bench.peer_cell import apply_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert apply_attention(argparse.Namespace(flash_attention=False)).startswith("torch's default")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert apply_attention(argparse.Namespace(flash_attention=True)).startswith("flash")
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
