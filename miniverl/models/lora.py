@@ -44,6 +44,22 @@ def adapter_params(config, rank: int, target_modules) -> int:
     return sum(rank * (m.in_features + m.out_features) for name, m in meta_linear_layers(config) if name in targets)
 
 
+# peft 0.21's PeftModel reads the model's `is_gradient_checkpointing`, which transformers 5.25 deprecated (a
+# FutureWarning naming its successor in every actor's log at start): peft's to change, nothing a user can act on.
+PEFT_DEPRECATION = "`is_gradient_checkpointing` is deprecated"
+
+
+def wrap_with_adapter(model, config):
+    """peft's get_peft_model(model, config), without transformers' deprecation warning about what peft reads."""
+    import warnings
+
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PEFT_DEPRECATION, category=FutureWarning)
+        return get_peft_model(model, config)
+
+
 def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: str, quantization: str = "none"):
     """Base model from `path` wrapped with a fresh adapter; lora_B starts at 0, so it serves the base.
 
@@ -56,7 +72,7 @@ def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: 
     alone on a 16 GB card; what it does besides is freezing the base (get_peft_model does that) and making
     inputs require grad for reentrant checkpointing (the learner uses the non-reentrant kind).
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     base = load_causal_lm(path, dtype, device, quantization)
     torch.manual_seed(lora.init_seed)
@@ -68,7 +84,7 @@ def build_lora_model(path: str, lora: LoraSettings, dtype: torch.dtype, device: 
         bias="none",
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(base, config)
+    model = wrap_with_adapter(base, config)
     for module in model.modules():
         if _plain_lora_linear(module):
             module.__class__ = _computing_in_base_dtype(type(module))
@@ -290,13 +306,13 @@ def load_adapter_state(model, weights: dict[str, torch.Tensor]) -> None:
 
 def adapter_template(model_dir: str, lora: LoraSettings, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A zero adapter under the learner's peft names and shapes, built on the meta device (no weights read)."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import LoraConfig, get_peft_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-        peft = get_peft_model(
+        peft = wrap_with_adapter(
             model,
             LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules), bias="none"),
         )

@@ -196,3 +196,30 @@ def test_a_backward_left_uncollected_is_added_at_exit_and_a_no_grad_forward_adds
             second(x)
     assert torch.equal(first.lora_A["default"].weight.grad, want)
     assert second.lora_A["default"].weight.grad is None  # used without grad: no zero gradient for AdamW to move
+
+
+def test_building_the_adapter_prints_no_deprecation_of_what_peft_reads(student_dir):
+    """peft reads `is_gradient_checkpointing`, which transformers 5.25 deprecates (naming `is_activation_checkpointing`)
+    with a FutureWarning every actor printed at start; the project wraps peft without it and keeps every other
+    warning. Where transformers has the successor, peft alone does print it (the filter is needed, not idle)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    from miniverl.models.lora import PEFT_DEPRECATION, adapter_template
+
+    def deprecations(build) -> list:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build()
+            warnings.warn("a warning of the caller's own", FutureWarning, stacklevel=1)
+        assert [w for w in caught if "of the caller's own" in str(w.message)]  # every filter ends with its call
+        return [w for w in caught if PEFT_DEPRECATION in str(w.message)]
+
+    settings = LoraSettings(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj",), init_seed=0)
+    assert not deprecations(lambda: build_lora_model(str(student_dir), settings, torch.float32, "cpu"))
+    assert not deprecations(lambda: adapter_template(str(student_dir), settings, torch.float32))
+    if hasattr(PreTrainedModel, "is_activation_checkpointing"):
+        base = AutoModelForCausalLM.from_pretrained(str(student_dir))
+        assert deprecations(lambda: get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])))
