@@ -4,6 +4,7 @@ A leaf: the workers, the rollout backends, the cluster launcher and the fit plan
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -123,8 +124,6 @@ def setup_process(settings: ProcessSettings) -> str:
         ignore_stop_signals()
     torch.set_num_threads(settings.torch_threads or os.cpu_count() or 1)
     if settings.switch_interval_s is not None:
-        import sys
-
         sys.setswitchinterval(settings.switch_interval_s)
         print(f"process: Python switch interval {sys.getswitchinterval() * 1e3:g} ms", flush=True)
     if settings.device != "cuda":
@@ -148,7 +147,14 @@ def set_attention_backends(cudnn: bool) -> None:
     peers run 10 (docs/benchmarks/peers.md) a new shape's first call took 130 ms against 1 ms repeated, and the
     realistic 4080 step 6.60 s with cuDNN allowed against 4.12 s without (update 3.35 -> 1.76 s, scoring 1.85 ->
     1.15 s). Flash attention has no per-shape plan and cost nothing measurable where shapes repeat. Every actor of a
-    run sets the same (hf_cached's own attention is not SDPA)."""
+    run sets the same (hf_cached's own attention is not SDPA).
+
+    torch picks SDPA's kernel when it traces a compiled graph, and compiled code's guards do not look at this setting:
+    after a change, layers compiled before would keep the old kernel (peers run 10's learner bench ran its cuDNN cells
+    on the flash cell's compiled layers so). A change therefore clears torch.compile's caches, where torch.compile has
+    been loaded in this process."""
+    if torch.backends.cuda.cudnn_sdp_enabled() != cudnn and "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 

@@ -9,7 +9,7 @@ vary_lengths: prompts of prompt_min..prompt_tokens, responses geometric with tha
 draws new lengths for every update (new micro-batch shapes each update, as a run's steps have: a fixed batch repeats
 its shapes, which hides per-shape costs such as cuDNN attention's plans), "cudnn_attention": true lets torch's SDPA
 use cuDNN (resources.cudnn_attention; default flash attention, as the product's actors; a cell of another setting
-than the cell before compiles its layers afresh). Three switches
+than the cell before compiles its layers afresh: process.set_attention_backends). Three switches
 measure what the product no longer does, to credit each change: "peft_lora": true gives peft's own LoRA arithmetic
 back (fp32 adapter matmuls over upcast inputs), "eager_vocab": true turns off the Triton vocabulary passes
 (models/vocab_kernels.py) and "per_call_rounding": true rounds the adapter to the base's dtype at every call again
@@ -83,21 +83,6 @@ def build_model(shape: str, device: str, target: Path) -> Path:
     return build_random_model(SHAPES[shape], torch.bfloat16, device, target)
 
 
-_traced_attention: list[bool] = []  # the attention setting of the cell before (compiled layers were traced under it)
-
-
-def retrace_on_attention_change(cudnn: bool) -> bool:
-    """torch picks SDPA's kernel (cuDNN's or flash) when it traces a compiled layer, and the compiled layers' guards
-    do not look at that setting: a cell of another setting would run the layers an earlier cell of this process
-    compiled (peers run 10's cuDNN cells ran flash so). Clears torch.compile's caches when `cudnn` differs from the
-    cell before's setting; returns whether it did."""
-    changed = bool(_traced_attention) and _traced_attention[-1] != cudnn
-    if changed:
-        torch._dynamo.reset()
-    _traced_attention[:] = [cudnn]
-    return changed
-
-
 def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Path | None) -> dict:
     if cell.get("autocast"):
         raise ValueError("the autocast candidate is gone: LoRA now computes in the base's dtype (models/lora.py)")
@@ -107,7 +92,6 @@ def run_cell(cell: dict, model_path: Path, vocab: int, device: str, profile: Pat
     if device == "cuda" and cell.get("gpu_memory_gib") is None:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)  # an earlier capped cell's cap stays otherwise
     objective = bench.objective_for(cell["objective"], cell["topk"])
-    retrace_on_attention_change(cell.get("cudnn_attention", False))
     learner = LearnerWorker(
         str(model_path),
         LoraSettings(rank=32, alpha=64.0, dropout=0.0, target_modules=ALL_LINEAR, init_seed=0),

@@ -151,27 +151,3 @@ def test_the_bench_script_runs_a_redrawn_cell_and_refuses_one_without_varied_row
     redrawn, fixed = (json.loads(line) for line in out.read_text().splitlines())
     assert redrawn["ok"] and len(redrawn["trained_tokens_each"]) == 2 and redrawn["tokens_per_s"] > 0
     assert not fixed["ok"] and "redraw draws new row lengths each update" in fixed["error"]
-
-
-def test_a_cell_of_another_attention_setting_traces_its_compiled_layers_afresh(monkeypatch):
-    """torch picks SDPA's kernel when it traces, and compiled code is reused across learners of one process: peers run
-    10's cuDNN cells ran the layers the flash cell before them had compiled. A cell whose attention setting differs
-    from the cell before's is traced again; one of the same setting reuses what is compiled."""
-    from tests.scripts_loader import load_script
-
-    bench_script = load_script("bench_learner.py")
-    traces = []
-
-    def counting_backend(graph, example_inputs):
-        traces.append(len(traces))
-        return graph.forward
-
-    layer = torch.compile(lambda x: torch.sin(x) * 2, backend=counting_backend)
-    x = torch.ones(3)
-    seen = []
-    for cudnn in (False, False, True, True, False):
-        seen.append(bench_script.retrace_on_attention_change(cudnn))
-        layer(x)
-    assert seen == [False, False, True, False, True]
-    assert len(traces) == 3  # the first cell, then once after each change of setting
-    torch._dynamo.reset()

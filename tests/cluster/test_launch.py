@@ -76,6 +76,34 @@ def test_an_actor_on_a_gpu_takes_flash_attention_unless_cudnn_is_asked_for(monke
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
+def test_a_change_of_attention_setting_traces_compiled_code_afresh():
+    """torch picks SDPA's kernel when it traces, and compiled code is reused across learners of one process: peers run
+    10's learner bench ran its cuDNN cells on the layers its flash cell had compiled. After set_attention_backends
+    changes the setting, compiled code is traced again; setting it to what it is reuses what is compiled."""
+    import torch
+
+    from miniverl.process import set_attention_backends
+
+    traces = []
+
+    def counting_backend(graph, example_inputs):
+        traces.append(len(traces))
+        return graph.forward
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    layer = torch.compile(lambda x: torch.sin(x) * 2, backend=counting_backend)
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        for cudnn in (False, False, True, True, False):
+            set_attention_backends(cudnn)
+            assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn
+            layer(torch.ones(3))
+        assert len(traces) == 3  # the first call, then once after each change of setting
+    finally:
+        torch._dynamo.reset()
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 @pytest.mark.parametrize("colocate", [False, True])
 def test_the_launcher_hands_every_actor_process_the_runs_attention_setting(
     student_dir, teacher_dir, monkeypatch, colocate
