@@ -132,6 +132,20 @@ def exact_sampler(learner, batch: RolloutBatch) -> RolloutBatch:
     return dataclasses.replace(batch, rollout_log_probs=logprobs)
 
 
+def ready_for_update(learner, batch: RolloutBatch) -> RolloutBatch:
+    """The learner publishes (its version moves on, no weights are sent) and `batch` comes back as the sampler of
+    that version would have produced it: its exact log-probs (exact_sampler) and its version stamp, so strict sync and
+    the sampler checks take it as a step of a run."""
+    learner.publish_policy(include_weights=False)
+    return dataclasses.replace(exact_sampler(learner, batch), policy_version=learner.version)
+
+
+def median_index(values: list[float]) -> int:
+    """The index of the median of `values` (the upper one of an even count), so what belongs to that entry (its
+    tokens) goes with it."""
+    return sorted(range(len(values)), key=values.__getitem__)[len(values) // 2]
+
+
 def time_updates(
     learner,
     batch: RolloutBatch,
@@ -159,8 +173,7 @@ def time_updates(
     for i in range(warmup + repeats):
         if draw is not None:
             batch, scores = draw(i)
-        learner.publish_policy(include_weights=False)
-        stamped = dataclasses.replace(exact_sampler(learner, batch), policy_version=learner.version)
+        stamped = ready_for_update(learner, batch)
         if cuda:
             torch.cuda.synchronize()
             if i == warmup:
@@ -172,7 +185,7 @@ def time_updates(
         (times if i >= warmup else warmups).append(time.perf_counter() - start)
         if i >= warmup:
             tokens.append(int(batch.response_mask.sum()))
-    middle = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]  # the median update
+    middle = median_index(times)  # the median update
     return {
         "update_s": times,
         "warmup_update_s": warmups,
@@ -199,9 +212,7 @@ def profile_update(learner, batch: RolloutBatch, scores: TeacherScores, path) ->
     from miniverl.observe.profile import profiling, write_profile
 
     cuda = torch.cuda.is_available() and learner.device == "cuda"
-    batch = exact_sampler(learner, batch)
-    learner.publish_policy(include_weights=False)
-    stamped = dataclasses.replace(batch, policy_version=learner.version)
+    stamped = ready_for_update(learner, batch)
     with profiling(cuda) as prof:
         learner.update(stamped, scores, None)
     write_profile(prof, Path(path), cuda)

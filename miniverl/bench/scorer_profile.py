@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     import transformers
 
-    from miniverl.bench.learner import synthetic_batch, vary_lengths
+    from miniverl.bench.learner import median_index, synthetic_batch, vary_lengths
     from miniverl.models.packing import row_lengths
     from miniverl.observe.profile import profiling
     from miniverl.process import ProcessSettings
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         batch = draw(1 + a.repeats)
     with profiling(cuda) as prof:
         scorer.score(batch, support, 1.0)
-    middle = sorted(range(len(seconds)), key=seconds.__getitem__)[len(seconds) // 2]  # the median call
+    middle = median_index(seconds)  # the median call
     median = seconds[middle]
     tokens = scored[-1]
     result = {

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from miniverl.bench.learner import exact_sampler, objective_for, synthetic_batch, synthetic_scores
+from miniverl.bench.learner import objective_for, ready_for_update, synthetic_batch, synthetic_scores
 from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings
 from miniverl.observe.profile import CallProfile, profile_request
@@ -97,9 +97,7 @@ def test_a_teacher_and_a_learner_profile_their_asked_call_and_compute_the_same(m
         process=CPU,
         micro_batch_size=4,
     )
-    learner.publish_policy(include_weights=False)
-    stamped = dataclasses.replace(exact_sampler(learner, batch), policy_version=learner.version)
-    metrics = learner.update(stamped, synthetic_scores(batch, 96, 8, seed=0), None)
+    metrics = learner.update(ready_for_update(learner, batch), synthetic_scores(batch, 96, 8, seed=0), None)
     assert learner.version == 1 and torch.isfinite(torch.tensor(metrics["loss"]))  # applied, not refused
     assert learner.profile.written.name.startswith("learner0-call1-pid")
     assert "aten::" in learner.profile.written.read_text()
