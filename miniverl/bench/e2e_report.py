@@ -1,6 +1,7 @@
 """Reading end-to-end runs (metrics.jsonl + nvidia-smi samples) into the numbers a preregistered workload
 promises: step split, memory slope over refreshes, whole-device peak (and each GPU process's, named by its actor,
-where <cell>_apps.csv holds nvidia-smi's per-process samples), and the sampler/learner gate.
+where <cell>_apps.csv holds nvidia-smi's per-process samples), the sampler/learner gate, and the memory plan the run
+printed against the peaks it measured (where <cell>_summary.json records it).
 
     python -m miniverl.bench.e2e_report OUT_DIR      # every <cell>_metrics.jsonl in OUT_DIR -> a table
 
@@ -87,6 +88,24 @@ def process_peaks(apps_csv: str, pids: dict[int, str]) -> dict[str, float]:
     return peaks
 
 
+def plan_check(plan: dict, memory: dict, smi_peak_gib: float) -> dict:
+    """The run's plan (summary.json "plan": setup/fit.py FitPlan.record) against what it measured: each actor's
+    modelled peak against the torch peak it stands for (summary.json "memory": allocated for the learner and scorer,
+    reserved for an HF rollout), the whole card's against nvidia-smi's peak; error_pct = modelled / measured - 1. A
+    vLLM or SGLang rollout's engine runs in a process of its own that torch's numbers in the actor do not see: its
+    measured peak is None (read it in smi_process_peak_mib)."""
+    out: dict = {}
+    for role, a in plan["actors"].items():
+        measured = None
+        if a["measured_as"] in ("allocated", "reserved") and memory.get(role):
+            measured = memory[role][f"peak_{a['measured_as']}_gib"]
+        out[role] = {"modelled_gib": a["peak_gib"], "measured_gib": measured, "measured_as": a["measured_as"]}
+    out["card"] = {"modelled_gib": plan["device_peak_gib"], "measured_gib": smi_peak_gib or None, "measured_as": "smi"}
+    for v in out.values():
+        v["error_pct"] = None if not v["measured_gib"] else 100 * (v["modelled_gib"] / v["measured_gib"] - 1)
+    return out
+
+
 def read_cell(out_dir: Path, cell: str) -> dict:
     metrics = out_dir / f"{cell}_metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
@@ -98,6 +117,10 @@ def read_cell(out_dir: Path, cell: str) -> dict:
         out["smi_process_peak_mib"] = process_peaks(
             apps.read_text(), actor_pids(log.read_text()) if log.is_file() else {}
         )
+    summary = out_dir / f"{cell}_summary.json"
+    planned = json.loads(summary.read_text()) if summary.is_file() else {}
+    if planned.get("plan"):  # runs before session 38 did not record their plan
+        out["plan_check"] = plan_check(planned["plan"], planned.get("memory") or {}, out["smi_peak_gib"])
     return out
 
 
@@ -113,6 +136,29 @@ def table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plan_table(cells: list[dict]) -> str:
+    """Each cell's plan against its measured peaks (GiB, modelled / measured and the error), for the cells that
+    recorded a plan; "" when none did."""
+    checked = [c for c in cells if c.get("plan_check")]
+    if not checked:
+        return ""
+    roles = list(dict.fromkeys(r for c in checked for r in c["plan_check"]))
+
+    def fmt(v: dict | None) -> str:
+        if v is None:
+            return "-"
+        if v["error_pct"] is None:
+            return f"{v['modelled_gib']:.2f} / - ({v['measured_as']})"
+        return f"{v['modelled_gib']:.2f} / {v['measured_gib']:.2f} ({v['error_pct']:+.1f}%)"
+
+    lines = [
+        "| cell | " + " | ".join(f"{r}: modelled / measured GiB" for r in roles) + " |",
+        "|" + "---|" * (len(roles) + 1),
+    ]
+    lines += ["| " + " | ".join([c["cell"], *(fmt(c["plan_check"].get(r)) for r in roles)]) + " |" for c in checked]
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m miniverl.bench.e2e_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="a folder of <cell>_metrics.jsonl (and <cell>_smi.csv) files")
@@ -125,6 +171,13 @@ def main(argv: list[str]) -> None:
     results = [read_cell(out_dir, c) for c in cells]
     (out_dir / "e2e_report.json").write_text(json.dumps(results, indent=2))
     print(table(results))
+    planned = plan_table(results)
+    if planned:
+        print(
+            "\nThe plan against the measured peaks (learner and scorer: torch's allocated; HF rollout: reserved; card:"
+            " nvidia-smi):\n"
+        )
+        print(planned)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ def run_summary(
     metrics_file: str,
     wall_seconds: float,
 ) -> dict[str, Any]:
-    """A finished run: its first and last evaluation, where it went, peak memory per actor process, the gate's
-    numbers.
+    """A finished run: its first and last evaluation, where it went, peak memory per actor process and the plan it
+    was started on (None on the CPU), the gate's numbers.
 
     `result` is the loop's LoopResult (first_eval, last_eval, checkpoint, version_test).
     """
@@ -47,6 +47,7 @@ def run_summary(
         "metrics_file": metrics_file,
         "overlong_prompts_filtered": setup.prompts.overlong_count,
         "memory": memory,
+        "plan": setup.plan,  # what the run planned for the memory above (None on the CPU)
         "conformance": gate,
         "version_test": result.version_test,  # objectives/sampler_check.py VersionTestWatch: steps voted, armed
     }

@@ -70,6 +70,9 @@ class ActorPlan:
     problem: str | None = None
     calibrated: bool = True  # False: arithmetic on shapes, not checked against a measured peak (reported only)
     tokens: int = 0  # the learner's micro-batch or the scorer's forward tokens it will choose (0: none, or not sized)
+    # which measured peak the modelled one stands for: torch's "allocated" (learner, scorer), "reserved" (the HF
+    # rollouts: the cap limits reserved memory) or "engine" (vLLM's and SGLang's own process, seen by nvidia-smi only)
+    measured_as: str = "allocated"
 
 
 def step_rows(cfg: MiniVerlConfig) -> int:
@@ -184,7 +187,10 @@ def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     kv_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * KV_BYTES
-    plan = ActorPlan("rollout", fraction, share, weights, 0, "", calibrated=False)
+    engine = r.backend in ("vllm", "sglang")
+    plan = ActorPlan(
+        "rollout", fraction, share, weights, 0, "", calibrated=False, measured_as="engine" if engine else "reserved"
+    )
     if r.backend == "sglang":  # SGLang takes its static fraction of the device, less its overhead, whole at start
         from miniverl.rollout.sglang import engine_overhead_bytes
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
 from miniverl.models.loading import ModelSize, model_size
-from miniverl.models.memory import human
+from miniverl.models.memory import GIB, human
 from miniverl.setup.actor_plans import ActorPlan, learner_plan, rollout_plan, scorer_plan, teacher_sizes
 from miniverl.setup.layout import choose_compile, choose_layout, choose_shares
 
@@ -50,6 +50,29 @@ class FitPlan:
     @property
     def warnings(self) -> list[str]:
         return [f"{a.role}: {a.problem}" for a in self.actors if a.problem and not a.calibrated]
+
+    def record(self) -> dict:
+        """The plan in GiB as summary.json keeps it (key "plan"): each actor's share, weights, modelled peak, the size
+        it chose and which measured peak the model stands for, the CUDA contexts and the whole card, so a run's
+        measured peaks can be set against what it planned (bench/e2e_report.py plan_check)."""
+        return {
+            "card_gib": self.card_bytes / GIB,
+            "contexts": self.contexts,
+            "contexts_gib": self.context_bytes / GIB,
+            "device_peak_gib": self.device_peak_bytes / GIB,
+            "actors": {
+                a.role: {
+                    "fraction": a.fraction,
+                    "share_gib": a.share_bytes / GIB,
+                    "weights_gib": a.weight_bytes / GIB,
+                    "peak_gib": a.peak_bytes / GIB,
+                    "tokens": a.tokens,
+                    "calibrated": a.calibrated,
+                    "measured_as": a.measured_as,
+                }
+                for a in self.actors
+            },
+        }
 
     def lines(self) -> list[str]:
         out = [f"memory plan for a {human(self.card_bytes)} card ({self.card_source}):", *self.layout_lines]

@@ -162,9 +162,9 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
             log(f"[miniverl] {line}")
         if plan.refusals:
             raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
-        chosen = {**chosen_backend, **plan.layout}
+        chosen, planned = {**chosen_backend, **plan.layout}, plan.record()
     else:
-        chosen = dict(chosen_backend)
+        chosen, planned = dict(chosen_backend), None
         if t.logprob_chunk_tokens is None:
             chosen["trainer.logprob_chunk_tokens"] = 0
         if t.gradient_checkpointing is None:
@@ -222,6 +222,7 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
         lora,
         engine,
         {role: (spec.dtype, spec.quantization) for role, spec in teachers.items()},
+        planned,
     )
 
 

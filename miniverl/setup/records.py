@@ -44,3 +44,6 @@ class Setup:
     lora: LoraSettings | None = None
     engine: Any = None
     teacher_precisions: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # the memory plan the run printed (setup/fit.py FitPlan.record: GiB per actor and the whole card) on a GPU, None on
+    # the CPU: in summary.json, so the measured peaks can be checked against it (bench/e2e_report.py)
+    plan: dict | None = None

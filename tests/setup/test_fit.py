@@ -101,6 +101,31 @@ def test_the_4080_recipe_plans_the_learners_measured_micro_batch_and_fits(qwen_c
     assert rollout_line.endswith("over its share (estimate)") and "its freed blocks keep reserved" in rollout_line
 
 
+def test_the_plan_a_run_records_is_the_plan_it_prints_with_the_peak_each_model_stands_for(qwen_configs):
+    """summary.json keeps FitPlan.record (session 38: the MOPD cells' plans had to be recomputed from their overrides to
+    be checked against the measured peaks): exact GiB of each actor and the card, and which measured peak each model
+    is of: torch's allocated for the learner and scorer, reserved for an HF rollout, the engine's process for vLLM."""
+    p = plan(recipe(), qwen_configs)
+    record = p.record()
+    assert record["card_gib"] == 16 and record["contexts"] == 3
+    assert record["device_peak_gib"] * GIB == pytest.approx(p.device_peak_bytes)
+    assert record["device_peak_gib"] * GIB == pytest.approx(sum(a.peak_bytes for a in p.actors) + p.context_bytes)
+    for a in p.actors:
+        r = record["actors"][a.role]
+        assert r["peak_gib"] * GIB == pytest.approx(a.peak_bytes) and r["share_gib"] * GIB == pytest.approx(
+            a.share_bytes
+        )
+        assert (r["fraction"], r["tokens"], r["calibrated"]) == (a.fraction, a.tokens, a.calibrated)
+    assert [record["actors"][k]["measured_as"] for k in ("learner", "scorer", "rollout")] == [
+        "allocated",
+        "allocated",
+        "reserved",
+    ]
+    assert record["actors"]["learner"]["tokens"] == 14_305  # the micro-batch its line names
+    engine = plan(recipe(rollout__backend="vllm"), qwen_configs).record()
+    assert engine["actors"]["rollout"]["measured_as"] == "engine"
+
+
 def test_a_plan_that_does_not_fit_names_the_actor_and_the_knob(qwen_configs):
     tiny = plan(recipe(resources__emulate_gpu_gib=8), qwen_configs)
     assert any(r.startswith("scorer: the teacher scorer's memory share") for r in tiny.refusals), tiny.refusals

@@ -282,6 +282,14 @@ def test_what_the_plan_chose_is_applied_and_kept_in_the_setup(student_dir, teach
         assert getattr(node, rest[-1]) == value, key
         assert any(line.split("]", 1)[1].lstrip().startswith(f"{key}=") and "(chosen: " in line for line in said), key
     assert cfg.resources.scorer.num_gpus == 0.3
+    # the plan it printed is kept too (summary.json "plan"): the numbers of its lines, so measured peaks can be set
+    # against it after the run; the CPU plans nothing
+    assert cpu.plan is None and kept.plan is None
+    planned = gpu.plan["actors"]
+    assert list(planned) == ["learner", "scorer", "rollout"] and gpu.plan["card_gib"] == 8
+    assert planned["scorer"]["fraction"] == 0.3 and planned["rollout"]["measured_as"] == "reserved"
+    device_line = next(line for line in said if "modelled peak of the whole card" in line)
+    assert f"card {gpu.plan['device_peak_gib']:.1f} GiB of 8.0 GiB" in device_line
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
