@@ -52,6 +52,14 @@ ROLLOUT_FIXED_BYTES = int(0.30 * 2**30)
 # rollout planned 4.7 GiB of its 4.9 GiB share at 322-token prompts and ran out of memory in its first prefill
 # (peers.md run 6).
 PREFILL_RESERVED_COPIES = 1.0
+# What nvidia-smi sees of the learner and the scorer is what their caching allocators reserve, not their allocated peak
+# (the model above each actor's line): freed blocks of other sizes (micro-batches and forwards of varying length, the
+# compiled learner's activations) stay reserved. Session 38's seven MOPD cells on an H100 (docs/benchmarks/mopd-gpu.md
+# run 2) reserved 0.24-0.35 x (allocated peak - weights) more in the learner and 0.25-0.53 x in the scorer; the whole
+# card's estimate counts 0.3 x, never past the actor's share (the cap limits reserved memory). Fitted to those seven
+# cells: at the prompts they drew it puts the card within 2.1% of nvidia-smi in six (the seventh is the scorer's
+# worst-case routing, +11%), where the allocated sum was 1.8-13% under it.
+ALLOCATOR_RESERVE = 0.3
 ADAPTER_COPY_BYTES = 2  # the rollout's copy of the adapter, in the base's 16-bit dtype
 KV_BYTES = 2  # keys and values in the model's 16-bit dtype
 
@@ -73,6 +81,16 @@ class ActorPlan:
     # which measured peak the modelled one stands for: torch's "allocated" (learner, scorer), "reserved" (the HF
     # rollouts: the cap limits reserved memory) or "engine" (vLLM's and SGLang's own process, seen by nvidia-smi only)
     measured_as: str = "allocated"
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the actor's allocator is expected to hold at its peak, as nvidia-smi counts it: the modelled peak where
+        it is already of reserved memory (an HF rollout, an engine's whole share), else that plus ALLOCATOR_RESERVE of
+        what it holds beside its weights, at most its share."""
+        if self.measured_as != "allocated":
+            return self.peak_bytes
+        extra = int(ALLOCATOR_RESERVE * max(self.peak_bytes - self.weight_bytes, 0))
+        return max(min(self.share_bytes, self.peak_bytes + extra), self.peak_bytes)
 
 
 def step_rows(cfg: MiniVerlConfig) -> int:

@@ -39,8 +39,9 @@ class FitPlan:
 
     @property
     def device_peak_bytes(self) -> int:
-        """The modelled whole-device peak: every actor's modelled peak and every CUDA context."""
-        return sum(a.peak_bytes for a in self.actors) + self.context_bytes
+        """The modelled whole-device peak as nvidia-smi sees it: every actor's expected reserved peak
+        (ActorPlan.reserved_bytes) and every CUDA context."""
+        return sum(a.reserved_bytes for a in self.actors) + self.context_bytes
 
     @property
     def refusals(self) -> list[str]:
@@ -66,6 +67,7 @@ class FitPlan:
                     "share_gib": a.share_bytes / GIB,
                     "weights_gib": a.weight_bytes / GIB,
                     "peak_gib": a.peak_bytes / GIB,
+                    "reserved_gib": a.reserved_bytes / GIB,
                     "tokens": a.tokens,
                     "calibrated": a.calibrated,
                     "measured_as": a.measured_as,
@@ -84,7 +86,8 @@ class FitPlan:
             )
         out.append(
             f"  device   {self.contexts} CUDA context(s) {human(self.context_bytes)}; modelled peak of the whole card"
-            f" {human(self.device_peak_bytes)} of {human(self.card_bytes)}"
+            f" {human(self.device_peak_bytes)} of {human(self.card_bytes)} (what the allocators reserve, as nvidia-smi"
+            " counts it)"
         )
         verdict = "fits" if not (self.refusals or self.warnings) else "does not fit"
         out.append(f"  => {verdict}" + ("" if verdict == "fits" else ": " + "; ".join(self.refusals + self.warnings)))
