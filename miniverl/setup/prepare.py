@@ -197,8 +197,14 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     d = cfg.data
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)
     eval_batch = source.eval_batch(d.eval_prompts)
+    first = source.batch(0, d.prompts_per_step)
+    if planned is not None:  # the plan sized every row for data.max_prompt_length: say when the prompts are far shorter
+        longest = max(len(ids) for batch in (eval_batch, first) for ids in batch.prompt_ids)
+        hint = short_prompts_hint(longest, d.max_prompt_length)
+        if hint:
+            log(f"[miniverl] {hint}")
     reward_fn = build_reward(cfg.reward, student_tok)
-    seen_sources = eval_batch.data_source + source.batch(0, d.prompts_per_step).data_source
+    seen_sources = eval_batch.data_source + first.data_source
     reward_fn.check_sources(seen_sources)
     placement = plan_placement(res, gpus)  # each actor's replicas and shares: fractions over 1 refused here
     lora = LoraSettings.from_config(cfg.model.lora)
@@ -223,6 +229,23 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
         engine,
         {role: (spec.dtype, spec.quantization) for role, spec in teachers.items()},
         planned,
+    )
+
+
+def short_prompts_hint(longest: int, max_prompt_length: int) -> str | None:
+    """A note for a GPU run whose first prompts are far shorter than data.max_prompt_length: the memory plan sizes the
+    rollout's decode cache and prefill, and the scorer's and learner's rows, for prompts of that length (MOPD run 2:
+    four teachers' learner got 5,179-token micro-batches planned for 320-token prompts where the prompts had 10; at 64
+    the plan gives it 9,584). It suggests twice the longest prompt in 64-token steps, where that is at most half the
+    setting; None otherwise."""
+    suggest = max(64, -(-2 * longest // 64) * 64)  # twice the longest seen, in 64-token steps
+    if 2 * suggest > max_prompt_length:  # too little to gain (the default's 32-token plan included)
+        return None
+    return (
+        f"note: the prompts read so far are at most {longest} tokens, and the memory plan is for prompts of"
+        f" data.max_prompt_length={max_prompt_length}. If yours stay short, data.max_prompt_length={suggest} plans"
+        " for them: a smaller rollout share where the shares are chosen (null), larger learner micro-batches and"
+        " scorer forwards (a longer prompt is then filtered: metric data/overlong_filtered)"
     )
 
 

@@ -292,6 +292,35 @@ def test_what_the_plan_chose_is_applied_and_kept_in_the_setup(student_dir, teach
     assert f"card {gpu.plan['device_peak_gib']:.1f} GiB of 8.0 GiB" in device_line
 
 
+def test_a_gpu_run_whose_prompts_are_far_shorter_than_planned_is_told_the_setting_that_plans_for_them(
+    student_dir, teacher_dir, monkeypatch
+):
+    """MOPD run 2 (session 38): four NF4 teachers' learner got 5,179-token micro-batches because the plan sized every
+    row for 320-token prompts, and the prompts had 10 tokens. The run says so, with the value to set; not where the
+    prompts come near the limit, and not on the CPU (no plan)."""
+    import miniverl.setup.prepare as prep
+
+    assert prep.short_prompts_hint(17, 32) is None and prep.short_prompts_hint(161, 320) is None
+    assert prep.short_prompts_hint(10, 32) is None  # the default's limit: nothing smaller to suggest
+    hint = prep.short_prompts_hint(10, 320)
+    assert "at most 10 tokens" in hint and "data.max_prompt_length=320" in hint
+    assert "data.max_prompt_length=64 plans" in hint and "data/overlong_filtered" in hint
+    assert "data.max_prompt_length=128 plans" in prep.short_prompts_hint(60, 320)  # twice the longest, in 64s
+    assert prep.short_prompts_hint(100, 320) is None  # 256 of 320: too little to gain
+
+    said: list[str] = []
+    prep.prepare(with_models(student_dir, teacher_dir, "data.max_prompt_length=300"), log=said.append)
+    assert not any("prompts read so far" in line for line in said)  # the CPU plans nothing
+    monkeypatch.setattr(prep, "resolve_device", lambda requested: "cuda")  # only config and files are read
+    card = ("resources.emulate_gpu_gib=16", "data.max_prompt_length=300")
+    prep.prepare(with_models(student_dir, teacher_dir, *card), log=said.append)
+    note = [line for line in said if "prompts read so far" in line]
+    assert len(note) == 1 and "data.max_prompt_length=300" in note[0] and "data.max_prompt_length=64 plans" in note[0]
+    said.clear()
+    prep.prepare(with_models(student_dir, teacher_dir, "resources.emulate_gpu_gib=16"), log=said.append)  # 32
+    assert not any("prompts read so far" in line for line in said)
+
+
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_what_the_launcher_hands_the_actors_is_resolved_before_ray(student_dir, teacher_dir, monkeypatch, backend):
     """The placement, the adapter's settings and the rollout engine's settings come out of prepare (setup/records.py
