@@ -37,6 +37,16 @@ def test_a_leak_and_a_wrong_base_are_reported():
     assert s["sampler_gap_mean"] == pytest.approx(1.66) and s["gate_passed"] is False
 
 
+def test_an_allocator_step_then_a_plateau_is_told_from_a_leak_by_the_late_slope():
+    """MOPD run 2's one-teacher cell: 12.05 GiB to step 16, 12.44 from 17 to 52; the preregistered verdict (the whole
+    run's slope) stays as it is, and the second half's slope says the growth stopped; a leak keeps rising there."""
+    plateau = summarize([step(k, 12.05 if k < 17 else 12.44) for k in range(1, 53)], [])
+    assert plateau["memory_slope_gib_per_step"] > 0.005 and not plateau["memory_flat"]
+    assert plateau["memory_late_slope_gib_per_step"] == pytest.approx(0.0)
+    leak = summarize([step(k, 8.0 + 0.02 * k) for k in range(1, 53)], [])
+    assert leak["memory_late_slope_gib_per_step"] == pytest.approx(0.02)
+
+
 def test_a_cell_that_never_ran_is_reported_not_dropped(tmp_path):
     (tmp_path / "ok_metrics.jsonl").write_text("\n".join(json.dumps(step(k, 8.0)) for k in range(1, 6)))
     (tmp_path / "ok_smi.csv").write_text("8000\n8100\n")
