@@ -299,14 +299,15 @@ def test_a_gpu_run_whose_prompts_are_far_shorter_than_planned_is_told_the_settin
     row for 320-token prompts, and the prompts had 10 tokens. The run says so, with the value to set; not where the
     prompts come near the limit, and not on the CPU (no plan)."""
     import miniverl.setup.prepare as prep
+    from miniverl.setup.fit import short_prompts_hint
 
-    assert prep.short_prompts_hint(17, 32) is None and prep.short_prompts_hint(161, 320) is None
-    assert prep.short_prompts_hint(10, 32) is None  # the default's limit: nothing smaller to suggest
-    hint = prep.short_prompts_hint(10, 320)
+    assert short_prompts_hint(17, 32) is None and short_prompts_hint(161, 320) is None
+    assert short_prompts_hint(10, 32) is None  # the default's limit: nothing smaller to suggest
+    hint = short_prompts_hint(10, 320)
     assert "at most 10 tokens" in hint and "data.max_prompt_length=320" in hint
     assert "data.max_prompt_length=64 plans" in hint and "data/overlong_filtered" in hint
-    assert "data.max_prompt_length=128 plans" in prep.short_prompts_hint(60, 320)  # twice the longest, in 64s
-    assert prep.short_prompts_hint(100, 320) is None  # 256 of 320: too little to gain
+    assert "data.max_prompt_length=128 plans" in short_prompts_hint(60, 320)  # twice the longest, in 64s
+    assert short_prompts_hint(100, 320) is None  # 256 of 320: too little to gain
 
     said: list[str] = []
     prep.prepare(with_models(student_dir, teacher_dir, "data.max_prompt_length=300"), log=said.append)
