@@ -102,7 +102,8 @@ def train(
             trim_metrics(run_dir / name, resume.step)
     objective = setup.objective
     started_ray = start_ray(cfg, log)
-    tracker, actors, pg, status = None, {}, None, {"status": "failed"}
+    # a run that fails or is interrupted keeps the plan it started from (an out-of-memory run is where it matters)
+    tracker, actors, pg, status = None, {}, None, {"status": "failed", "plan": setup.plan}
     try:
         actors, pg = build_actors(cfg, setup, objective)
         log(f"[miniverl] actors ready on {setup.device} ({time.perf_counter() - started:.1f}s since start)")
@@ -143,7 +144,7 @@ def train(
             try:
                 result = loop.run(start, first)
             except RunInterrupted:
-                status = {"status": "interrupted", "checkpoint": loop.checkpoint}
+                status = {"status": "interrupted", "checkpoint": loop.checkpoint, "plan": setup.plan}
                 raise
         wall = time.perf_counter() - started
         status = run_summary(cfg, setup, result, actors, resumed_from, gate, str(tracker.metrics_path), wall)

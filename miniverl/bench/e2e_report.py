@@ -49,7 +49,7 @@ def summarize(rows: list[dict], smi_mib: list[float]) -> dict:
     out["memory_slope_gib_per_step"] = memory_slope([s for s, _ in mem], [m for _, m in mem])
     out["memory_flat"] = abs(out["memory_slope_gib_per_step"]) <= SLOPE_FLAT_GIB
     # the same slope over the second half of those steps: the allocator grows in steps as a longer row or forward
-    # first shows up (MOPD run 2: +0.38 GiB at step 17, then flat for 35 steps), which the whole run's slope cannot
+    # first shows up (MOPD run 2: +0.38 GiB at step 17, then flat to step 52), which the whole run's slope cannot
     # tell from a leak; reported beside the preregistered verdict, not in place of it
     late = mem[len(mem) // 2 :]
     out["memory_late_slope_gib_per_step"] = memory_slope([s for s, _ in late], [m for _, m in late])
@@ -93,21 +93,42 @@ def process_peaks(apps_csv: str, pids: dict[int, str]) -> dict[str, float]:
     return peaks
 
 
+def role_memory(memory: dict, role: str) -> dict | None:
+    """summary.json "memory" of one role: its process (`scorer`), or of its replicas (`scorer0`, `scorer1`, ...) the
+    largest peaks, each replica planned alike; None where no process of that role reported (the CPU, a colocated
+    run)."""
+    found = [m for name, m in memory.items() if m and re.fullmatch(rf"{role}\d*", name)]
+    if not found:
+        return None
+    return {k: max(m[k] for m in found) for k in ("peak_allocated_gib", "peak_reserved_gib")}
+
+
 def plan_check(plan: dict, memory: dict, smi_peak_gib: float) -> dict:
-    """The run's plan (summary.json "plan": setup/fit.py FitPlan.record) against what it measured: each actor's
-    modelled peak against the torch peak it stands for (summary.json "memory": allocated for the learner and scorer,
-    reserved for an HF rollout), the whole card's against nvidia-smi's peak; error_pct = modelled / measured - 1. A
-    vLLM or SGLang rollout's engine runs in a process of its own that torch's numbers in the actor do not see: its
+    """The run's plan (summary.json "plan": setup/fit.py FitPlan.record) against what it measured (summary.json
+    "memory"), error_pct = modelled / measured - 1 throughout:
+    - each actor's modelled peak against the torch peak it stands for (allocated for the learner and scorer, reserved
+      for an HF rollout), and where it has one its expected reserved peak against the reserved one (reserved_*);
+    - one colocated process (resources.colocate=true): the roles' expected reserved peaks together against its own;
+    - the whole card against nvidia-smi's peak.
+    A vLLM or SGLang rollout's engine runs in a process of its own that torch's numbers in the actor do not see: its
     measured peak is None (read it in smi_process_peak_mib)."""
+
+    def row(modelled: float, measured: float | None, measured_as: str) -> dict:
+        error = None if not measured else 100 * (modelled / measured - 1)
+        return {"modelled_gib": modelled, "measured_gib": measured, "measured_as": measured_as, "error_pct": error}
+
     out: dict = {}
     for role, a in plan["actors"].items():
-        measured = None
-        if a["measured_as"] in ("allocated", "reserved") and memory.get(role):
-            measured = memory[role][f"peak_{a['measured_as']}_gib"]
-        out[role] = {"modelled_gib": a["peak_gib"], "measured_gib": measured, "measured_as": a["measured_as"]}
-    out["card"] = {"modelled_gib": plan["device_peak_gib"], "measured_gib": smi_peak_gib or None, "measured_as": "smi"}
-    for v in out.values():
-        v["error_pct"] = None if not v["measured_gib"] else 100 * (v["modelled_gib"] / v["measured_gib"] - 1)
+        m = role_memory(memory, role)
+        measured = m[f"peak_{a['measured_as']}_gib"] if m and a["measured_as"] in ("allocated", "reserved") else None
+        out[role] = row(a["peak_gib"], measured, a["measured_as"])
+        if a["measured_as"] == "allocated" and "reserved_gib" in a:
+            reserved = row(a["reserved_gib"], m["peak_reserved_gib"] if m else None, "reserved")
+            out[role].update({f"reserved_{k}": v for k, v in reserved.items() if k != "measured_as"})
+    if memory.get("colocated"):
+        together = sum(a.get("reserved_gib", a["peak_gib"]) for a in plan["actors"].values())
+        out["colocated"] = row(together, memory["colocated"]["peak_reserved_gib"], "reserved")
+    out["card"] = row(plan["device_peak_gib"], smi_peak_gib or None, "smi")
     return out
 
 

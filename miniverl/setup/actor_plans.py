@@ -81,6 +81,7 @@ class ActorPlan:
     # which measured peak the modelled one stands for: torch's "allocated" (learner, scorer), "reserved" (the HF
     # rollouts: the cap limits reserved memory) or "engine" (vLLM's and SGLang's own process, seen by nvidia-smi only)
     measured_as: str = "allocated"
+    own_gpu: bool = False  # on a GPU of its own (resources.scorer_gpus > 0): not on the card the others share
 
     @property
     def reserved_bytes(self) -> int:

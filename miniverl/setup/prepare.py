@@ -162,9 +162,11 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
             log(f"[miniverl] {line}")
         if plan.refusals:
             raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
-        chosen, planned = {**chosen_backend, **plan.layout}, plan.record()
+        chosen = {**chosen_backend, **plan.layout}
+        planned = plan.record()
     else:
-        chosen, planned = dict(chosen_backend), None
+        chosen = dict(chosen_backend)
+        planned = None
         if t.logprob_chunk_tokens is None:
             chosen["trainer.logprob_chunk_tokens"] = 0
         if t.gradient_checkpointing is None:
@@ -200,7 +202,7 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     first = source.batch(0, d.prompts_per_step)
     if planned is not None:  # the plan sized every row for data.max_prompt_length: say when the prompts are far shorter
         longest = max(len(ids) for batch in (eval_batch, first) for ids in batch.prompt_ids)
-        hint = short_prompts_hint(longest, d.max_prompt_length)
+        hint = short_prompts_hint(longest, d.max_prompt_length, cfg.rollout.backend)
         if hint:
             log(f"[miniverl] {hint}")
     reward_fn = build_reward(cfg.reward, student_tok)

@@ -9,7 +9,9 @@ prompt the run drew: the plan's own model at the rows that ran, apart from its w
     python scripts/make_random_model.py --shape qwen2.5-0.5b --out /tmp/m/student   # (and qwen2.5-1.5b teacher_a)
     PYTHONPATH=. python scripts/measurements/mopd_plan_check.py docs/benchmarks/mopd-gpu/run2 /tmp/m
 
-The four teachers' folders may be one model (only the shapes count). Writes <run dir>/plan_check.json.
+MODELS needs student/, teacher_a/ to teacher_d/ (one model linked four times will do: only the shapes count) and the
+four-source prompt file four_sources.jsonl that scripts/gpu_mopd.sh writes (its eval split sizes the rollout's
+evaluation rows). Writes <run dir>/plan_check.json.
 """
 
 from __future__ import annotations
@@ -113,10 +115,12 @@ def main(run_dir: Path, models: str) -> None:
                 "check_at_drawn_prompts": plan_check(at_drawn.record(), summary["memory"], smi),
             }
         )
+        drawn = results[-1]["check_at_drawn_prompts"]
         line = ", ".join(
             f"{role} {v['modelled_gib']:.2f}/{v['measured_gib']:.2f} ({v['error_pct']:+.1f}%; at drawn prompts "
-            f"{results[-1]['check_at_drawn_prompts'][role]['error_pct']:+.1f}%)"
+            f"{drawn[role]['error_pct']:+.1f}%)"
             for role, v in results[-1]["check"].items()
+            if v["error_pct"] is not None  # an engine's rollout, a run without nvidia-smi samples: nothing to set
         )
         print(f"{cell}: {line}", flush=True)
     (run_dir / "plan_check.json").write_text(json.dumps(results, indent=1))

@@ -93,7 +93,7 @@ def test_each_gpu_process_peak_is_named_by_the_actor_the_log_gives_its_pid(tmp_p
 
 def recorded_plan(rollout_as: str = "reserved") -> dict:
     """summary.json's "plan" (setup/fit.py FitPlan.record) of a 16 GiB card."""
-    actor = lambda peak, measured_as: {"peak_gib": peak, "measured_as": measured_as}  # noqa: E731
+    actor = lambda peak, measured_as: {"peak_gib": peak, "reserved_gib": peak * 1.2, "measured_as": measured_as}  # noqa: E731
     return {
         "card_gib": 16.0,
         "device_peak_gib": 13.6,
@@ -123,6 +123,29 @@ def test_the_plan_is_checked_against_the_peak_each_model_stands_for():
     assert engine["rollout"]["measured_gib"] is None and engine["rollout"]["error_pct"] is None
     assert engine["card"]["error_pct"] is None  # no nvidia-smi samples
     assert plan_check(recorded_plan(), {}, 12.0)["learner"]["error_pct"] is None  # a run that never reported memory
+    # the allocators' reserve the card counts, against the reserved peaks (learner 2.64 against 2.5, scorer 6.0 / 5.2)
+    assert check["learner"]["reserved_modelled_gib"] == pytest.approx(2.64)
+    assert check["learner"]["reserved_error_pct"] == pytest.approx(5.6)
+    assert check["scorer"]["reserved_error_pct"] == pytest.approx(100 * (6.0 / 5.2 - 1))
+    assert "reserved_error_pct" not in check["rollout"]  # planned at reserved already
+
+
+def test_replicas_are_checked_at_their_largest_peak_and_a_colocated_process_as_its_roles_together():
+    """resources.gpus=2 names processes learner0, learner1, ...; resources.colocate=true one `colocated` process whose
+    peaks are its roles' together (cluster/colocate.py processes)."""
+    replicas = {
+        "learner0": {"peak_allocated_gib": 2.0, "peak_reserved_gib": 2.5},
+        "learner1": {"peak_allocated_gib": 2.2, "peak_reserved_gib": 2.4},
+        "scorer": {"peak_allocated_gib": 5.0, "peak_reserved_gib": 5.2},
+    }
+    check = plan_check(recorded_plan(), replicas, 0.0)
+    assert check["learner"]["measured_gib"] == 2.2 and check["learner"]["reserved_measured_gib"] == 2.5
+    assert check["scorer"]["measured_gib"] == 5.0 and "colocated" not in check
+    colocated = plan_check(recorded_plan(), {"colocated": {"peak_allocated_gib": 11.0, "peak_reserved_gib": 12.0}}, 0.0)
+    assert colocated["learner"]["measured_gib"] is None  # no process of the learner's own
+    # learner 2.2 x 1.2 + scorer 5.0 x 1.2 (their reserve) + the rollout's 4.5 x 1.2 here, against 12.0
+    assert colocated["colocated"]["modelled_gib"] == pytest.approx(14.04)
+    assert colocated["colocated"]["error_pct"] == pytest.approx(17.0)
 
 
 def test_a_cell_that_recorded_its_plan_gets_the_plan_table_and_older_cells_do_not(tmp_path, capsys):

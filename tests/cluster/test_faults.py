@@ -174,6 +174,7 @@ def test_a_killed_actor_stops_the_run_naming_it_and_resume_continues(
     assert list_checkpoints(run) == [step_dir(run, 1)]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and "died during step 2" in summary["error"]
+    assert "plan" in summary and summary["plan"] is None  # kept on a failed run; the CPU plans nothing
     wait_all_cpus_free(ray_session)
     if not resume:
         return

@@ -137,6 +137,11 @@ def test_the_plan_a_run_records_is_the_plan_it_prints_with_the_peak_each_model_s
     assert record["actors"]["learner"]["tokens"] == 14_305  # the micro-batch its line names
     engine = plan(recipe(rollout__backend="vllm"), qwen_configs).record()
     assert engine["actors"]["rollout"]["measured_as"] == "engine"
+    # a scorer on a GPU of its own (resources.scorer_gpus) is not on the card the others share, nor its context
+    own = plan(recipe(resources__scorer_gpus=1), qwen_configs)
+    assert own.actors[1].own_gpu and own.record()["actors"]["scorer"]["own_gpu"] and own.contexts == 2
+    shared = [a for a in own.actors if a.role != "scorer"]
+    assert own.device_peak_bytes == sum(a.reserved_bytes for a in shared) + own.context_bytes
 
 
 def test_a_plan_that_does_not_fit_names_the_actor_and_the_knob(qwen_configs):

@@ -308,6 +308,10 @@ def test_a_gpu_run_whose_prompts_are_far_shorter_than_planned_is_told_the_settin
     assert "data.max_prompt_length=64 plans" in hint and "data/overlong_filtered" in hint
     assert "data.max_prompt_length=128 plans" in short_prompts_hint(60, 320)  # twice the longest, in 64s
     assert short_prompts_hint(100, 320) is None  # 256 of 320: too little to gain
+    assert "a smaller rollout share" in hint  # an HF rollout's share follows its rows; vLLM's and SGLang's do not
+    assert "rollout share" not in short_prompts_hint(10, 320, "vllm") and "larger learner" in short_prompts_hint(
+        10, 320, "sglang"
+    )
 
     said: list[str] = []
     prep.prepare(with_models(student_dir, teacher_dir, "data.max_prompt_length=300"), log=said.append)
