@@ -163,6 +163,12 @@ class RolloutConfig:
             )
         return "hf_cached", "the fast HF sampler, the same tokens as the hf_reference oracle"
 
+    @property
+    def paged_engine(self) -> bool:
+        """vLLM or SGLang: an engine of its own that takes its whole share at start and fills what its weights leave
+        with a paged KV cache, whatever the rows (the plan, the share chooser and the short-prompt note treat it so)."""
+        return self.backend in ("vllm", "sglang")
+
     def largest_call(self, data) -> int:
         """Rows of the run's largest generate call: a step's data.prompts_per_step x rollout.n or the evaluation's
         data.eval_prompts (`data`: DataConfig)."""

@@ -206,10 +206,8 @@ def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     kv_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * KV_BYTES
-    engine = r.backend in ("vllm", "sglang")
-    plan = ActorPlan(
-        "rollout", fraction, share, weights, 0, "", calibrated=False, measured_as="engine" if engine else "reserved"
-    )
+    measured_as = "engine" if r.paged_engine else "reserved"
+    plan = ActorPlan("rollout", fraction, share, weights, 0, "", calibrated=False, measured_as=measured_as)
     if r.backend == "sglang":  # SGLang takes its static fraction of the device, less its overhead, whole at start
         from miniverl.rollout.sglang import engine_overhead_bytes
 

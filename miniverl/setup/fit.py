@@ -162,8 +162,8 @@ def plan_fit(
                 " CUDA context; give it a larger share"
             )
             a.calibrated = True
-    if own_scorer_gpu:
-        actors[1].own_gpu = True
+    for a in actors:
+        a.own_gpu = own_scorer_gpu and a.role == "scorer"
     contexts = 1 if res.colocate else sum(not a.own_gpu for a in actors)
     context = COLOCATED_CONTEXT_GIB if res.colocate else CUDA_CONTEXT_GIB
     return FitPlan(
@@ -196,13 +196,13 @@ def card_plan(
     return plan_fit(cfg, objective, sizes, vocab, card_bytes(cfg, total), kernels)
 
 
-def short_prompts_hint(longest: int, max_prompt_length: int, backend: str = "hf_cached") -> str | None:
+def short_prompts_hint(longest: int, max_prompt_length: int, paged_engine: bool = False) -> str | None:
     """A note for a GPU run whose first prompts are far shorter than data.max_prompt_length: the memory plan sizes the
     rollout's decode cache and prefill, and the scorer's and learner's rows, for prompts of that length (MOPD run 2:
     four teachers' learner got 5,179-token micro-batches planned for 320-token prompts where the prompts had 10; at 64
     the plan gives it 9,584). It suggests twice the longest prompt in 64-token steps, where that is at most half the
-    setting; None otherwise. vLLM and SGLang take their share whatever the prompts, so for them only the learner and
-    scorer gain."""
+    setting; None otherwise. A paged engine (vLLM, SGLang: RolloutConfig.paged_engine) takes its share whatever the
+    prompts, so with one only the learner and scorer gain."""
     suggest = max(64, -(-2 * longest // 64) * 64)  # twice the longest seen, in 64-token steps
     if 2 * suggest > max_prompt_length:  # too little to gain (the default's 32-token plan included)
         return None
@@ -210,7 +210,7 @@ def short_prompts_hint(longest: int, max_prompt_length: int, backend: str = "hf_
         f"note: the prompts read so far are at most {longest} tokens, and the memory plan is for prompts of"
         f" data.max_prompt_length={max_prompt_length}. If yours stay short, data.max_prompt_length={suggest} plans"
         " for them: "
-        + ("" if backend in ("vllm", "sglang") else "a smaller rollout share where the shares are chosen (null), ")
+        + ("" if paged_engine else "a smaller rollout share where the shares are chosen (null), ")
         + "larger learner micro-batches and scorer forwards (a longer prompt is then filtered: metric"
         " data/overlong_filtered)"
     )

@@ -75,7 +75,7 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     chosen: dict[str, int] = {a: steps for a in own_gpu if a in unset}
     why: dict[str, str] = {a: f"a GPU of its own (resources.scorer_gpus={res.scorer_gpus})" for a in chosen}
     if "rollout" in unset:
-        if cfg.rollout.backend in ("vllm", "sglang"):  # paged engines: their KV cache fills what a share leaves
+        if cfg.rollout.paged_engine:  # their KV cache fills what a share leaves
             chosen["rollout"] = round(AUTO_SHARE * steps)
             why["rollout"] = (
                 "vLLM sizes its KV cache from what its share leaves: its default share"

@@ -202,7 +202,7 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     first = source.batch(0, d.prompts_per_step)
     if planned is not None:  # the plan sized every row for data.max_prompt_length: say when the prompts are far shorter
         longest = max(len(ids) for batch in (eval_batch, first) for ids in batch.prompt_ids)
-        hint = short_prompts_hint(longest, d.max_prompt_length, cfg.rollout.backend)
+        hint = short_prompts_hint(longest, d.max_prompt_length, cfg.rollout.paged_engine)
         if hint:
             log(f"[miniverl] {hint}")
     reward_fn = build_reward(cfg.reward, student_tok)

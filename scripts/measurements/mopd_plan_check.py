@@ -95,22 +95,23 @@ def main(run_dir: Path, models: str) -> None:
         cell = summary_file.name.removesuffix("_summary.json")
         summary = json.loads(summary_file.read_text())
         argv = overrides(models, cell, summary["steps"])
-        plan = plan_run(composed(argv), log=quiet)
+        cfg = composed(argv)
+        plan = plan_run(cfg, log=quiet)
         chosen = {k: v for k, v in plan.layout.items() if k.startswith("resources.")}
         ran = {k: v for k, v in summary["chosen"].items() if k.startswith("resources.")}
         if chosen != ran:
             raise SystemExit(f"{cell}: recomputed shares {chosen} are not the ones the run chose {ran}")
-        cfg = composed(argv)
         longest = longest_prompt(cfg, models)
         at_drawn = plan_run(
             composed(argv + [f"{k}={v}" for k, v in chosen.items()] + [f"data.max_prompt_length={longest}"]), log=quiet
         )
         smi = read_cell(run_dir, cell)["smi_peak_gib"]
+        record = plan.record()
         results.append(
             {
                 "cell": cell,
-                "plan": plan.record(),
-                "check": plan_check(plan.record(), summary["memory"], smi),
+                "plan": record,
+                "check": plan_check(record, summary["memory"], smi),
                 "longest_prompt_tokens": longest,
                 "check_at_drawn_prompts": plan_check(at_drawn.record(), summary["memory"], smi),
             }

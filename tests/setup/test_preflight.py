@@ -309,9 +309,12 @@ def test_a_gpu_run_whose_prompts_are_far_shorter_than_planned_is_told_the_settin
     assert "data.max_prompt_length=128 plans" in short_prompts_hint(60, 320)  # twice the longest, in 64s
     assert short_prompts_hint(100, 320) is None  # 256 of 320: too little to gain
     assert "a smaller rollout share" in hint  # an HF rollout's share follows its rows; vLLM's and SGLang's do not
-    assert "rollout share" not in short_prompts_hint(10, 320, "vllm") and "larger learner" in short_prompts_hint(
-        10, 320, "sglang"
-    )
+    from miniverl.config.rollout import RolloutConfig
+
+    engines = [RolloutConfig(backend=b).paged_engine for b in ("vllm", "sglang", "hf_cached", "hf_reference")]
+    assert engines == [True, True, False, False]
+    paged = short_prompts_hint(10, 320, paged_engine=True)
+    assert "rollout share" not in paged and "larger learner" in paged
 
     said: list[str] = []
     prep.prepare(with_models(student_dir, teacher_dir, "data.max_prompt_length=300"), log=said.append)
