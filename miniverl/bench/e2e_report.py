@@ -103,23 +103,36 @@ def role_memory(memory: dict, role: str) -> dict | None:
     return {k: max(m[k] for m in found) for k in ("peak_allocated_gib", "peak_reserved_gib")}
 
 
-def plan_check(plan: dict, memory: dict, smi_peak_gib: float) -> dict:
+# The actor class Ray names in a run's log for each planned role (workers/*.py)
+ROLE_ACTORS = {"rollout": "RolloutWorker", "scorer": "ScorerWorker", "learner": "LearnerWorker"}
+
+
+def plan_check(plan: dict, memory: dict, smi_peak_gib: float, process_mib: dict[str, float] | None = None) -> dict:
     """The run's plan (summary.json "plan": setup/fit.py FitPlan.record) against what it measured (summary.json
     "memory"), error_pct = modelled / measured - 1 throughout:
     - each actor's modelled peak against the torch peak it stands for (allocated for the learner and scorer, reserved
       for an HF rollout), and where it has one its expected reserved peak against the reserved one (reserved_*);
     - one colocated process (resources.colocate=true): the roles' expected reserved peaks together against its own;
     - the whole card against nvidia-smi's peak.
-    A vLLM or SGLang rollout's engine runs in a process of its own that torch's numbers in the actor do not see: its
-    measured peak is None (read it in smi_process_peak_mib)."""
+    A vLLM or SGLang rollout's engine is not in torch's numbers: it is set against nvidia-smi's peak of its actor's
+    process (`process_mib`: read_cell's smi_process_peak_mib), its share, what it holds outside torch and one CUDA
+    context, where every GPU process of the run is an actor the log names (an engine in a child process of its own,
+    or samples hidden by the pid namespace, leave it None)."""
 
     def row(modelled: float, measured: float | None, measured_as: str) -> dict:
         error = None if not measured else 100 * (modelled / measured - 1)
         return {"modelled_gib": modelled, "measured_gib": measured, "measured_as": measured_as, "error_pct": error}
 
+    named = bool(process_mib) and all(name in ROLE_ACTORS.values() for name in process_mib)
+    context = plan.get("contexts_gib", 0.0) / max(plan.get("contexts", 1), 1)
     out: dict = {}
     for role, a in plan["actors"].items():
         m = role_memory(memory, role)
+        if a["measured_as"] == "engine":
+            mib = process_mib.get(ROLE_ACTORS.get(role, "")) if named else None
+            whole = a["peak_gib"] + a.get("outside_gib", 0.0) + context
+            out[role] = row(whole, mib / 1024 if mib else None, "engine")
+            continue
         measured = m[f"peak_{a['measured_as']}_gib"] if m and a["measured_as"] in ("allocated", "reserved") else None
         out[role] = row(a["peak_gib"], measured, a["measured_as"])
         if a["measured_as"] == "allocated" and "reserved_gib" in a:
@@ -146,7 +159,9 @@ def read_cell(out_dir: Path, cell: str) -> dict:
     summary = out_dir / f"{cell}_summary.json"
     planned = json.loads(summary.read_text()) if summary.is_file() else {}
     if planned.get("plan"):  # runs before session 38 did not record their plan
-        out["plan_check"] = plan_check(planned["plan"], planned.get("memory") or {}, out["smi_peak_gib"])
+        out["plan_check"] = plan_check(
+            planned["plan"], planned.get("memory") or {}, out["smi_peak_gib"], out.get("smi_process_peak_mib")
+        )
     return out
 
 
@@ -200,8 +215,8 @@ def main(argv: list[str]) -> None:
     planned = plan_table(results)
     if planned:
         print(
-            "\nThe plan against the measured peaks (learner and scorer: torch's allocated; HF rollout: reserved; card:"
-            " nvidia-smi):\n"
+            "\nThe plan against the measured peaks (learner and scorer: torch's allocated; HF rollout: reserved; an"
+            " engine's rollout: its process in nvidia-smi, with its context; card: nvidia-smi):\n"
         )
         print(planned)
 

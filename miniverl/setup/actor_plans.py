@@ -82,6 +82,9 @@ class ActorPlan:
     # rollouts: the cap limits reserved memory) or "engine" (vLLM's and SGLang's own process, seen by nvidia-smi only)
     measured_as: str = "allocated"
     own_gpu: bool = False  # on a GPU of its own (resources.scorer_gpus > 0): not on the card the others share
+    # what its process holds outside torch's allocator besides the CUDA context (vLLM's engine:
+    # ENGINE_OUTSIDE_TORCH_GIB): on the card, not in the share the cap limits
+    outside_bytes: int = 0
 
     @property
     def reserved_bytes(self) -> int:
@@ -195,7 +198,7 @@ def scorer_plan(
 def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float) -> ActorPlan:
     """`adapter`: the LoRA adapter's parameters (models/lora.py adapter_params)."""
     from miniverl.models.loading import torch_dtype
-    from miniverl.rollout.vllm_settings import ENGINE_OVERHEAD_GIB
+    from miniverl.rollout.vllm_settings import ENGINE_OUTSIDE_TORCH_GIB, ENGINE_OVERHEAD_GIB
 
     spec, r = cfg.model.student, cfg.rollout
     c = size.config
@@ -233,9 +236,11 @@ def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float
         explicit = r.vllm.kv_cache_gib
         kv = int(explicit * 2**30) if explicit is not None else share - weights - adapter_bytes - overhead
         plan.peak_bytes = weights + adapter_bytes + overhead + max(kv, 0)
+        plan.outside_bytes = int(ENGINE_OUTSIDE_TORCH_GIB * 2**30)
         at_once = max(kv, 0) // kv_per_token // max(columns, 1)
         plan.choice = (
-            f"vLLM KV cache {human(max(kv, 0))}: {min(at_once, rows)} of the step's {rows} rows at full length at once"
+            f"vLLM KV cache {human(max(kv, 0))}: {min(at_once, rows)} of the step's {rows} rows at full length at once;"
+            f" ~{human(plan.outside_bytes)} more outside torch's allocator (measured)"
         )
         if kv <= 0 or plan.peak_bytes > share:
             plan.problem = (

@@ -40,8 +40,9 @@ class FitPlan:
     @property
     def device_peak_bytes(self) -> int:
         """The modelled peak of the card the actors share, as nvidia-smi sees it: each one's expected reserved peak
-        (ActorPlan.reserved_bytes) and its CUDA context; a scorer on a GPU of its own is not on it."""
-        return sum(a.reserved_bytes for a in self.actors if not a.own_gpu) + self.context_bytes
+        (ActorPlan.reserved_bytes), what its process holds outside torch (outside_bytes) and its CUDA context; a
+        scorer on a GPU of its own is not on it."""
+        return sum(a.reserved_bytes + a.outside_bytes for a in self.actors if not a.own_gpu) + self.context_bytes
 
     @property
     def refusals(self) -> list[str]:
@@ -68,6 +69,7 @@ class FitPlan:
                     "weights_gib": a.weight_bytes / GIB,
                     "peak_gib": a.peak_bytes / GIB,
                     "reserved_gib": a.reserved_bytes / GIB,
+                    "outside_gib": a.outside_bytes / GIB,
                     "tokens": a.tokens,
                     "calibrated": a.calibrated,
                     "measured_as": a.measured_as,
@@ -87,8 +89,8 @@ class FitPlan:
             )
         out.append(
             f"  device   {self.contexts} CUDA context(s) {human(self.context_bytes)}; modelled peak of the whole card"
-            f" {human(self.device_peak_bytes)} of {human(self.card_bytes)} (what the allocators reserve, as nvidia-smi"
-            " counts it)"
+            f" {human(self.device_peak_bytes)} of {human(self.card_bytes)} (as nvidia-smi counts it: what the"
+            " allocators reserve and what is outside them)"
         )
         verdict = "fits" if not (self.refusals or self.warnings) else "does not fit"
         out.append(f"  => {verdict}" + ("" if verdict == "fits" else ": " + "; ".join(self.refusals + self.warnings)))

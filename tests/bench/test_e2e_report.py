@@ -87,6 +87,12 @@ def test_each_gpu_process_peak_is_named_by_the_actor_the_log_gives_its_pid(tmp_p
         "LearnerWorker": 2900.0,
         "pid 777": 500.0,  # not an actor the log names (the driver, or a process of vLLM's own)
     }
+    # the cell's plan check gets them: its engine rollout is set against its process once every process is named
+    plan = recorded_plan("engine")
+    (tmp_path / "c_summary.json").write_text(json.dumps({"plan": plan, "memory": {}}))
+    assert read_cell(tmp_path, "c")["plan_check"]["rollout"]["measured_gib"] is None  # pid 777 is not named
+    (tmp_path / "c_apps.csv").write_text("1138, 4100\n4504, 6100\n")
+    assert read_cell(tmp_path, "c")["plan_check"]["rollout"]["measured_gib"] == pytest.approx(4100 / 1024)
     (tmp_path / "c_apps.csv").unlink()
     assert "smi_process_peak_mib" not in read_cell(tmp_path, "c")  # older runs: no per-process samples
 
@@ -128,6 +134,28 @@ def test_the_plan_is_checked_against_the_peak_each_model_stands_for():
     assert check["learner"]["reserved_error_pct"] == pytest.approx(5.6)
     assert check["scorer"]["reserved_error_pct"] == pytest.approx(100 * (6.0 / 5.2 - 1))
     assert "reserved_error_pct" not in check["rollout"]  # planned at reserved already
+
+
+def test_an_engine_rollout_is_checked_against_its_process_in_nvidia_smi_where_every_process_is_named():
+    """Session 39's 7B cell: vLLM's process held 0.63 GiB outside torch beside its context (nvidia-smi 4,938 MiB,
+    torch reserved 3.53 GiB), which only the per-process samples show: the engine's share, what the plan puts
+    outside torch and one CUDA context are set against them."""
+    plan = recorded_plan("engine")
+    plan["actors"]["rollout"]["outside_gib"] = 0.6
+    plan.update(contexts=3, contexts_gib=1.98)
+    memory = {"learner": {"peak_allocated_gib": 2.0, "peak_reserved_gib": 2.5}}
+    named = {"RolloutWorker": 4938.0, "ScorerWorker": 6832.0, "LearnerWorker": 3950.0}
+    rollout = plan_check(plan, memory, 15.0, named)["rollout"]
+    assert rollout["measured_as"] == "engine"
+    assert rollout["modelled_gib"] == pytest.approx(4.5 + 0.6 + 0.66)
+    assert rollout["measured_gib"] == pytest.approx(4938 / 1024)
+    assert rollout["error_pct"] == pytest.approx(100 * (5.76 / (4938 / 1024) - 1))
+    # a GPU process the log does not name may be the engine's own child: the actor's process is then not all of it
+    assert plan_check(plan, memory, 15.0, {**named, "pid 901": 3000.0})["rollout"]["error_pct"] is None
+    assert plan_check(plan, memory, 15.0, {"ScorerWorker": 6832.0})["rollout"]["error_pct"] is None
+    # a plan recorded before outside_gib existed counts nothing outside torch
+    del plan["actors"]["rollout"]["outside_gib"]
+    assert plan_check(plan, memory, 15.0, named)["rollout"]["modelled_gib"] == pytest.approx(4.5 + 0.66)
 
 
 def test_replicas_are_checked_at_their_largest_peak_and_a_colocated_process_as_its_roles_together():
