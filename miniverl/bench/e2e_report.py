@@ -127,12 +127,12 @@ def plan_check(plan: dict, memory: dict, smi_peak_gib: float, process_mib: dict[
     context = plan.get("contexts_gib", 0.0) / max(plan.get("contexts", 1), 1)
     out: dict = {}
     for role, a in plan["actors"].items():
-        m = role_memory(memory, role)
         if a["measured_as"] == "engine":
             mib = process_mib.get(ROLE_ACTORS.get(role, "")) if named else None
             whole = a["peak_gib"] + a.get("outside_gib", 0.0) + context
             out[role] = row(whole, mib / 1024 if mib else None, "engine")
             continue
+        m = role_memory(memory, role)
         measured = m[f"peak_{a['measured_as']}_gib"] if m and a["measured_as"] in ("allocated", "reserved") else None
         out[role] = row(a["peak_gib"], measured, a["measured_as"])
         if a["measured_as"] == "allocated" and "reserved_gib" in a:
