@@ -97,6 +97,8 @@ def train(
     for name, text in (run_files or {}).items():  # written only now: a refused run leaves the directory as it was
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_text(text)
+    if setup.plan:  # before Ray: a run killed from outside (the machine taken back) writes no summary.json
+        (run_dir / "plan.json").write_text(json.dumps(setup.plan, indent=2))
     if resume is not None:
         for name in ("metrics.jsonl", "samples.jsonl"):  # the steps after it are done again
             trim_metrics(run_dir / name, resume.step)
@@ -245,6 +247,7 @@ RUN_OUTPUTS = (  # (what is listed, the path that shows it was written)
     ("metrics.jsonl", "metrics.jsonl"),
     ("samples.jsonl", "samples.jsonl"),
     ("summary.json", "summary.json"),
+    ("plan.json", "plan.json"),
     ("checkpoints/", "checkpoints"),
     ("plots", "reverse_kl.png"),
     ("wandb/", "wandb"),

@@ -80,9 +80,10 @@ EOF
     seconds=${2:?give the seconds to wait: bash scripts/device_queue.sh collect 560}
     [ -d "$res" ] || { echo "no queue has run here ($res missing): start one first" >&2; exit 2; }
     end=$(( $(date +%s) + seconds ))
-    pack() {  # with the metrics a cell still running has written so far (scripts/e2e_cell.sh runs in /tmp/runs)
+    pack() {  # with the metrics a cell still running has written so far and its plan (scripts/e2e_cell.sh runs in
+      # /tmp/runs): a cell the device's time cuts short is reported from them (bench/e2e_report.py reads ../runs/)
       local partial=()
-      [ -d /tmp/runs ] && mapfile -t partial < <(cd /tmp && ls runs/*/metrics.jsonl 2>/dev/null)
+      [ -d /tmp/runs ] && mapfile -t partial < <(cd /tmp && ls runs/*/metrics.jsonl runs/*/plan.json 2>/dev/null)
       tar -czf "$out/res.tgz.tmp" -C "$root" res ${partial[@]+-C /tmp "${partial[@]}"} 2>/dev/null \
         && mv "$out/res.tgz.tmp" "$out/res.tgz"
     }

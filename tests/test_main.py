@@ -170,6 +170,43 @@ def test_a_second_run_into_the_same_directory_is_refused_at_start(tmp_path, stud
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "metrics.jsonl", "summary.json"]  # no main.log
 
 
+def test_a_gpu_run_writes_its_plan_before_ray_so_a_run_killed_from_outside_keeps_it(
+    tmp_path, student_dir, teacher_dir, monkeypatch
+):
+    """Session 40: the device's time ran out under a run at step 38, which wrote no summary.json, so its plan could
+    not be set against what it measured. The plan goes to plan.json before Ray starts (here Ray's start fails, as a
+    machine taken back would end it); summary.json keeps it too where the run gets to write one."""
+    import dataclasses
+
+    import miniverl.cluster.launch as launch
+    import miniverl.setup.prepare as prepare
+    from miniverl.main import train, written
+    from tests.test_config import with_models
+
+    planned = {"card_gib": 16.0, "device_peak_gib": 14.8, "actors": {}}  # the CPU plans nothing: a GPU's stands in
+    real = prepare.prepare_run
+
+    def with_plan(*args, **kwargs):
+        resume, setup = real(*args, **kwargs)
+        return resume, dataclasses.replace(setup, plan=planned)
+
+    def taken_back(cfg, log):
+        raise RuntimeError("the machine was taken back")
+
+    monkeypatch.setattr(prepare, "prepare_run", with_plan)
+    monkeypatch.setattr(launch, "start_ray", taken_back)
+    cfg = with_models(student_dir, teacher_dir, "resources.device=cpu", "tracking=disabled")
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="taken back"):
+        train(cfg, run, {}, lambda *_: None)
+    assert json.loads((run / "plan.json").read_text()) == planned
+    assert written(run) == ["plan.json"]  # no summary.json: the report reads the plan from here (bench/e2e_report.py)
+    monkeypatch.setattr(prepare, "prepare_run", real)
+    with pytest.raises(RuntimeError, match="taken back"):
+        train(cfg, tmp_path / "cpu", {}, lambda *_: None)
+    assert not (tmp_path / "cpu" / "plan.json").exists()  # no plan, no file
+
+
 def start_main(*args: str) -> subprocess.Popen:
     """The driver as a shell job: its own process group, stdout and stderr into one pipe (`2>&1 | tee log`)."""
     return subprocess.Popen(

@@ -5,6 +5,10 @@ printed against the peaks it measured (where <cell>_summary.json records it).
 
     python -m miniverl.bench.e2e_report OUT_DIR      # every <cell>_metrics.jsonl in OUT_DIR -> a table
 
+A cell cut short (the device's time ran out under it: scripts/device_queue.sh) never copied its files into OUT_DIR;
+what the queue's collect packed of its run directory, OUT_DIR/../runs/<cell>/ (metrics.jsonl so far, plan.json), is
+read instead, and the cell is marked "cut short".
+
 Used by scripts/gpu_qlora.sh (docs/benchmarks/qlora-4080.prereg.md fixes the cells and the thresholds).
 """
 
@@ -145,19 +149,38 @@ def plan_check(plan: dict, memory: dict, smi_peak_gib: float, process_mib: dict[
     return out
 
 
+def run_dirs(out_dir: Path) -> Path:
+    """Where scripts/device_queue.sh's collect puts the run directories of the cells still running (tar's runs/)."""
+    return out_dir.parent / "runs"
+
+
+def cell_names(out_dir: Path) -> list[str]:
+    """Every cell with metrics: copied into out_dir by its script, or only in its run directory (cut short), where
+    the script started it (its <cell>.log, written from the start, is in out_dir: not some other run's folder)."""
+    copied = {p.name.removesuffix("_metrics.jsonl") for p in out_dir.glob("*_metrics.jsonl")}
+    started = {
+        p.parent.name for p in run_dirs(out_dir).glob("*/metrics.jsonl") if (out_dir / f"{p.parent.name}.log").is_file()
+    }
+    return sorted(copied | started)
+
+
 def read_cell(out_dir: Path, cell: str) -> dict:
-    metrics = out_dir / f"{cell}_metrics.jsonl"
+    metrics, summary = out_dir / f"{cell}_metrics.jsonl", out_dir / f"{cell}_summary.json"
+    cut_short = not metrics.is_file() and cell in cell_names(out_dir)
+    if cut_short:  # its plan.json was written before Ray started; its summary.json never was
+        metrics, summary = run_dirs(out_dir) / cell / "metrics.jsonl", run_dirs(out_dir) / cell / "plan.json"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
     smi = out_dir / f"{cell}_smi.csv"
     samples = [float(x) for x in smi.read_text().split() if x.strip()] if smi.is_file() else []
-    out = {"cell": cell, **summarize(rows, samples)}
+    out = {"cell": cell, **summarize(rows, samples)} | ({"cut_short": True} if cut_short else {})
     apps, log = out_dir / f"{cell}_apps.csv", out_dir / f"{cell}.log"
     if apps.is_file():  # per process, so a whole-device peak above the plan can be put on the actor that made it
         out["smi_process_peak_mib"] = process_peaks(
             apps.read_text(), actor_pids(log.read_text()) if log.is_file() else {}
         )
-    summary = out_dir / f"{cell}_summary.json"
     planned = json.loads(summary.read_text()) if summary.is_file() else {}
+    if cut_short and planned:
+        planned = {"plan": planned}  # plan.json is the plan alone: no torch peaks, which the summary would have held
     if planned.get("plan"):  # runs before session 38 did not record their plan
         out["plan_check"] = plan_check(
             planned["plan"], planned.get("memory") or {}, out["smi_peak_gib"], out.get("smi_process_peak_mib")
@@ -173,8 +196,12 @@ def table(cells: list[dict]) -> str:
         return f"{v:.3g}" if isinstance(v, float) else ("-" if v is None else str(v))
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(c.get(k)) for k in cols) + " |" for c in cells]
+    lines += ["| " + " | ".join([name(c), *(fmt(c.get(k)) for k in cols[1:])]) + " |" for c in cells]
     return "\n".join(lines)
+
+
+def name(cell: dict) -> str:
+    return cell["cell"] + (" (cut short)" if cell.get("cut_short") else "")
 
 
 def plan_table(cells: list[dict]) -> str:
@@ -196,7 +223,7 @@ def plan_table(cells: list[dict]) -> str:
         "| cell | " + " | ".join(f"{r}: modelled / measured GiB" for r in roles) + " |",
         "|" + "---|" * (len(roles) + 1),
     ]
-    lines += ["| " + " | ".join([c["cell"], *(fmt(c["plan_check"].get(r)) for r in roles)]) + " |" for c in checked]
+    lines += ["| " + " | ".join([name(c), *(fmt(c["plan_check"].get(r)) for r in roles)]) + " |" for c in checked]
     return "\n".join(lines)
 
 
@@ -208,8 +235,7 @@ def main(argv: list[str]) -> None:
         parser.error(
             f"{out_dir} is not a folder: give the folder the GPU script wrote its <cell>_metrics.jsonl files to"
         )
-    cells = sorted(p.name.removesuffix("_metrics.jsonl") for p in out_dir.glob("*_metrics.jsonl"))
-    results = [read_cell(out_dir, c) for c in cells]
+    results = [read_cell(out_dir, c) for c in cell_names(out_dir)]
     (out_dir / "e2e_report.json").write_text(json.dumps(results, indent=2))
     print(table(results))
     planned = plan_table(results)

@@ -192,3 +192,34 @@ def test_a_cell_that_recorded_its_plan_gets_the_plan_table_and_older_cells_do_no
     main([str(tmp_path)])
     out = capsys.readouterr().out
     assert "The plan against the measured peaks" in out and "| new | 2.20 / 2.00 (+10.0%)" in out
+
+
+def test_a_cell_cut_short_is_read_from_the_run_directory_the_queue_packed(tmp_path, capsys):
+    """Session 40: the device's time ran out at step 38 of 50; the cell's script never copied its metrics or summary
+    into res/, the queue's collect had packed runs/<cell>/metrics.jsonl (and plan.json, written before Ray) beside
+    it. The report reads them there, marks the cell, and checks the plan against nvidia-smi; a run directory whose
+    cell the script did not start here (no <cell>.log) is not a cell of this report."""
+    res, runs = tmp_path / "res", tmp_path / "runs"
+    (runs / "cut").mkdir(parents=True)
+    (runs / "other").mkdir()
+    res.mkdir()
+    (res / "done_metrics.jsonl").write_text("\n".join(json.dumps(step(k, 8.0)) for k in range(1, 6)))
+    (runs / "cut" / "metrics.jsonl").write_text("\n".join(json.dumps(step(k, 8.0)) for k in range(1, 39)))
+    (runs / "other" / "metrics.jsonl").write_text(json.dumps(step(1, 8.0)))
+    (res / "cut.log").write_text("(RolloutWorker pid=1138) INFO engine\n")
+    (res / "cut_smi.csv").write_text("14000\n15062\n")
+    (runs / "cut" / "plan.json").write_text(json.dumps(recorded_plan()))
+    main([str(res)])
+    out = capsys.readouterr().out
+    cells = {c["cell"]: c for c in json.loads((res / "e2e_report.json").read_text())}
+    assert sorted(cells) == ["cut", "done"]
+    assert cells["cut"]["steps"] == 38 and cells["cut"]["cut_short"] and "cut_short" not in cells["done"]
+    check = cells["cut"]["plan_check"]
+    assert check["card"]["error_pct"] == pytest.approx(100 * (13.6 / (15062 / 1024) - 1))
+    assert check["learner"]["measured_gib"] is None  # the torch peaks were in the summary it never wrote
+    assert "| cut (cut short) | 38 |" in out and "| cut (cut short) | 2.20 / - (allocated)" in out
+    # what the cell's script copied wins over the run directory's (the same run, copied when it ended)
+    (runs / "done").mkdir()
+    (runs / "done" / "metrics.jsonl").write_text(json.dumps(step(1, 8.0)))
+    (res / "done.log").write_text("")
+    assert read_cell(res, "done")["steps"] == 5 and "cut_short" not in read_cell(res, "done")
