@@ -196,11 +196,11 @@ def table(cells: list[dict]) -> str:
         return f"{v:.3g}" if isinstance(v, float) else ("-" if v is None else str(v))
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join([name(c), *(fmt(c.get(k)) for k in cols[1:])]) + " |" for c in cells]
+    lines += ["| " + " | ".join([cell_label(c), *(fmt(c.get(k)) for k in cols[1:])]) + " |" for c in cells]
     return "\n".join(lines)
 
 
-def name(cell: dict) -> str:
+def cell_label(cell: dict) -> str:
     return cell["cell"] + (" (cut short)" if cell.get("cut_short") else "")
 
 
@@ -223,7 +223,7 @@ def plan_table(cells: list[dict]) -> str:
         "| cell | " + " | ".join(f"{r}: modelled / measured GiB" for r in roles) + " |",
         "|" + "---|" * (len(roles) + 1),
     ]
-    lines += ["| " + " | ".join([name(c), *(fmt(c["plan_check"].get(r)) for r in roles)]) + " |" for c in checked]
+    lines += ["| " + " | ".join([cell_label(c), *(fmt(c["plan_check"].get(r)) for r in roles)]) + " |" for c in checked]
     return "\n".join(lines)
 
 
