@@ -154,21 +154,24 @@ def run_dirs(out_dir: Path) -> Path:
     return out_dir.parent / "runs"
 
 
+def started_here(out_dir: Path, cell: str) -> bool:
+    """The cell's run directory has metrics and the script started the cell into out_dir (its <cell>.log, written
+    from the start, is there): not some other run's folder."""
+    return (run_dirs(out_dir) / cell / "metrics.jsonl").is_file() and (out_dir / f"{cell}.log").is_file()
+
+
 def cell_names(out_dir: Path) -> list[str]:
-    """Every cell with metrics: copied into out_dir by its script, or only in its run directory (cut short), where
-    the script started it (its <cell>.log, written from the start, is in out_dir: not some other run's folder)."""
+    """Every cell with metrics: copied into out_dir by its script, or only in its run directory (cut short)."""
     copied = {p.name.removesuffix("_metrics.jsonl") for p in out_dir.glob("*_metrics.jsonl")}
-    started = {
-        p.parent.name for p in run_dirs(out_dir).glob("*/metrics.jsonl") if (out_dir / f"{p.parent.name}.log").is_file()
-    }
+    started = {run.name for run in run_dirs(out_dir).glob("*") if started_here(out_dir, run.name)}
     return sorted(copied | started)
 
 
 def read_cell(out_dir: Path, cell: str) -> dict:
     metrics, summary = out_dir / f"{cell}_metrics.jsonl", out_dir / f"{cell}_summary.json"
-    cut_short = not metrics.is_file() and cell in cell_names(out_dir)
-    if cut_short:  # its plan.json was written before Ray started; its summary.json never was
-        metrics, summary = run_dirs(out_dir) / cell / "metrics.jsonl", run_dirs(out_dir) / cell / "plan.json"
+    cut_short = not metrics.is_file() and started_here(out_dir, cell)
+    if cut_short:
+        metrics = run_dirs(out_dir) / cell / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
     smi = out_dir / f"{cell}_smi.csv"
     samples = [float(x) for x in smi.read_text().split() if x.strip()] if smi.is_file() else []
@@ -178,9 +181,11 @@ def read_cell(out_dir: Path, cell: str) -> dict:
         out["smi_process_peak_mib"] = process_peaks(
             apps.read_text(), actor_pids(log.read_text()) if log.is_file() else {}
         )
-    planned = json.loads(summary.read_text()) if summary.is_file() else {}
-    if cut_short and planned:
-        planned = {"plan": planned}  # plan.json is the plan alone: no torch peaks, which the summary would have held
+    if cut_short:  # plan.json, written before Ray, is the plan alone: the torch peaks were in the summary never written
+        plan = run_dirs(out_dir) / cell / "plan.json"
+        planned = {"plan": json.loads(plan.read_text())} if plan.is_file() else {}
+    else:
+        planned = json.loads(summary.read_text()) if summary.is_file() else {}
     if planned.get("plan"):  # runs before session 38 did not record their plan
         out["plan_check"] = plan_check(
             planned["plan"], planned.get("memory") or {}, out["smi_peak_gib"], out.get("smi_process_peak_mib")
