@@ -10,7 +10,8 @@
 #   report        python -m miniverl.bench.e2e_report $OUT: the table of every cell run so far
 # Every cell: random 0.5B-shape student (LoRA r32, bf16, hf_cached), built-in reverse+sort prompts (half the rows
 # per source), 64 x 4 x 512 tokens, GKD top-64, resources.emulate_gpu_gib=16; nvidia-smi samples the whole
-# device every 200 ms (<cell>_smi.csv). Two cells at once on an x2 machine: GPU=0 ... & GPU=1 ...
+# device every 200 ms (<cell>_smi.csv; the processes, clocks and load beside it: scripts/e2e_cell.sh).
+# Two cells at once on an x2 machine: GPU=0 ... & GPU=1 ...
 # $STEPS (default 12), $OVERRIDES and $TAG as in gpu_qlora.sh.
 set -uo pipefail
 out=${OUT:?set OUT}

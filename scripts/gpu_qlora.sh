@@ -18,7 +18,8 @@
 #   report              python -m miniverl.bench.e2e_report $OUT: the table of every cell run so far
 #   mps-on / mps-off    start / stop the CUDA Multi-Process Service for the cells between them (its kernels of
 #                       separate processes run at once instead of time-slicing; says so when the machine lacks it)
-# nvidia-smi samples the whole device every 200 ms during each run (<cell>_smi.csv).
+# nvidia-smi samples the whole device every 200 ms during each run (<cell>_smi.csv), each GPU process every second
+# (<cell>_apps.csv), the GPU's clocks and the host's load every 5 s (<cell>_host.csv): scripts/e2e_cell.sh.
 # Two cells at once on an x2 machine: GPU=0 bash scripts/gpu_qlora.sh cell-... & GPU=1 bash scripts/gpu_qlora.sh cell-...
 set -uo pipefail
 out=${OUT:?set OUT}

@@ -1,7 +1,9 @@
 """Reading end-to-end runs (metrics.jsonl + nvidia-smi samples) into the numbers a preregistered workload
 promises: step split, memory slope over refreshes, whole-device peak (and each GPU process's, named by its actor,
 where <cell>_apps.csv holds nvidia-smi's per-process samples), the sampler/learner gate, and the memory plan the run
-printed against the peaks it measured (where <cell>_summary.json records it).
+printed against the peaks it measured (where <cell>_summary.json records it), and the machine under it (where
+<cell>_host.csv holds the GPU's clocks and the host's load: a step time that drifts while the memory stays flat is
+told apart by them).
 
     python -m miniverl.bench.e2e_report OUT_DIR      # every <cell>_metrics.jsonl in OUT_DIR -> a table
 
@@ -149,6 +151,81 @@ def plan_check(plan: dict, memory: dict, smi_peak_gib: float, process_mib: dict[
     return out
 
 
+# <cell>_host.csv (scripts/e2e_cell.sh), one line every 5 s: the time, the GPU's SM clock (MHz), its utilization (%),
+# power (W) and temperature (C), the host's 1-minute load average and its CPU count
+HOST_COLUMNS = ("unix_s", "sm_mhz", "gpu_util_pct", "power_w", "temp_c", "load1", "cpus")
+
+
+def host_samples(csv_text: str) -> list[dict[str, float]]:
+    """The samples of a <cell>_host.csv; a line the driver could not fill ("[N/A]") or cut short is skipped."""
+    samples = []
+    for line in csv_text.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) != len(HOST_COLUMNS):
+            continue
+        try:
+            samples.append(dict(zip(HOST_COLUMNS, map(float, parts))))
+        except ValueError:
+            continue
+    return samples
+
+
+def thirds(values: list[float]) -> tuple[float, float]:
+    """Medians of the first and the last third of `values` (the whole list for fewer than three)."""
+    k = max(len(values) // 3, 1)
+    return statistics.median(values[:k]), statistics.median(values[-k:])
+
+
+def machine(samples: list[dict[str, float]], step_times: list[float]) -> dict:
+    """The machine over one cell: the SM clock and host load as medians, their extremes and their first / last
+    thirds, beside the step time's first / last thirds (a drift in the step that the clock or the load follows is
+    the machine's); {} without samples."""
+    if not samples:
+        return {}
+    clock, load = [s["sm_mhz"] for s in samples], [s["load1"] for s in samples]
+    out = {
+        "samples": len(samples),
+        "sm_mhz_median": statistics.median(clock),
+        "sm_mhz_min": min(clock),
+        "sm_mhz_thirds": thirds(clock),
+        "gpu_util_pct_median": statistics.median(s["gpu_util_pct"] for s in samples),
+        "power_w_median": statistics.median(s["power_w"] for s in samples),
+        "temp_c_max": max(s["temp_c"] for s in samples),
+        "load1_median": statistics.median(load),
+        "load1_max": max(load),
+        "load1_thirds": thirds(load),
+        "cpus": int(samples[-1]["cpus"]),
+    }
+    if step_times:
+        out["step_s_thirds"] = thirds(step_times)
+    return out
+
+
+def machine_table(cells: list[dict]) -> str:
+    """The machine under each cell that recorded it; "" when none did."""
+    sampled = [c for c in cells if c.get("machine")]
+    if not sampled:
+        return ""
+
+    def pair(v: tuple[float, float] | None, digits: int) -> str:
+        return "-" if v is None else f"{v[0]:.{digits}f} / {v[1]:.{digits}f}"
+
+    lines = [
+        "| cell | samples | step s: first / last third | SM clock MHz: median (min) | first / last third | GPU util %"
+        " | power W | temperature max C | host load (1 min): median (max) | first / last third | CPUs |",
+        "|" + "---|" * 11,
+    ]
+    for c in sampled:
+        m = c["machine"]
+        lines.append(
+            f"| {cell_label(c)} | {m['samples']} | {pair(m.get('step_s_thirds'), 1)}"
+            f" | {m['sm_mhz_median']:.0f} ({m['sm_mhz_min']:.0f}) | {pair(m['sm_mhz_thirds'], 0)}"
+            f" | {m['gpu_util_pct_median']:.0f} | {m['power_w_median']:.0f} | {m['temp_c_max']:.0f}"
+            f" | {m['load1_median']:.1f} ({m['load1_max']:.1f}) | {pair(m['load1_thirds'], 1)} | {m['cpus']} |"
+        )
+    return "\n".join(lines)
+
+
 def run_dirs(out_dir: Path) -> Path:
     """Where scripts/device_queue.sh's collect puts the run directories of the cells still running (tar's runs/)."""
     return out_dir.parent / "runs"
@@ -181,6 +258,10 @@ def read_cell(out_dir: Path, cell: str) -> dict:
         out["smi_process_peak_mib"] = process_peaks(
             apps.read_text(), actor_pids(log.read_text()) if log.is_file() else {}
         )
+    host = out_dir / f"{cell}_host.csv"
+    if host.is_file():
+        timed = [r["time/step"] for r in rows if r.get("step", 0) >= 1 and "time/step" in r][WARMUP_STEPS:]
+        out["machine"] = machine(host_samples(host.read_text()), timed)
     if cut_short:  # plan.json, written before Ray, is the plan alone: the torch peaks were in the summary never written
         plan = run_dirs(out_dir) / cell / "plan.json"
         planned = {"plan": json.loads(plan.read_text())} if plan.is_file() else {}
@@ -250,6 +331,10 @@ def main(argv: list[str]) -> None:
             " engine's rollout: its process in nvidia-smi, with its context; card: nvidia-smi):\n"
         )
         print(planned)
+    machines = machine_table(results)
+    if machines:
+        print("\nThe machine under each cell (nvidia-smi and /proc/loadavg every 5 s):\n")
+        print(machines)
 
 
 if __name__ == "__main__":

@@ -223,3 +223,32 @@ def test_a_cell_cut_short_is_read_from_the_run_directory_the_queue_packed(tmp_pa
     (runs / "done" / "metrics.jsonl").write_text(json.dumps(step(1, 8.0)))
     (res / "done.log").write_text("")
     assert read_cell(res, "done")["steps"] == 5 and "cut_short" not in read_cell(res, "done")
+
+
+def test_the_machine_under_a_cell_is_reported_beside_its_step_time_drift(tmp_path, capsys):
+    """Session 41: the 7B recipe's step drifted from 10.9 to 14.7 s with the memory flat and the scorer steady, and
+    nothing recorded could say whether the machine did it. <cell>_host.csv (the GPU's clock, the host's load every 5
+    s) is read into the clock's and the load's thirds beside the step's; a line the driver could not fill is skipped,
+    and a cell without the file gets no machine table."""
+    steps = [step(k, 8.0, t=10.0 if k <= 10 else 14.0) for k in range(1, 17)]  # 2 warm-up steps, then 14 timed
+    (tmp_path / "drift_metrics.jsonl").write_text("\n".join(json.dumps(s) for s in steps))
+    host = ["unix_s,sm_mhz,gpu_util_pct,power_w,temp_c,load1,cpus"]  # a header is not a sample
+    host += [f"{1000 + 5 * i},1980,80,400.5,50,{2.0 if i < 6 else 15.0},16" for i in range(9)]
+    host.insert(4, "1015,[N/A],80,400.5,50,2.0,16")
+    (tmp_path / "drift_host.csv").write_text("\n".join(host) + "\n")
+    (tmp_path / "plain_metrics.jsonl").write_text("\n".join(json.dumps(step(k, 8.0)) for k in range(1, 6)))
+    main([str(tmp_path)])
+    out = capsys.readouterr().out
+    cells = {c["cell"]: c for c in json.loads((tmp_path / "e2e_report.json").read_text())}
+    m = cells["drift"]["machine"]
+    assert m["samples"] == 9 and m["cpus"] == 16 and m["sm_mhz_min"] == 1980
+    assert m["step_s_thirds"] == [10.0, 14.0] and m["load1_thirds"] == [2.0, 15.0] and m["load1_max"] == 15.0
+    assert "machine" not in cells["plain"]
+    assert (
+        "| drift | 9 | 10.0 / 14.0 | 1980 (1980) | 1980 / 1980 | 80 | 400 | 50 | 2.0 (15.0) | 2.0 / 15.0 | 16 |" in out
+    )
+    assert "| plain |" not in out.split("The machine under each cell")[1]
+    # no host file anywhere: no machine table at all
+    (tmp_path / "drift_host.csv").unlink()
+    main([str(tmp_path)])
+    assert "The machine under each cell" not in capsys.readouterr().out
