@@ -507,6 +507,9 @@ def test_the_7b_recipe_plans_a_15b_student_and_a_7b_nf4_teacher_inside_16_gib(qw
     cfg.resources.rollout.num_gpus = 0.27
     assert abs(plan(cfg, qwen_configs, student="1.5b", teacher="7b").device_peak_bytes / GIB / 15.37 - 1) <= 0.05
     cfg.resources.rollout.num_gpus = 0.25
+    cfg.data.prompts_per_step = 16  # the fallback, 50 steps (session 41): 14.71 GiB, as in session 40's 38 steps
+    assert abs(plan(cfg, qwen_configs, student="1.5b", teacher="7b").device_peak_bytes / GIB / 14.71 - 1) <= 0.05
+    cfg.data.prompts_per_step = 64
     old = composed("gkd_4080", "resources.emulate_gpu_gib=16", "model.teacher.quantization=nf4", "rollout=vllm")
     before = plan(old, qwen_configs, student="1.5b", teacher="7b")
     assert before.lines()[-1].startswith("  => does not fit")
