@@ -176,10 +176,19 @@ def thirds(values: list[float]) -> tuple[float, float]:
     return statistics.median(values[:k]), statistics.median(values[-k:])
 
 
+# after a cell's last step: its final evaluation, summary and shutdown, and the script's 3 s before it stops sampling
+STEPS_END_MARGIN_S = 20.0
+
+
 def machine(samples: list[dict[str, float]], step_times: list[float]) -> dict:
-    """The machine over one cell: the SM clock and host load as medians, their extremes and their first / last
-    thirds, beside the step time's first / last thirds (a drift in the step that the clock or the load follows is
-    the machine's); {} without samples."""
+    """The machine over one cell's training steps: the SM clock and host load as medians, their extremes and their
+    first / last thirds, beside the step time's first / last thirds (a drift in the step that the clock or the load
+    follows is the machine's); {} without samples in the steps. `step_times`: every step's time/step, warm-up
+    included. The steps are placed at the end of the samples (their times added up, plus STEPS_END_MARGIN_S), so
+    the engines' start before them, its load and idle clocks, stays out."""
+    if samples and step_times:
+        start = samples[-1]["unix_s"] - sum(step_times) - STEPS_END_MARGIN_S
+        samples = [s for s in samples if s["unix_s"] >= start]
     if not samples:
         return {}
     clock, load = [s["sm_mhz"] for s in samples], [s["load1"] for s in samples]
@@ -196,8 +205,9 @@ def machine(samples: list[dict[str, float]], step_times: list[float]) -> dict:
         "load1_thirds": thirds(load),
         "cpus": int(samples[-1]["cpus"]),
     }
-    if step_times:
-        out["step_s_thirds"] = thirds(step_times)
+    timed = step_times[WARMUP_STEPS:] or step_times
+    if timed:
+        out["step_s_thirds"] = thirds(timed)
     return out
 
 
@@ -260,8 +270,8 @@ def read_cell(out_dir: Path, cell: str) -> dict:
         )
     host = out_dir / f"{cell}_host.csv"
     if host.is_file():
-        timed = [r["time/step"] for r in rows if r.get("step", 0) >= 1 and "time/step" in r][WARMUP_STEPS:]
-        out["machine"] = machine(host_samples(host.read_text()), timed)
+        step_times = [r["time/step"] for r in rows if r.get("step", 0) >= 1 and "time/step" in r]
+        out["machine"] = machine(host_samples(host.read_text()), step_times)
     if cut_short:  # plan.json, written before Ray, is the plan alone: the torch peaks were in the summary never written
         plan = run_dirs(out_dir) / cell / "plan.json"
         planned = {"plan": json.loads(plan.read_text())} if plan.is_file() else {}

@@ -233,6 +233,7 @@ def test_the_machine_under_a_cell_is_reported_beside_its_step_time_drift(tmp_pat
     steps = [step(k, 8.0, t=10.0 if k <= 10 else 14.0) for k in range(1, 17)]  # 2 warm-up steps, then 14 timed
     (tmp_path / "drift_metrics.jsonl").write_text("\n".join(json.dumps(s) for s in steps))
     host = ["unix_s,sm_mhz,gpu_util_pct,power_w,temp_c,load1,cpus"]  # a header is not a sample
+    host += ["500,345,0,70.0,30,40.0,16"]  # the engines' start, long before the steps (184 s of them): left out
     host += [f"{1000 + 5 * i},1980,80,400.5,50,{2.0 if i < 6 else 15.0},16" for i in range(9)]
     host.insert(4, "1015,[N/A],80,400.5,50,2.0,16")
     (tmp_path / "drift_host.csv").write_text("\n".join(host) + "\n")
