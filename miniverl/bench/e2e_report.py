@@ -41,9 +41,14 @@ def memory_slope(steps: list[float], values: list[float]) -> float:
     return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(steps, values)) / var
 
 
+def training_steps(rows: list[dict]) -> list[dict]:
+    """A run's metrics.jsonl rows of training steps: step >= 1 with a time/step (not the step-0 or eval rows)."""
+    return [r for r in rows if r.get("step", 0) >= 1 and "time/step" in r]
+
+
 def summarize(rows: list[dict], smi_mib: list[float]) -> dict:
-    """One run: its training steps (step >= 1 with a time/step) and the nvidia-smi samples taken during it."""
-    steps = [r for r in rows if r.get("step", 0) >= 1 and "time/step" in r]
+    """One run: its training steps (training_steps) and the nvidia-smi samples taken during it."""
+    steps = training_steps(rows)
     timed = steps[WARMUP_STEPS:] or steps
     out: dict = {"steps": len(steps)}
     if not steps:
@@ -270,7 +275,7 @@ def read_cell(out_dir: Path, cell: str) -> dict:
         )
     host = out_dir / f"{cell}_host.csv"
     if host.is_file():
-        step_times = [r["time/step"] for r in rows if r.get("step", 0) >= 1 and "time/step" in r]
+        step_times = [r["time/step"] for r in training_steps(rows)]
         out["machine"] = machine(host_samples(host.read_text()), step_times)
     if cut_short:  # plan.json, written before Ray, is the plan alone: the torch peaks were in the summary never written
         plan = run_dirs(out_dir) / cell / "plan.json"

@@ -73,6 +73,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from miniverl.bench.e2e_report import training_steps
 from miniverl.bench.random_stops import stop_set
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -569,7 +570,7 @@ def read_miniverl_run(run_dir: Path, shape: Shape) -> dict:
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics}: the run wrote no metrics")
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if r.get("step", 0) >= 1 and "time/step" in r]
+    steps = training_steps(rows)
     tokens = [r["response_tokens"] for r in steps[WARMUP_STEPS:] if "response_tokens" in r]
     timed = steps[WARMUP_STEPS:] or steps
     phases = sorted({k for r in timed for k in r if k.startswith(("time/generate", "time/score", "time/update"))})
