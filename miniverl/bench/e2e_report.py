@@ -126,20 +126,23 @@ def plan_check(plan: dict, memory: dict, smi_peak_gib: float, process_mib: dict[
     - one colocated process (resources.colocate=true): the roles' expected reserved peaks together against its own;
     - the whole card against nvidia-smi's peak.
     A vLLM or SGLang rollout's engine is not in torch's numbers: it is set against nvidia-smi's peak of its actor's
-    process (`process_mib`: read_cell's smi_process_peak_mib), its share, what it holds outside torch and one CUDA
-    context, where every GPU process of the run is an actor the log names (an engine in a child process of its own,
-    or samples hidden by the pid namespace, leave it None)."""
+    process (`process_mib`: read_cell's smi_process_peak_mib) plus those of the GPU processes the log names no actor
+    for (the engine's own: SGLang's scheduler, vLLM's engine core in a subprocess), modelled as its share, what it
+    holds outside torch and one CUDA context; None where the log names no process of its actor (samples hidden by
+    the pid namespace)."""
 
     def row(modelled: float, measured: float | None, measured_as: str) -> dict:
         error = None if not measured else 100 * (modelled / measured - 1)
         return {"modelled_gib": modelled, "measured_gib": measured, "measured_as": measured_as, "error_pct": error}
 
-    named = bool(process_mib) and all(name in ROLE_ACTORS.values() for name in process_mib)
+    process_mib = process_mib or {}
+    engine_children = sum(mib for name, mib in process_mib.items() if name not in ROLE_ACTORS.values())
     context = plan.get("contexts_gib", 0.0) / max(plan.get("contexts", 1), 1)
     out: dict = {}
     for role, a in plan["actors"].items():
         if a["measured_as"] == "engine":
-            mib = process_mib.get(ROLE_ACTORS.get(role, "")) if named else None
+            mib = process_mib.get(ROLE_ACTORS.get(role, ""))
+            mib = mib + engine_children if mib else None
             whole = a["peak_gib"] + a.get("outside_gib", 0.0) + context
             out[role] = row(whole, mib / 1024 if mib else None, "engine")
             continue
@@ -189,10 +192,12 @@ def machine(samples: list[dict[str, float]], step_times: list[float]) -> dict:
     """The machine over one cell's training steps: the SM clock and host load as medians, their extremes and their
     first / last thirds, beside the step time's first / last thirds (a drift in the step that the clock or the load
     follows is the machine's); {} without samples in the steps. `step_times`: every step's time/step, warm-up
-    included. The steps are placed at the end of the samples (their times added up, plus STEPS_END_MARGIN_S), so
-    the engines' start before them, its load and idle clocks, stays out."""
-    if samples and step_times:
-        start = samples[-1]["unix_s"] - sum(step_times) - STEPS_END_MARGIN_S
+    included. The steps after the warm-up are placed at the end of the samples (their times added up, plus
+    STEPS_END_MARGIN_S), so the engines' start before them and the warm-up's compiles, their load and idle clocks,
+    stay out (run 3's 12-step hf_cached cell read a median GPU utilization of 0% with its compiling first step in)."""
+    timed = step_times[WARMUP_STEPS:] or step_times
+    if samples and timed:
+        start = samples[-1]["unix_s"] - sum(timed) - STEPS_END_MARGIN_S
         samples = [s for s in samples if s["unix_s"] >= start]
     if not samples:
         return {}
@@ -210,7 +215,6 @@ def machine(samples: list[dict[str, float]], step_times: list[float]) -> dict:
         "load1_thirds": thirds(load),
         "cpus": int(samples[-1]["cpus"]),
     }
-    timed = step_times[WARMUP_STEPS:] or step_times
     if timed:
         out["step_s_thirds"] = thirds(timed)
     return out
