@@ -74,9 +74,9 @@ class VllmRolloutConfig:
 
 @dataclass
 class SglangRolloutConfig:
-    """rollout=sglang only (miniverl/rollout/sglang.py; sglang 0.5.17; run end to end on an H100, its GPU tests not yet
-    run: docs/benchmarks/sglang-gpu/run2.md). No sampler choice: row seeds need SGLang's deterministic inference,
-    which samples with its pytorch sampler (and runs its batch-invariant kernels: 4-11x slower than hf_cached)."""
+    """rollout=sglang only (miniverl/rollout/sglang.py; sglang 0.5.17; its GPU tests pass and it runs the 4080 recipe
+    end to end on an H100: docs/benchmarks/sglang-gpu/run3.md). No sampler choice: row seeds need SGLang's
+    deterministic inference, which samples with its pytorch sampler (about 4x below hf_cached's tokens/s)."""
 
     # triton: the device bundle leaves out FlashAttention-3's 1.1 GB library (docs/benchmarks/sglang-feasibility.md);
     # fa3 is SGLang's Hopper default where that library is installed; flashinfer compiles its kernels on first use
@@ -84,19 +84,26 @@ class SglangRolloutConfig:
     # SGLang's mem_fraction_static: the fraction of the WHOLE device for weights and the KV pool; null = derived
     # from the rollout actor's share (its emulated cap on a capped card) less the engine's overhead
     mem_fraction_static: float | None = None
-    # tokens in one prefill chunk; SGLang's own choice for a card under 20 GB (it picks 8,192 on an 80 GB one). Its
-    # fp32 logits are most of the engine's memory beside the static fraction (rollout/sglang.py engine_overhead_bytes)
+    # tokens in one prefill chunk; SGLang's own choice for a card under 20 GB (it picks 8,192 on an 80 GB one)
     chunked_prefill_size: int = 2048
-    # deterministic inference (row seeds need it) also swaps cuBLAS for SGLang's batch-invariant Triton kernels, the
-    # likely cause of run 2's 4-11x gap to hf_cached; false keeps the row seeds and SGLang's usual kernels (not yet
-    # measured: run 3 times both)
-    batch_invariant: bool = True
+    # rows decoded at once; null = the run's largest generate call. The sampler's buffers grow with it (36 bytes per
+    # row and vocabulary entry: rollout/sglang.py engine_overhead_bytes); the rows beyond it wait for a free slot
+    max_running_requests: int | None = None
+    # deterministic inference (row seeds need it) also swaps cuBLAS for SGLang's batch-invariant Triton kernels; false
+    # (the default) keeps the row seeds and SGLang's usual kernels: as exact on the oracle and the gate, and 1.13-1.24x
+    # the tokens/s (run 3); true makes a row's tokens independent of the batch it shares
+    batch_invariant: bool = False
 
     def check(self) -> None:
         require(
             self.chunked_prefill_size > 0,
             f"rollout.sglang.chunked_prefill_size={self.chunked_prefill_size}: a positive number of tokens (2048 is"
             " SGLang's own choice for a 16 GB card)",
+        )
+        require(
+            self.max_running_requests is None or self.max_running_requests > 0,
+            f"rollout.sglang.max_running_requests={self.max_running_requests}: a positive number of rows, or null (the"
+            " run's largest generate call)",
         )
         require(
             self.attention_backend in SGLANG_ATTENTION,

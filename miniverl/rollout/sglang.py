@@ -3,8 +3,9 @@
 Written against sglang 0.5.17, the newest release whose pins match the GPU machine's torch 2.11
 (docs/benchmarks/sglang-feasibility.md), from its source. On the H200 (run 1, docs/benchmarks/sglang-gpu/run1.md) its
 engine imports and starts only with the registration shim below, and honours `sampling_seed` only with deterministic
-inference on; on an H100 (run 2) it sampled the policy's law 4-11x slower than hf_cached and ran the 4080 recipe
-end to end (52 refreshes, gate passed); its GPU tests have not run yet. What it relies on:
+inference on. On an H100 its GPU tests pass (run 3: the oracle, row seeds, the probe after every refresh, a stale
+replica caught), it samples the policy's law about 4x slower than hf_cached and runs the 4080 recipe end to end (52
+refreshes, gate passed: docs/benchmarks/sglang-gpu/run3.md). What it relies on:
 - `Engine(skip_tokenizer_init=True)`: token ids in (`input_ids`), token ids out (`output_ids`), stopping on
   `stop_token_ids` only;
 - `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (set before SGLang is imported): `return_logprob=True` gives each sampled
@@ -15,7 +16,9 @@ end to end (52 refreshes, gate passed); its GPU tests have not run yet. What it 
   seed), which also fixes its sampler to the pytorch one: a draw from (seed, position);
 - sglang_compat/sitecustomize.py in every engine process: sglang 0.5.17 re-registers model types transformers 5.17
   already has, which transformers refuses (run 1: the scheduler died at import); with rollout.sglang.batch_invariant
-  false it also keeps the batch-invariant kernels that deterministic inference switches on out of the engine;
+  false (the default: run 3 measured it as exact and 1.1-1.2x faster) it keeps the batch-invariant kernels that
+  deterministic inference switches on out of the engine; on an emulated card it caps the scheduler's allocator at
+  the actor's budget, as every actor process is capped;
 - every policy version is a new adapter loaded from the learner's tensors under a new name
   (`load_lora_adapter_from_tensors`), the previous one unloaded; the radix cache keys its entries by adapter, and
   `flush_cache()` empties it at every refresh (SGLang flushes only when no request is in flight: a refresh comes
@@ -42,21 +45,35 @@ from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.served_policy import probe_tolerance
 
-# What the engine's scheduler process holds beside its static fraction (weights and KV pool), modelled as the CUDA
-# context and graphs plus one prefill chunk's logits in fp32: the probe asks the log-prob of every prompt token, so a
-# whole chunk's logits exist at once. Measured once (run 2, docs/benchmarks/sglang-gpu/run2.md, H100): 4.73 GiB
-# beside the static fraction at SGLang's own H100 chunk of 8,192 tokens and a 151,936-token vocabulary; the model
-# gives 0.5 + 4.64 = 5.14 GiB there (0.41 GiB to spare). rollout.sglang.chunked_prefill_size (2,048) sets the chunk.
-SGLANG_CONTEXT_GIB = 0.5
-LOGIT_BYTES = 4  # fp32
-# rollout.sglang.batch_invariant for sglang_compat/sitecustomize.py, which runs in every engine process (and holds
-# the same name: importing it here would patch transformers at import)
+# What the engine's scheduler process holds in torch's allocator beside its static fraction (weights, LoRA pool and KV
+# pool), from sglang 0.5.17's source and run 3's per-process trace (docs/benchmarks/sglang-gpu/run3.md, H100, the
+# 0.5B-shaped student, 256 rows, a 2,048-token prefill chunk):
+# - SGLANG_GRAPHS_GIB: decode and prefill CUDA graphs and the buffers made at start: the process read 4,754 MiB once
+#   started, less the static 3,359 MiB, one CUDA context (0.66 GiB) and the shared [rows, V] fp32 output buffer;
+# - ROW_LOGIT_BYTES per row decoded at once and vocabulary entry: the deterministic pytorch sampler's temporaries (28:
+#   fp32 log-softmax of the original logits, softmax, log, a uint32 hash and an fp64 pair: layers/sampler.py), the
+#   shared fp32 output buffer (4) and the batch the overlap scheduler keeps (4): 1.30 GiB at 256 rows and Qwen2.5's
+#   151,936 tokens;
+# - the prompt log-probs of a probe or of a retracted request's re-prefill, computed LOGPROB_CHUNK_TOKENS rows at a
+#   time (bf16 logits, fp32 log-softmax and gather: LOGPROB_TOKEN_BYTES each); SGLang's own chunk is 2,048 (2.9 GiB).
+# Run 3's engine, sized by the earlier model (a prefill chunk's fp32 logits: 1.66 GiB), read 7,928 MiB at its peak
+# against a 4.94 GiB share: the sampler's blocks of different row counts kept by an allocator nothing capped. The
+# backend now caps the scheduler's allocator at the actor's budget where the card is emulated (sglang_compat: the
+# other actors' processes are capped the same way) and bounds the prompt log-probs' chunk (SGLANG_LOGPROB_CHUNK_SIZE).
+SGLANG_GRAPHS_GIB = 0.55
+ROW_LOGIT_BYTES = 36
+LOGPROB_CHUNK_TOKENS = 256
+LOGPROB_TOKEN_BYTES = 10
+# rollout.sglang.batch_invariant and the allocator cap for sglang_compat/sitecustomize.py, which runs in every engine
+# process (and holds the same names: importing it here would patch transformers at import)
 BATCH_INVARIANT_ENV = "MINIVERL_SGLANG_BATCH_INVARIANT"
+MEMORY_CAP_ENV = "MINIVERL_SGLANG_MEMORY_CAP_BYTES"
 
 
-def engine_overhead_bytes(chunked_prefill_size: int, vocab_size: int) -> int:
-    """The engine's memory beside its static fraction (SGLANG_CONTEXT_GIB plus one chunk's fp32 logits)."""
-    return int(SGLANG_CONTEXT_GIB * 2**30) + chunked_prefill_size * vocab_size * LOGIT_BYTES
+def engine_overhead_bytes(rows: int, vocab_size: int) -> int:
+    """The engine's allocator beside its static fraction with `rows` decoded at once (the comment above)."""
+    graphs = int(SGLANG_GRAPHS_GIB * 2**30)
+    return graphs + rows * vocab_size * ROW_LOGIT_BYTES + LOGPROB_CHUNK_TOKENS * vocab_size * LOGPROB_TOKEN_BYTES
 
 
 @dataclass(frozen=True)
@@ -65,9 +82,9 @@ class SglangSettings:
 
     attention_backend: str
     mem_fraction_static: float | None  # null: derived from the share (static_fraction)
-    chunked_prefill_size: int  # tokens in one prefill chunk (its logits are most of the engine's overhead)
+    chunked_prefill_size: int  # tokens in one prefill chunk
     batch_invariant: bool  # SGLang's batch-invariant kernels, which deterministic inference switches on
-    max_running_requests: int  # the run's largest generate call, in rows
+    max_running_requests: int  # rows decoded at once: the run's largest call, or rollout.sglang's smaller bound
     context_length: int  # data.max_prompt_length + rollout.max_new_tokens
     gpu_share: float  # the rollout actor's Ray share of its GPU
     gpu_cap_gib: float | None  # its emulated cap (resources.emulate_gpu_gib), or None
@@ -76,14 +93,15 @@ class SglangSettings:
 def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, largest_call: int) -> SglangSettings:
     """The builder (the one place reading config): `rollout.sglang`, the actor's share of the GPU and its cap, and the
     rows of the run's largest generate call (RolloutConfig.largest_call: rollout.vllm.max_num_seqs is vLLM's knob,
-    not SGLang's). The values are validate's to check (config/rollout.py)."""
+    not SGLang's), or rollout.sglang.max_running_requests where it is smaller. The values are validate's to check
+    (config/rollout.py)."""
     s = cfg.rollout.sglang
     return SglangSettings(
         attention_backend=s.attention_backend,
         mem_fraction_static=s.mem_fraction_static,
         chunked_prefill_size=s.chunked_prefill_size,
         batch_invariant=s.batch_invariant,
-        max_running_requests=largest_call,
+        max_running_requests=min(largest_call, s.max_running_requests or largest_call),
         context_length=cfg.longest_row,
         gpu_share=gpu_share,
         gpu_cap_gib=gpu_cap_gib,
@@ -111,7 +129,7 @@ def bench_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
         section.mem_fraction_static,
         section.chunked_prefill_size,
         section.batch_invariant,
-        rows,
+        min(rows, section.max_running_requests or rows),
         context,
         share,
         None,
@@ -124,18 +142,24 @@ def static_fraction(settings: SglangSettings, total_bytes: int, vocab_size: int)
     device."""
     if settings.mem_fraction_static is not None:
         return settings.mem_fraction_static
-    budget = settings.gpu_cap_gib * 2**30 if settings.gpu_cap_gib is not None else settings.gpu_share * total_bytes
-    overhead = engine_overhead_bytes(settings.chunked_prefill_size, vocab_size)
-    fraction = (budget - overhead) / total_bytes
+    overhead = engine_overhead_bytes(settings.max_running_requests, vocab_size)
+    fraction = (budget_bytes(settings, total_bytes) - overhead) / total_bytes
     if fraction <= 0:
         raise ConfigError(
-            f"the SGLang rollout actor's budget is {budget / 2**30:.2f} GiB, no more than the"
-            f" {overhead / 2**30:.2f} GiB the engine needs beside its weights and KV pool (a"
-            f" {settings.chunked_prefill_size}-token prefill"
-            f" chunk's logits over {vocab_size:,} tokens, and its CUDA context); raise resources.rollout.num_gpus,"
-            " lower rollout.sglang.chunked_prefill_size, or set rollout.sglang.mem_fraction_static"
+            f"the SGLang rollout actor's budget is {budget_bytes(settings, total_bytes) / 2**30:.2f} GiB, no more than"
+            f" the {overhead / 2**30:.2f} GiB the engine needs beside its weights and KV pool (its graphs, and the"
+            f" sampler's buffers for {settings.max_running_requests} rows decoded at once over {vocab_size:,}"
+            " tokens); raise resources.rollout.num_gpus, lower rollout.sglang.max_running_requests (the rows beyond it"
+            " wait for a free slot), or set rollout.sglang.mem_fraction_static"
         )
     return fraction
+
+
+def budget_bytes(settings: SglangSettings, total_bytes: int) -> int:
+    """The rollout actor's memory: its emulated cap, else its share of the device."""
+    if settings.gpu_cap_gib is not None:
+        return int(settings.gpu_cap_gib * 2**30)
+    return int(settings.gpu_share * total_bytes)
 
 
 def request_params(params: SamplingParams, seed: int) -> dict:
@@ -183,6 +207,7 @@ class SglangBackend:
             raise ConfigError("rollout=sglang needs a CUDA GPU; use rollout=hf_cached on the CPU")
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"  # read when SGLang's sampler is imported
         os.environ[BATCH_INVARIANT_ENV] = "1" if settings.batch_invariant else "0"  # read by the shim in each process
+        os.environ["SGLANG_LOGPROB_CHUNK_SIZE"] = str(LOGPROB_CHUNK_TOKENS)  # read by SGLang's log-prob processor
         use_compat_shim()
         import sglang
 
@@ -194,6 +219,10 @@ class SglangBackend:
         total = torch.cuda.get_device_properties(0).total_memory
         vocab = load_model_config(model_path, "model.student.path", "check the student's config.json").vocab_size
         fraction = static_fraction(settings, total, vocab)
+        if settings.gpu_cap_gib is not None:  # the scheduler's allocator capped as every actor's is (the shim)
+            os.environ[MEMORY_CAP_ENV] = str(budget_bytes(settings, total))
+        else:
+            os.environ.pop(MEMORY_CAP_ENV, None)
         self.started_s = time.perf_counter()
         try:
             self.engine = sglang.Engine(
@@ -219,7 +248,8 @@ class SglangBackend:
             raise ConfigError(
                 f"the SGLang engine did not start: {type(e).__name__}: {e}. It was asked for mem_fraction_static="
                 f"{fraction:.3f} of {total / 2**30:.1f} GiB; raise resources.rollout.num_gpus, set"
-                " rollout.sglang.mem_fraction_static, or try rollout.sglang.attention_backend=flashinfer"
+                " rollout.sglang.mem_fraction_static or a smaller rollout.sglang.max_running_requests, or try"
+                " rollout.sglang.attention_backend=flashinfer"
             ) from e
         self.started_s = time.perf_counter() - self.started_s
 

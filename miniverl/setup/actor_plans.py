@@ -5,12 +5,12 @@ with them).
   (models/sizing.py) chooses: what the learner itself will choose after loading;
 - scorer: every teacher's weights and the forward size the scorer will choose (models/sizing.py scorer_tokens);
 - rollout: vLLM takes its whole share up front (weights, ENGINE_OVERHEAD_GIB, the KV cache: rollout/vllm_settings.py
-  memory_plan), and so does SGLang (weights, a prefill chunk's logits and its context: rollout/sglang.py
-  engine_overhead_bytes, the KV pool); the HF backends hold the weights, a bf16 copy of the adapter, the decode cache
-  of every row of the step at full length (data.max_prompt_length + rollout.max_new_tokens: the longest a step can
-  ask for) and the sampler's fp32 logits and the prefill's activations, calibrated on hf_cached
-  (ROLLOUT_FIXED_BYTES), and the blocks the prefill leaves reserved (PREFILL_RESERVED_COPIES): the cap limits
-  reserved memory.
+  memory_plan), and so does SGLang (weights, its graphs and sampler buffers: rollout/sglang.py engine_overhead_bytes,
+  the KV pool; its scheduler's CUDA context outside the share); the HF backends hold the weights, a bf16 copy of the
+  adapter, the decode cache of every row of the step at full length (data.max_prompt_length +
+  rollout.max_new_tokens: the longest a step can ask for) and the sampler's fp32 logits and the prefill's
+  activations, calibrated on hf_cached (ROLLOUT_FIXED_BYTES), and the blocks the prefill leaves reserved
+  (PREFILL_RESERVED_COPIES): the cap limits reserved memory.
 NF4 weights are estimated (models/loading.py NF4_BYTES_PER_PARAM for the decoder's linear layers, the rest in 16
 bits). The learner and scorer models are calibrated on the GPU (models/sizing.py); the rollout's model is fitted to
 five H200 cells and not yet checked on shapes outside them, and the NF4 estimate not at all, so a plan they put over
@@ -212,23 +212,27 @@ def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float
     measured_as = "engine" if r.paged_engine else "reserved"
     plan = ActorPlan("rollout", fraction, share, weights, 0, "", calibrated=False, measured_as=measured_as)
     if r.backend == "sglang":  # SGLang takes its static fraction of the device, less its overhead, whole at start
+        from miniverl.process import CUDA_CONTEXT_GIB
         from miniverl.rollout.sglang import engine_overhead_bytes
 
-        overhead = engine_overhead_bytes(r.sglang.chunked_prefill_size, c.vocab_size)
+        largest = r.largest_call(cfg.data)
+        running = min(largest, r.sglang.max_running_requests or largest)
+        overhead = engine_overhead_bytes(running, c.vocab_size)
         kv = share - weights - adapter_bytes - overhead
         plan.peak_bytes = weights + adapter_bytes + overhead + max(kv, 0)
+        plan.outside_bytes = int(CUDA_CONTEXT_GIB * 2**30)  # the scheduler's process: a CUDA context of its own
         at_once = max(kv, 0) // kv_per_token // max(columns, 1)
         plan.choice = (
             f"SGLang KV pool {human(max(kv, 0))}: {min(at_once, rows)} of the step's {rows} rows at full length at"
-            f" once ({human(overhead)} of engine overhead beside it: a {r.sglang.chunked_prefill_size}-token prefill"
-            " chunk's logits and the context, measured once in run 2)"
+            f" once ({human(overhead)} of engine overhead beside it: its graphs and the sampler's buffers for"
+            f" {running} rows decoded at once, measured in run 3; its scheduler's CUDA context"
+            f" {human(plan.outside_bytes)} more)"
         )
         if kv <= 0:
             plan.problem = (
-                f"SGLang's weights ({human(weights)}), adapter and {human(overhead)} engine overhead (a"
-                f" {r.sglang.chunked_prefill_size}-token prefill chunk's fp32 logits and its CUDA context) leave"
-                f" nothing for the KV pool in a {human(share)} share; raise resources.rollout.num_gpus or lower"
-                " rollout.sglang.chunked_prefill_size"
+                f"SGLang's weights ({human(weights)}), adapter and {human(overhead)} engine overhead (its graphs and"
+                f" the sampler's buffers for {running} rows decoded at once) leave nothing for the KV pool in a"
+                f" {human(share)} share; raise resources.rollout.num_gpus or lower rollout.sglang.max_running_requests"
             )
         return plan
     if r.backend == "vllm":

@@ -231,7 +231,7 @@ def test_an_sglang_plan_is_sized_for_the_bench_and_its_attributes_checked_as_rol
     plan = BackendPlan("sglang", 1, 0, None, 60.0, attributes={"mem_fraction_static": 0.3})
     options, attributes = constructor_options(cfg, plan)
     assert attributes == {}
-    assert options["settings"] == SglangSettings("triton", 0.3, 2048, True, 4, 9 + 12, 0.5, None)
+    assert options["settings"] == SglangSettings("triton", 0.3, 2048, False, 4, 9 + 12, 0.5, None)
     for bad, message in [
         ({"attention_backend": "fa2"}, "rollout.sglang.attention_backend='fa2': use one of triton, flashinfer, fa3"),
         ({"mem_fraction": 0.3}, "['mem_fraction'] are not rollout.sglang keys"),

@@ -15,6 +15,7 @@ from miniverl.models.lora import LoraSettings
 from miniverl.rollout import require_engine
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.sglang import (
+    SGLANG_GRAPHS_GIB,
     SglangBackend,
     SglangSettings,
     completion,
@@ -33,7 +34,7 @@ def settings(**kw) -> SglangSettings:
         attention_backend="triton",
         mem_fraction_static=None,
         chunked_prefill_size=2048,
-        batch_invariant=True,
+        batch_invariant=False,
         max_running_requests=64,
         context_length=256,
         gpu_share=0.4,
@@ -50,6 +51,10 @@ def settings(**kw) -> SglangSettings:
         (
             ["rollout.sglang.chunked_prefill_size=0"],
             "rollout.sglang.chunked_prefill_size=0: a positive number of tokens",
+        ),
+        (
+            ["rollout.sglang.max_running_requests=0"],
+            "rollout.sglang.max_running_requests=0: a positive number of rows, or null",
         ),
         (
             ["rollout=sglang", "resources.colocate=true"],
@@ -80,6 +85,11 @@ def test_a_good_sglang_config_passes_and_its_settings_follow_the_run():
     assert s.chunked_prefill_size == 2048  # SGLang's own for a card under 20 GB, whatever card the run is on
     assert s.max_running_requests == max(8 * 4, cfg.data.eval_prompts)  # the run's largest generate call
     assert s.context_length == cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    assert s.batch_invariant is False  # the default: as exact and faster (run 3)
+    cfg.rollout.sglang.max_running_requests = 12
+    assert settings_from_config(cfg, 0.4, 12.0, 32).max_running_requests == 12  # a bound below the largest call
+    cfg.rollout.sglang.max_running_requests = 1000
+    assert settings_from_config(cfg, 0.4, 12.0, 32).max_running_requests == 32  # never above it
 
 
 def test_sglang_on_the_cpu_or_without_the_package_is_refused_with_the_fix(monkeypatch):
@@ -93,18 +103,23 @@ def test_sglang_on_the_cpu_or_without_the_package_is_refused_with_the_fix(monkey
 
 
 def test_the_static_fraction_is_the_share_or_the_cap_less_the_engines_overhead():
-    """The overhead is the context plus one prefill chunk's fp32 logits: run 2 measured 4.73 GiB beside the static
-    fraction at an 8,192-token chunk and Qwen2.5's vocabulary, which the model covers."""
+    """The overhead is the graphs plus the sampler's buffers for the rows decoded at once and a bounded chunk of
+    prompt log-probs. Run 3's scheduler (256 rows, Qwen2.5's vocabulary) read 4,754 MiB once started with a 3,359 MiB
+    static fraction: 0.70 GiB of graphs and the shared output buffer beside one 0.66 GiB context, which the model
+    covers; the sampler's temporaries are SGLang's source's arithmetic (rollout/sglang.py)."""
     total, vocab = 140 * GIB, 151936
-    overhead = engine_overhead_bytes(2048, vocab) / GIB
-    assert overhead == pytest.approx(0.5 + 2048 * vocab * 4 / GIB) and 1.6 < overhead < 1.7
-    assert 4.73 < engine_overhead_bytes(8192, vocab) / GIB < 5.2  # run 2's measurement, with little to spare
+    overhead = engine_overhead_bytes(256, vocab) / GIB
+    assert overhead == pytest.approx(0.55 + (256 * 36 + 256 * 10) * vocab / GIB) and 2.2 < overhead < 2.25
+    started = (4754 - 3359) / 1024 - 0.66  # run 3, after start: graphs, buffers and the [256, V] fp32 output
+    assert started - 0.05 < SGLANG_GRAPHS_GIB + 256 * vocab * 4 / GIB < started + 0.05
+    assert engine_overhead_bytes(64, vocab) < engine_overhead_bytes(256, vocab)  # fewer rows at once: less
     assert static_fraction(settings(mem_fraction_static=0.25), total, vocab) == 0.25  # set by the user: kept
-    assert static_fraction(settings(gpu_share=0.4), total, vocab) == pytest.approx((0.4 * 140 - overhead) / 140)
-    assert static_fraction(settings(gpu_cap_gib=6.0), total, vocab) == pytest.approx((6.0 - overhead) / 140)  # capped
-    with pytest.raises(ConfigError, match="no more than the 1.66 GiB the engine needs .* lower rollout.sglang.chunked"):
-        static_fraction(settings(gpu_cap_gib=1.5), total, vocab)
-    assert static_fraction(settings(gpu_cap_gib=1.5, chunked_prefill_size=512), total, vocab) > 0  # a smaller chunk
+    one = engine_overhead_bytes(64, vocab) / GIB
+    assert static_fraction(settings(gpu_share=0.4), total, vocab) == pytest.approx((0.4 * 140 - one) / 140)
+    assert static_fraction(settings(gpu_cap_gib=6.0), total, vocab) == pytest.approx((6.0 - one) / 140)  # capped
+    with pytest.raises(ConfigError, match="no more than the 2.22 GiB the engine needs .* rollout.sglang.max_running"):
+        static_fraction(settings(gpu_cap_gib=1.5, max_running_requests=256), total, vocab)
+    assert static_fraction(settings(gpu_cap_gib=1.5, max_running_requests=16), total, vocab) > 0  # fewer rows at once
 
 
 def test_each_row_is_one_request_with_its_own_seed_and_sglangs_top_k():
@@ -208,6 +223,9 @@ def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(m
     from miniverl.rollout import sglang as backend
 
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    for name in (backend.BATCH_INVARIANT_ENV, backend.MEMORY_CAP_ENV, "SGLANG_LOGPROB_CHUNK_SIZE"):
+        monkeypatch.setenv(name, "restored after the test")  # the backend sets them in this process
+        monkeypatch.delenv(name)
     backend.use_compat_shim()
     backend.use_compat_shim()  # once on the path, however often a backend starts
     paths = os.environ["PYTHONPATH"].split(os.pathsep)
@@ -239,13 +257,16 @@ def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(m
     assert started["enable_deterministic_inference"] is True and "sampling_backend" not in started
     # sized from the run, not from the card: SGLang chose an 8,192-token chunk on the 80 GB H100 (run 2)
     assert started["chunked_prefill_size"] == 2048 and started["cuda_graph_max_bs_decode"] == 64
-    assert os.environ[backend.BATCH_INVARIANT_ENV] == "1"  # the default: what run 2 measured
+    assert os.environ[backend.BATCH_INVARIANT_ENV] == "0"  # the default: SGLang's usual kernels (run 3)
+    assert os.environ["SGLANG_LOGPROB_CHUNK_SIZE"] == "256"  # prompt log-probs in bounded chunks (SGLang's: 2,048)
+    assert backend.MEMORY_CAP_ENV not in os.environ  # no emulated card: the scheduler's allocator is not capped
+    assert started["mem_fraction_static"] == pytest.approx((0.4 * 140 - engine_overhead_bytes(64, 151936) / GIB) / 140)
     backend.SglangBackend("m", LoraSettings(4, 8.0, 0.0, ("q_proj",), 0), torch.bfloat16, "cuda",
-                          settings(batch_invariant=False))  # fmt: skip
-    assert os.environ[backend.BATCH_INVARIANT_ENV] == "0" and started["enable_deterministic_inference"] is True
-    assert started["mem_fraction_static"] == pytest.approx(
-        (0.4 * 140 - engine_overhead_bytes(2048, 151936) / GIB) / 140
-    )
+                          settings(batch_invariant=True, gpu_cap_gib=5.0))  # fmt: skip
+    assert os.environ[backend.BATCH_INVARIANT_ENV] == "1" and started["enable_deterministic_inference"] is True
+    assert os.environ[backend.MEMORY_CAP_ENV] == str(5 * GIB)  # an emulated card: capped at the actor's budget
+    backend.SglangBackend("m", LoraSettings(4, 8.0, 0.0, ("q_proj",), 0), torch.bfloat16, "cuda", settings())
+    assert backend.MEMORY_CAP_ENV not in os.environ  # a later engine without a cap does not inherit one
 
 
 def test_the_shim_keeps_sglangs_batch_invariant_mode_off_when_asked_and_only_then(tmp_path):
@@ -284,3 +305,55 @@ def test_the_shim_keeps_sglangs_batch_invariant_mode_off_when_asked_and_only_the
 
     assert run("0") == "kept off"
     assert run("1") == "enabled" and run(None) == "enabled"  # the default leaves SGLang alone
+
+
+def test_the_shim_caps_the_schedulers_allocator_before_its_model_runner_allocates_and_only_when_asked(tmp_path):
+    """An emulated card (resources.emulate_gpu_gib): every actor's process is capped at its budget, and so is SGLang's
+    scheduler, the process that builds its ModelRunner (run 3's, uncapped, kept 7.7 GiB against a 4.9 GiB budget).
+    In a child process started as the scheduler is (the shim first on PYTHONPATH), stand-ins for torch.cuda and
+    SGLang's model_runner record the order: the cap on the runner's GPU first, then the runner's own start."""
+    import os
+    import subprocess
+    import sys
+
+    from miniverl.rollout import sglang as backend
+    from miniverl.rollout.sglang_compat import sitecustomize as shim
+
+    assert shim.MEMORY_CAP_ENV == backend.MEMORY_CAP_ENV  # one name on both sides of the process boundary
+    runner = tmp_path / "sglang" / "srt" / "model_executor"
+    runner.mkdir(parents=True)
+    for folder in (tmp_path / "sglang", tmp_path / "sglang" / "srt", runner):
+        (folder / "__init__.py").write_text("")
+    (runner / "model_runner.py").write_text(
+        "import torch\n"
+        "class ModelRunner:\n"
+        "    def __init__(self, model_config, mem_fraction_static, gpu_id, *rest):\n"
+        "        torch.cuda.CALLS.append(('init', gpu_id))\n"
+    )
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "class _Card:\n    total_memory = 80 * 2**30\n"
+        "class cuda:\n    CALLS = []\n"
+        "    get_device_properties = staticmethod(lambda gpu: _Card)\n"
+        "    set_per_process_memory_fraction = staticmethod(lambda f, gpu: cuda.CALLS.append((f, gpu)))\n"
+    )
+    (tmp_path / "transformers").mkdir()  # the shim's other patch finds no transformers here
+    (tmp_path / "transformers" / "__init__.py").write_text("raise ImportError('not in this stand-in')\n")
+    script = tmp_path / "scheduler.py"
+    script.write_text(
+        "from sglang.srt.model_executor.model_runner import ModelRunner\n"
+        "ModelRunner('config', 0.03, 0)\nModelRunner('config', 0.03, gpu_id=1)\n"
+        "import torch\nprint(torch.cuda.CALLS)\n"
+    )
+    path = os.pathsep.join([str(Path(shim.__file__).parent), str(tmp_path)])
+
+    def run(cap: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != shim.MEMORY_CAP_ENV} | {"PYTHONPATH": path}
+        if cap is not None:
+            env[shim.MEMORY_CAP_ENV] = cap
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert run(str(5 * GIB)) == "[(0.0625, 0), ('init', 0), (0.0625, 1), ('init', 1)]"  # 5 of 80 GiB, each GPU
+    assert run(None) == "[('init', 0), ('init', 1)]"  # a real card: SGLang's own sizing alone

@@ -37,7 +37,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang (0.5.17)"),
 ]
 GPU = ProcessSettings("cuda")
-SETTINGS = SglangSettings("triton", None, 2048, True, 64, 256, 0.2, None)
+SETTINGS = SglangSettings("triton", None, 2048, False, 64, 256, 0.2, None)  # batch-invariant kernels off: the default
 
 
 @pytest.fixture(scope="module")
@@ -101,16 +101,16 @@ def test_a_stale_sglang_replica_is_caught_at_its_first_stale_refresh(model_dir, 
         rollout.backend.close()
 
 
-def test_without_batch_invariant_kernels_samples_still_match_the_oracle_and_follow_the_row_seeds(model_dir):
-    """rollout.sglang.batch_invariant=false (run 3 times it against the default): deterministic inference for the
-    row seeds, SGLang's usual kernels for the rest. The engine's processes keep the batch-invariant mode off through
-    the start-up shim; the rows still come from the policy's law and from their seeds."""
+def test_with_batch_invariant_kernels_samples_still_match_the_oracle_and_follow_the_row_seeds(model_dir):
+    """rollout.sglang.batch_invariant=true (run 2's default; run 3 measured it as exact as false and 1.13-1.24x
+    slower): SGLang's batch-invariant Triton kernels in place of cuBLAS; the rows still come from the policy's law and
+    from their seeds."""
     import dataclasses
 
     from miniverl.rollout.sglang import SglangBackend
 
     backend = SglangBackend(
-        str(model_dir), LORA, torch.bfloat16, "cuda", dataclasses.replace(SETTINGS, batch_invariant=False)
+        str(model_dir), LORA, torch.bfloat16, "cuda", dataclasses.replace(SETTINGS, batch_invariant=True)
     )
     oracle = HFReferenceBackend(str(model_dir), LORA, torch.bfloat16, "cuda")
     try:

@@ -213,11 +213,12 @@ def test_the_7b_recipes_vllm_rollout_gets_from_the_engine_the_kv_cache_the_plan_
 
 
 def test_an_sglang_rollout_is_planned_with_the_engines_own_overhead(qwen_configs):
-    """rollout=sglang (issue 37): run 2's engine took 8.1 GiB in a 4.9 GiB share, because SGLang sized its prefill
-    chunk from the 80 GB card. The plan and the engine now share one overhead (a rollout.sglang.chunked_prefill_size
-    chunk's logits and the context), so the static fraction the engine asks for is what the plan leaves, and a share
-    too small for it is reported as not fitting, naming the chunk: a warning, as the rollout's other estimates are
-    (the overhead is measured once), so `python -m miniverl.fit` says "does not fit" and a run is not refused."""
+    """rollout=sglang (issue 37): run 3's scheduler kept 7.7 GiB against a 4.9 GiB share, mostly the sampler's buffers
+    for the rows decoded at once. The plan and the engine share one overhead (graphs and 36 bytes per row and
+    vocabulary entry), so the static fraction the engine asks for is what the plan leaves; the scheduler's own CUDA
+    context is on the card beside the share; and a share too small for it is reported as not fitting, naming
+    rollout.sglang.max_running_requests: a warning, as the rollout's other estimates are (the overhead is measured
+    once), so `python -m miniverl.fit` says "does not fit" and a run is not refused."""
     from miniverl.process import emulated_cap_gib
     from miniverl.rollout.sglang import engine_overhead_bytes, settings_from_config, static_fraction
 
@@ -225,7 +226,9 @@ def test_an_sglang_rollout_is_planned_with_the_engines_own_overhead(qwen_configs
     rollout = plan(cfg, qwen_configs).actors[2]
     assert rollout.problem is None and rollout.peak_bytes <= rollout.share_bytes
     assert "SGLang KV pool" in rollout.choice and "of the step's 256 rows at full length at once" in rollout.choice
-    overhead = engine_overhead_bytes(2048, 151936)
+    assert "sampler's buffers for 256 rows decoded at once" in rollout.choice
+    assert rollout.outside_bytes == int(0.66 * GIB)  # the scheduler's context, beside the actor's own
+    overhead = engine_overhead_bytes(256, 151936)  # the step's 64 x 4 rows
     cap = emulated_cap_gib(16, 0.35, "resources.rollout.num_gpus")
     fraction = static_fraction(
         settings_from_config(cfg, 0.35, cap, cfg.rollout.largest_call(cfg.data)), 140 * GIB, 151936
@@ -233,8 +236,12 @@ def test_an_sglang_rollout_is_planned_with_the_engines_own_overhead(qwen_configs
     assert fraction * 140 * GIB + overhead == pytest.approx(cap * GIB)  # what the engine takes: the plan's share
     cfg.resources.rollout.num_gpus = 0.12
     starved = plan(cfg, qwen_configs)
-    assert "lower rollout.sglang.chunked_prefill_size" in starved.actors[2].problem
+    assert "lower rollout.sglang.max_running_requests" in starved.actors[2].problem
     assert [w.split(":")[0] for w in starved.warnings] == ["rollout"] and not starved.refusals
+    cfg.resources.rollout.num_gpus = 0.35
+    cfg.rollout.sglang.max_running_requests = 64  # a quarter of the rows at once: a larger KV pool
+    fewer = plan(cfg, qwen_configs).actors[2]
+    assert "for 64 rows decoded at once" in fewer.choice and fewer.peak_bytes == rollout.peak_bytes
 
 
 def test_a_null_chunk_and_checkpointing_get_the_4080_recipes_hand_set_layout(qwen_configs):

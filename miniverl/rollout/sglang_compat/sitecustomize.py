@@ -13,6 +13,9 @@ With MINIVERL_SGLANG_BATCH_INVARIANT=0 (rollout.sglang.batch_invariant=false) it
 mode off. 0.5.17 turns that mode on with deterministic inference, which row seeds need (sampling_batch_info.py reads
 `sampling_seed` only then): its own Triton matmul, log-softmax, mean and RMSNorm kernels replace cuBLAS's process-wide
 (model_runner.py maybe_enable_batch_invariant_mode). The seeds reach the sampler either way.
+
+With MINIVERL_SGLANG_MEMORY_CAP_BYTES (an emulated card: resources.emulate_gpu_gib) it caps torch's allocator in the
+process that builds SGLang's ModelRunner, the scheduler, at the rollout actor's budget (cap_scheduler_memory).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import sys
 
 BATCH_INVARIANT_ENV = "MINIVERL_SGLANG_BATCH_INVARIANT"
 BATCH_INVARIANT_MODULE = "sglang.srt.batch_invariant_ops"
+MEMORY_CAP_ENV = "MINIVERL_SGLANG_MEMORY_CAP_BYTES"
+MODEL_RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
 
 
 def allow_reregistration() -> None:
@@ -67,19 +72,51 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return None
 
 
+def after_import(name: str, patch) -> None:
+    """`patch(module)` once the module `name` is imported in this process (at once where it already is)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, patch))
+
+
 def _batch_invariant_mode_off(module) -> None:
     module.enable_batch_invariant_mode = lambda *args, **kwargs: None
 
 
 def keep_batch_invariant_mode_off() -> None:
     """With MINIVERL_SGLANG_BATCH_INVARIANT=0: SGLang's enable_batch_invariant_mode does nothing in this process."""
-    if os.environ.get(BATCH_INVARIANT_ENV, "1") != "0":
+    if os.environ.get(BATCH_INVARIANT_ENV, "1") == "0":
+        after_import(BATCH_INVARIANT_MODULE, _batch_invariant_mode_off)
+
+
+def _capped_model_runner(module) -> None:
+    init = module.ModelRunner.__init__
+    if getattr(init, "miniverl_capped", False):
         return
-    if BATCH_INVARIANT_MODULE in sys.modules:
-        _batch_invariant_mode_off(sys.modules[BATCH_INVARIANT_MODULE])
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(BATCH_INVARIANT_MODULE, _batch_invariant_mode_off))
+    cap = int(os.environ[MEMORY_CAP_ENV])
+
+    def capped_init(self, *args, **kwargs):
+        import torch
+
+        gpu = kwargs.get("gpu_id", args[2] if len(args) > 2 else 0)  # (model_config, mem_fraction_static, gpu_id, ...)
+        total = torch.cuda.get_device_properties(gpu).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), gpu)
+        init(self, *args, **kwargs)
+
+    capped_init.miniverl_capped = True
+    module.ModelRunner.__init__ = capped_init
+
+
+def cap_scheduler_memory() -> None:
+    """With MINIVERL_SGLANG_MEMORY_CAP_BYTES (set where the card is emulated): the process that builds SGLang's
+    ModelRunner (the scheduler) caps torch's allocator there at that many bytes of its GPU before anything is
+    allocated, as miniVERL caps every actor's process (process.py). Under the cap the allocator frees its cached blocks
+    before it grows past it; uncapped, run 3's scheduler kept 7.7 GiB against a 4.9 GiB budget."""
+    if os.environ.get(MEMORY_CAP_ENV):
+        after_import(MODEL_RUNNER_MODULE, _capped_model_runner)
 
 
 allow_reregistration()
 keep_batch_invariant_mode_off()
+cap_scheduler_memory()
