@@ -70,7 +70,7 @@ CASES = [
         SglangRolloutConfig(),
         {"mem_fraction_static": 1.5},
         (),
-        "rollout.sglang.mem_fraction_static=1.5: a fraction of the device in (0, 1)",
+        "rollout.sglang.mem_fraction_static=1.5: a fraction of the free memory in (0, 1)",
     ),
     (
         ObjectiveConfig,

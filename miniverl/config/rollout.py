@@ -81,8 +81,10 @@ class SglangRolloutConfig:
     # triton: the device bundle leaves out FlashAttention-3's 1.1 GB library (docs/benchmarks/sglang-feasibility.md);
     # fa3 is SGLang's Hopper default where that library is installed; flashinfer compiles its kernels on first use
     attention_backend: str = "triton"
-    # SGLang's mem_fraction_static: the fraction of the WHOLE device for weights and the KV pool; null = derived
-    # from the rollout actor's share (its emulated cap on a capped card) less the engine's overhead
+    # null (the default): the KV pool is sized from the rollout actor's share (its emulated cap on a capped card)
+    # less the weights, adapter and the engine's overhead, as `python -m miniverl.fit` plans it; a number is passed
+    # to SGLang as its mem_fraction_static (a fraction of the memory free when its scheduler starts, which the other
+    # actors' weights may already have taken) and SGLang sizes the pool itself
     mem_fraction_static: float | None = None
     # tokens in one prefill chunk; SGLang's own choice for a card under 20 GB (it picks 8,192 on an 80 GB one)
     chunked_prefill_size: int = 2048
@@ -111,8 +113,8 @@ class SglangRolloutConfig:
         )
         require(
             self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
-            f"rollout.sglang.mem_fraction_static={self.mem_fraction_static}: a fraction of the device in (0, 1), or"
-            " null (derived from resources.rollout.num_gpus)",
+            f"rollout.sglang.mem_fraction_static={self.mem_fraction_static}: a fraction of the free memory in (0, 1),"
+            " or null (the KV pool sized from resources.rollout.num_gpus)",
         )
 
 

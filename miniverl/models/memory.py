@@ -31,6 +31,14 @@ def chunk_entry_bytes(closed_form: bool) -> int:
     return CLOSED_FORM_CHUNK_BYTES_PER_ENTRY if closed_form else FP32_BYTES * FUSED_CHUNK_FP32_COPIES
 
 
+def kv_bytes_per_token(config, itemsize: int = 2) -> int:
+    """Bytes one token's keys and values take over every layer of a transformers `config` (16-bit by default): what
+    an engine's KV pool holds per token."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
 def human(n: int) -> str:
     """Bytes as GiB with one decimal, or MiB/KiB when smaller (so a message never reads 0.0 GiB)."""
     for unit, size in (("GiB", GIB), ("MiB", 2**20)):

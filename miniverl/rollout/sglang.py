@@ -23,6 +23,8 @@ refreshes, gate passed: docs/benchmarks/sglang-gpu/run3.md). What it relies on:
   (`load_lora_adapter_from_tensors`), the previous one unloaded; the radix cache keys its entries by adapter, and
   `flush_cache()` empties it at every refresh (SGLang flushes only when no request is in flight: a refresh comes
   between generate calls, and a refused flush stops the run);
+- SGLang's static fraction is of the memory free when its scheduler starts, not of the device: the KV pool is sized
+  here from the actor's share (memory_plan: SGLang's max_total_tokens), as the fit planner plans it;
 - SGLang's LoRA buffers are its own copies, so `served_digest` is None and every refresh is proven by the probe
   (`probe_logprobs`: the prompt's log-probs with `logprob_start_len=0`), as for vLLM.
 Importing this module imports no SGLang; constructing the backend does.
@@ -39,8 +41,9 @@ import torch
 
 from miniverl.config import SglangRolloutConfig
 from miniverl.errors import ConfigError
-from miniverl.models.loading import load_model_config
+from miniverl.models.loading import load_model_config, model_size
 from miniverl.models.lora import LoraSettings, adapter_template
+from miniverl.models.memory import kv_bytes_per_token
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.served_policy import probe_tolerance
@@ -49,7 +52,9 @@ from miniverl.served_policy import probe_tolerance
 # pool), from sglang 0.5.17's source and run 3's per-process trace (docs/benchmarks/sglang-gpu/run3.md, H100, the
 # 0.5B-shaped student, 256 rows, a 2,048-token prefill chunk):
 # - SGLANG_GRAPHS_GIB: decode and prefill CUDA graphs and the buffers made at start: the process read 4,754 MiB once
-#   started, less the static 3,359 MiB, one CUDA context (0.66 GiB) and the shared [rows, V] fp32 output buffer;
+#   started, less one CUDA context (0.66 GiB), the shared [rows, V] fp32 output buffer (0.14 GiB) and the static
+#   part, which run 3 did not record: its fraction (0.041) of what was free when the scheduler started, 3.0-3.3 GiB
+#   (the learner's and scorer's weights were loading beside it): 0.55-0.8 GiB, the larger taken;
 # - ROW_LOGIT_BYTES per row decoded at once and vocabulary entry: the deterministic pytorch sampler's temporaries (28:
 #   fp32 log-softmax of the original logits, softmax, log, a uint32 hash and an fp64 pair: layers/sampler.py), the
 #   shared fp32 output buffer (4) and the batch the overlap scheduler keeps (4): 1.30 GiB at 256 rows and Qwen2.5's
@@ -60,10 +65,13 @@ from miniverl.served_policy import probe_tolerance
 # against a 4.94 GiB share: the sampler's blocks of different row counts kept by an allocator nothing capped. The
 # backend now caps the scheduler's allocator at the actor's budget where the card is emulated (sglang_compat: the
 # other actors' processes are capped the same way) and bounds the prompt log-probs' chunk (SGLANG_LOGPROB_CHUNK_SIZE).
-SGLANG_GRAPHS_GIB = 0.55
+SGLANG_GRAPHS_GIB = 0.8
 ROW_LOGIT_BYTES = 36
 LOGPROB_CHUNK_TOKENS = 256
 LOGPROB_TOKEN_BYTES = 10
+# SGLang's static fraction when the backend sizes the KV pool itself (memory_plan): high, so that SGLang's own
+# profile of the free memory leaves at least the planned pool
+PROFILE_FRACTION = 0.9
 # rollout.sglang.batch_invariant and the allocator cap for sglang_compat/sitecustomize.py, which runs in every engine
 # process (and holds the same names: importing it here would patch transformers at import)
 BATCH_INVARIANT_ENV = "MINIVERL_SGLANG_BATCH_INVARIANT"
@@ -136,30 +144,47 @@ def bench_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
     )
 
 
-def static_fraction(settings: SglangSettings, total_bytes: int, vocab_size: int) -> float:
-    """SGLang's mem_fraction_static: a fraction of the WHOLE device for weights and the KV pool. The configured one,
-    else the actor's cap (or its share of the device) less the engine's overhead (engine_overhead_bytes), over the
-    device."""
+def memory_plan(
+    settings: SglangSettings,
+    total_bytes: int,
+    vocab_size: int,
+    weight_bytes: int,
+    adapter_bytes: int,
+    kv_per_token: int,
+) -> tuple[float, int | None]:
+    """(mem_fraction_static, max_total_tokens or None) for the engine. SGLang's static fraction is of the memory
+    free when its scheduler starts (kv_cache_configurator.py: the KV pool is what is free after the weights less
+    (1 - fraction) x what was free before them), so on a card the learner and scorer already use a fraction of the
+    device sizes nothing: the KV pool is sized here instead, as the fit planner plans it (setup/actor_plans.py):
+    the actor's budget less the weights, the adapter and engine_overhead_bytes, in tokens (SGLang's
+    max_total_tokens, an upper bound), with a static fraction of PROFILE_FRACTION so its own profile never binds
+    first. rollout.sglang.mem_fraction_static, where set, is passed as it is and SGLang sizes the pool itself."""
     if settings.mem_fraction_static is not None:
-        return settings.mem_fraction_static
+        return settings.mem_fraction_static, None
+    budget = budget_bytes(settings, total_bytes)
     overhead = engine_overhead_bytes(settings.max_running_requests, vocab_size)
-    fraction = (budget_bytes(settings, total_bytes) - overhead) / total_bytes
-    if fraction <= 0:
+    kv = budget - weight_bytes - adapter_bytes - overhead
+    if kv < kv_per_token * settings.context_length:
         raise ConfigError(
-            f"the SGLang rollout actor's budget is {budget_bytes(settings, total_bytes) / 2**30:.2f} GiB, no more than"
-            f" the {overhead / 2**30:.2f} GiB the engine needs beside its weights and KV pool (its graphs, and the"
-            f" sampler's buffers for {settings.max_running_requests} rows decoded at once over {vocab_size:,}"
-            " tokens); raise resources.rollout.num_gpus, lower rollout.sglang.max_running_requests (the rows beyond it"
-            " wait for a free slot), or set rollout.sglang.mem_fraction_static"
+            f"the SGLang rollout actor's budget is {budget / 2**30:.2f} GiB: the student's weights and adapter take"
+            f" {(weight_bytes + adapter_bytes) / 2**30:.2f} GiB and the engine needs {overhead / 2**30:.2f} GiB beside"
+            f" them (its graphs, and the sampler's buffers for {settings.max_running_requests} rows decoded at once"
+            f" over {vocab_size:,} tokens), leaving {max(kv, 0) / 2**30:.2f} GiB for the KV pool, less than one row"
+            f" of {settings.context_length} tokens; raise resources.rollout.num_gpus, lower"
+            " rollout.sglang.max_running_requests (the rows beyond it wait for a free slot), or set"
+            " rollout.sglang.mem_fraction_static"
         )
-    return fraction
+    return PROFILE_FRACTION, kv // kv_per_token
 
 
 def budget_bytes(settings: SglangSettings, total_bytes: int) -> int:
-    """The rollout actor's memory: its emulated cap, else its share of the device."""
+    """The rollout actor's memory: its emulated cap, else its share of the device less its CUDA context (as the fit
+    planner shares the card: setup/fit.py)."""
+    from miniverl.process import CUDA_CONTEXT_GIB
+
     if settings.gpu_cap_gib is not None:
         return int(settings.gpu_cap_gib * 2**30)
-    return int(settings.gpu_share * total_bytes)
+    return int(settings.gpu_share * total_bytes - CUDA_CONTEXT_GIB * 2**30)
 
 
 def request_params(params: SamplingParams, seed: int) -> dict:
@@ -217,8 +242,12 @@ class SglangBackend:
         self.adapter: str | None = None  # the adapter name now served
         self._weights = adapter_template(model_path, lora, dtype)  # zeros under the learner's names, until a load
         total = torch.cuda.get_device_properties(0).total_memory
-        vocab = load_model_config(model_path, "model.student.path", "check the student's config.json").vocab_size
-        fraction = static_fraction(settings, total, vocab)
+        config = load_model_config(model_path, "model.student.path", "check the student's config.json")
+        weights = model_size(model_path, config).weight_bytes("none", dtype.itemsize)
+        adapter = sum(t.numel() for t in self._weights.values()) * dtype.itemsize
+        kv_per_token = kv_bytes_per_token(config, dtype.itemsize)
+        fraction, kv_tokens = memory_plan(settings, total, config.vocab_size, weights, adapter, kv_per_token)
+        self.kv_tokens = kv_tokens  # the KV pool the plan sized, in tokens (None: SGLang's own sizing)
         if settings.gpu_cap_gib is not None:  # the scheduler's allocator capped as every actor's is (the shim)
             os.environ[MEMORY_CAP_ENV] = str(budget_bytes(settings, total))
         else:
@@ -231,6 +260,7 @@ class SglangBackend:
                 dtype=str(dtype).removeprefix("torch."),
                 random_seed=0,
                 mem_fraction_static=fraction,
+                max_total_tokens=kv_tokens,
                 context_length=settings.context_length,
                 max_running_requests=settings.max_running_requests,
                 # SGLang sizes these from the whole card (8,192 and 256 on an 80 GB one, run 2), not from the share
@@ -247,7 +277,8 @@ class SglangBackend:
         except Exception as e:  # the engine's own reason, plus the settings that size it
             raise ConfigError(
                 f"the SGLang engine did not start: {type(e).__name__}: {e}. It was asked for mem_fraction_static="
-                f"{fraction:.3f} of {total / 2**30:.1f} GiB; raise resources.rollout.num_gpus, set"
+                f"{fraction:.3f} of the free memory and a KV pool of {kv_tokens or 'its own size of'} tokens on a"
+                f" {total / 2**30:.1f} GiB device; raise resources.rollout.num_gpus, set"
                 " rollout.sglang.mem_fraction_static or a smaller rollout.sglang.max_running_requests, or try"
                 " rollout.sglang.attention_backend=flashinfer"
             ) from e

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
 from miniverl.models.loading import ModelSize
-from miniverl.models.memory import human
+from miniverl.models.memory import human, kv_bytes_per_token
 
 # The HF rollout (hf_cached) beside its weights, adapter and decode cache, at its peak (the first decode step after
 # the prefill): per row the sampler's fp32 [V] logits (ROLLOUT_LOGIT_COPIES of them), per prompt the prefill's
@@ -206,9 +206,7 @@ def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float
     adapter_bytes = adapter * ADAPTER_COPY_BYTES
     rows = step_rows(cfg)
     columns = cfg.longest_row
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    kv_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * KV_BYTES
+    kv_per_token = kv_bytes_per_token(c, KV_BYTES)
     measured_as = "engine" if r.paged_engine else "reserved"
     plan = ActorPlan("rollout", fraction, share, weights, 0, "", calibrated=False, measured_as=measured_as)
     if r.backend == "sglang":  # SGLang takes its static fraction of the device, less its overhead, whole at start

@@ -15,14 +15,15 @@ from miniverl.models.lora import LoraSettings
 from miniverl.rollout import require_engine
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.sglang import (
+    PROFILE_FRACTION,
     SGLANG_GRAPHS_GIB,
     SglangBackend,
     SglangSettings,
     completion,
     engine_overhead_bytes,
+    memory_plan,
     request_params,
     settings_from_config,
-    static_fraction,
 )
 from tests.test_config import load
 
@@ -47,7 +48,10 @@ def settings(**kw) -> SglangSettings:
     "overrides, message",
     [
         (["rollout.sglang.attention_backend=fa4"], "rollout.sglang.attention_backend='fa4': use one of triton"),
-        (["rollout.sglang.mem_fraction_static=0"], r"rollout.sglang.mem_fraction_static=0.0: a fraction of the device"),
+        (
+            ["rollout.sglang.mem_fraction_static=0"],
+            r"rollout.sglang.mem_fraction_static=0.0: a fraction of the free memory",
+        ),
         (
             ["rollout.sglang.chunked_prefill_size=0"],
             "rollout.sglang.chunked_prefill_size=0: a positive number of tokens",
@@ -102,24 +106,31 @@ def test_sglang_on_the_cpu_or_without_the_package_is_refused_with_the_fix(monkey
         SglangBackend("unused", None, torch.bfloat16, "cpu", settings())
 
 
-def test_the_static_fraction_is_the_share_or_the_cap_less_the_engines_overhead():
-    """The overhead is the graphs plus the sampler's buffers for the rows decoded at once and a bounded chunk of
-    prompt log-probs. Run 3's scheduler (256 rows, Qwen2.5's vocabulary) read 4,754 MiB once started with a 3,359 MiB
-    static fraction: 0.70 GiB of graphs and the shared output buffer beside one 0.66 GiB context, which the model
-    covers; the sampler's temporaries are SGLang's source's arithmetic (rollout/sglang.py)."""
-    total, vocab = 140 * GIB, 151936
+def test_the_kv_pool_is_the_share_or_the_cap_less_the_weights_and_the_engines_overhead():
+    """SGLang's static fraction is of the memory free when its scheduler starts (run 3's engine took its 0.041 of what
+    the other actors' loading left), so the pool is sized here: the actor's budget less the weights, the adapter and
+    the overhead (graphs, 36 bytes per row decoded at once and vocabulary entry, a bounded chunk of prompt log-probs),
+    in tokens. Run 3's scheduler (256 rows, Qwen2.5's vocabulary) read 4,754 MiB once started with a static part of
+    3.0-3.3 GiB and one 0.66 GiB context: its graphs and the shared output buffer are within the model's."""
+    total, vocab, token = 140 * GIB, 151936, 12 * 2**10
     overhead = engine_overhead_bytes(256, vocab) / GIB
-    assert overhead == pytest.approx(0.55 + (256 * 36 + 256 * 10) * vocab / GIB) and 2.2 < overhead < 2.25
-    started = (4754 - 3359) / 1024 - 0.66  # run 3, after start: graphs, buffers and the [256, V] fp32 output
+    assert overhead == pytest.approx(0.8 + (256 * 36 + 256 * 10) * vocab / GIB) and 2.45 < overhead < 2.5
+    started = (4754 - 3.0 * 1024) / 1024 - 0.66  # run 3, after start, with the smaller static part
     assert started - 0.05 < SGLANG_GRAPHS_GIB + 256 * vocab * 4 / GIB < started + 0.05
     assert engine_overhead_bytes(64, vocab) < engine_overhead_bytes(256, vocab)  # fewer rows at once: less
-    assert static_fraction(settings(mem_fraction_static=0.25), total, vocab) == 0.25  # set by the user: kept
-    one = engine_overhead_bytes(64, vocab) / GIB
-    assert static_fraction(settings(gpu_share=0.4), total, vocab) == pytest.approx((0.4 * 140 - one) / 140)
-    assert static_fraction(settings(gpu_cap_gib=6.0), total, vocab) == pytest.approx((6.0 - one) / 140)  # capped
-    with pytest.raises(ConfigError, match="no more than the 2.22 GiB the engine needs .* rollout.sglang.max_running"):
-        static_fraction(settings(gpu_cap_gib=1.5, max_running_requests=256), total, vocab)
-    assert static_fraction(settings(gpu_cap_gib=1.5, max_running_requests=16), total, vocab) > 0  # fewer rows at once
+    weights, adapter = int(0.92 * GIB), int(0.07 * GIB)
+    one = engine_overhead_bytes(64, vocab)
+    fraction, tokens = memory_plan(settings(gpu_cap_gib=4.94), total, vocab, weights, adapter, token)
+    assert fraction == PROFILE_FRACTION and tokens == (int(4.94 * GIB) - weights - adapter - one) // token
+    shared = int(0.4 * total - 0.66 * GIB)  # no cap: the share less the actor's context, as the planner shares it
+    assert (
+        memory_plan(settings(), total, vocab, weights, adapter, token)[1] == (shared - weights - adapter - one) // token
+    )
+    assert memory_plan(settings(mem_fraction_static=0.25), total, vocab, weights, adapter, token) == (0.25, None)
+    with pytest.raises(ConfigError, match=r"leaving 0.00 GiB for the KV pool.* rollout.sglang.max_running_requests"):
+        memory_plan(settings(gpu_cap_gib=2.5, max_running_requests=256), total, vocab, weights, adapter, token)
+    fewer = memory_plan(settings(gpu_cap_gib=2.5, max_running_requests=16), total, vocab, weights, adapter, token)
+    assert fewer[1] * token >= 256 * token  # fewer rows at once: a pool for at least one 256-token row
 
 
 def test_each_row_is_one_request_with_its_own_seed_and_sglangs_top_k():
@@ -252,7 +263,9 @@ def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(m
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.get_device_properties", lambda i: type("P", (), {"total_memory": 140 * GIB}))
     monkeypatch.setattr(backend, "adapter_template", lambda *a: {})
-    monkeypatch.setattr(backend, "load_model_config", lambda *a: type("C", (), {"vocab_size": 151936}))
+    qwen = {"vocab_size": 151936, "hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2}
+    monkeypatch.setattr(backend, "load_model_config", lambda *a: type("C", (), qwen | {"num_hidden_layers": 24}))
+    monkeypatch.setattr(backend, "model_size", lambda *a: type("S", (), {"weight_bytes": lambda self, q, b: GIB})())
     backend.SglangBackend("m", LoraSettings(4, 8.0, 0.0, ("q_proj",), 0), torch.bfloat16, "cuda", settings())
     assert started["enable_deterministic_inference"] is True and "sampling_backend" not in started
     # sized from the run, not from the card: SGLang chose an 8,192-token chunk on the 80 GB H100 (run 2)
@@ -260,7 +273,8 @@ def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(m
     assert os.environ[backend.BATCH_INVARIANT_ENV] == "0"  # the default: SGLang's usual kernels (run 3)
     assert os.environ["SGLANG_LOGPROB_CHUNK_SIZE"] == "256"  # prompt log-probs in bounded chunks (SGLang's: 2,048)
     assert backend.MEMORY_CAP_ENV not in os.environ  # no emulated card: the scheduler's allocator is not capped
-    assert started["mem_fraction_static"] == pytest.approx((0.4 * 140 - engine_overhead_bytes(64, 151936) / GIB) / 140)
+    planned = int(0.4 * 140 * GIB - 0.66 * GIB) - GIB - engine_overhead_bytes(64, 151936)  # share, weights, overhead
+    assert started["mem_fraction_static"] == PROFILE_FRACTION and started["max_total_tokens"] == planned // (12 * 2**10)
     backend.SglangBackend("m", LoraSettings(4, 8.0, 0.0, ("q_proj",), 0), torch.bfloat16, "cuda",
                           settings(batch_invariant=True, gpu_cap_gib=5.0))  # fmt: skip
     assert os.environ[backend.BATCH_INVARIANT_ENV] == "1" and started["enable_deterministic_inference"] is True

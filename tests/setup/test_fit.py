@@ -215,12 +215,16 @@ def test_the_7b_recipes_vllm_rollout_gets_from_the_engine_the_kv_cache_the_plan_
 def test_an_sglang_rollout_is_planned_with_the_engines_own_overhead(qwen_configs):
     """rollout=sglang (issue 37): run 3's scheduler kept 7.7 GiB against a 4.9 GiB share, mostly the sampler's buffers
     for the rows decoded at once. The plan and the engine share one overhead (graphs and 36 bytes per row and
-    vocabulary entry), so the static fraction the engine asks for is what the plan leaves; the scheduler's own CUDA
-    context is on the card beside the share; and a share too small for it is reported as not fitting, naming
+    vocabulary entry), so the KV pool the engine asks for (max_total_tokens) is what the plan leaves; the scheduler's
+    own CUDA context is on the card beside the share; and a share too small for it is reported as not fitting, naming
     rollout.sglang.max_running_requests: a warning, as the rollout's other estimates are (the overhead is measured
     once), so `python -m miniverl.fit` says "does not fit" and a run is not refused."""
+    from transformers import AutoConfig
+
+    from miniverl.models.lora import adapter_params
+    from miniverl.models.memory import kv_bytes_per_token
     from miniverl.process import emulated_cap_gib
-    from miniverl.rollout.sglang import engine_overhead_bytes, settings_from_config, static_fraction
+    from miniverl.rollout.sglang import PROFILE_FRACTION, engine_overhead_bytes, memory_plan, settings_from_config
 
     cfg = recipe(rollout__backend="sglang")
     rollout = plan(cfg, qwen_configs).actors[2]
@@ -228,12 +232,16 @@ def test_an_sglang_rollout_is_planned_with_the_engines_own_overhead(qwen_configs
     assert "SGLang KV pool" in rollout.choice and "of the step's 256 rows at full length at once" in rollout.choice
     assert "sampler's buffers for 256 rows decoded at once" in rollout.choice
     assert rollout.outside_bytes == int(0.66 * GIB)  # the scheduler's context, beside the actor's own
-    overhead = engine_overhead_bytes(256, 151936)  # the step's 64 x 4 rows
+    size = model_size(str(qwen_configs["0.5b"]), AutoConfig.from_pretrained(qwen_configs["0.5b"]))
+    adapter = adapter_params(size.config, cfg.model.lora.rank, cfg.model.lora.target_modules) * 2
     cap = emulated_cap_gib(16, 0.35, "resources.rollout.num_gpus")
-    fraction = static_fraction(
-        settings_from_config(cfg, 0.35, cap, cfg.rollout.largest_call(cfg.data)), 140 * GIB, 151936
-    )
-    assert fraction * 140 * GIB + overhead == pytest.approx(cap * GIB)  # what the engine takes: the plan's share
+    engine = settings_from_config(cfg, 0.35, cap, cfg.rollout.largest_call(cfg.data))
+    token = kv_bytes_per_token(size.config)
+    fraction, tokens = memory_plan(engine, 140 * GIB, 151936, rollout.weight_bytes, adapter, token)
+    assert fraction == PROFILE_FRACTION  # SGLang's own profile never binds before the planned pool
+    kv = rollout.share_bytes - rollout.weight_bytes - adapter - engine_overhead_bytes(256, 151936)  # the plan's pool
+    assert abs(tokens * token - kv) <= token + 2**20  # the engine's pool is the plan's (the cap rounds to the MiB)
+    assert rollout.peak_bytes == rollout.share_bytes  # the pool fills the share
     cfg.resources.rollout.num_gpus = 0.12
     starved = plan(cfg, qwen_configs)
     assert "lower rollout.sglang.max_running_requests" in starved.actors[2].problem
