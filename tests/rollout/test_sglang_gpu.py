@@ -118,3 +118,43 @@ def test_with_batch_invariant_kernels_samples_still_match_the_oracle_and_follow_
         row_seeds_decide_samples(backend)
     finally:
         backend.close()
+
+
+def scheduler_mib() -> float:
+    """nvidia-smi's memory of every GPU process but this one (the engine's scheduler: the test runs alone)."""
+    import os
+    import subprocess
+
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = [line.split(",") for line in out.splitlines() if line.strip()]
+    return sum(float(mib) for pid, mib in rows if int(pid) != os.getpid())
+
+
+def test_on_an_emulated_card_the_scheduler_stays_inside_its_budget_with_a_real_vocabulary(tmp_path):
+    """Run 3: the scheduler, uncapped, kept 7.7 GiB of sampler buffers against a 4.9 GiB budget (Qwen2.5's 151,936
+    tokens, 256 rows). With a cap (resources.emulate_gpu_gib) the shim caps its allocator at the budget and the KV
+    pool is what the budget leaves beside the modelled overhead: 256 rows of that vocabulary decode three times
+    without running out, and nvidia-smi then sees the scheduler within its budget and one CUDA context."""
+    import dataclasses
+
+    from miniverl.process import CUDA_CONTEXT_GIB
+    from miniverl.rollout.sglang import SglangBackend
+
+    model = save_random_qwen2(tmp_path / "wide", hidden_size=256, intermediate_size=512, vocab_size=151936)
+    capped = dataclasses.replace(SETTINGS, max_running_requests=256, gpu_cap_gib=3.0)
+    backend = SglangBackend(str(model), LORA, torch.bfloat16, "cuda", capped)
+    try:
+        assert backend.kv_tokens is not None and backend.kv_tokens >= 256 * 160  # every row at full length at once
+        params = SamplingParams(n=4, max_new_tokens=128, temperature=1.0)
+        for seed in (1, 2, 3):
+            rows = backend.generate(prompts(64), params, [seed * 1000 + i for i in range(256)])
+            assert len(rows) == 256 and all(len(r.token_ids) == len(r.logprobs) for r in rows)
+        held = scheduler_mib() / 1024
+        assert held <= 3.0 + CUDA_CONTEXT_GIB + 0.25, held  # the budget, a context and nvidia-smi's rounding
+    finally:
+        backend.close()
