@@ -287,9 +287,6 @@ def test_the_shim_keeps_sglangs_batch_invariant_mode_off_when_asked_and_only_the
     """rollout.sglang.batch_invariant=false: deterministic inference (for the row seeds) without the batch-invariant
     kernels it turns on. In a child process started as the engine's scheduler is (the shim first on PYTHONPATH), a
     stand-in sglang.srt.batch_invariant_ops is imported and its switch called the way model_runner.py calls it."""
-    import os
-    import subprocess
-    import sys
 
     from miniverl.rollout import sglang as backend
     from miniverl.rollout.sglang_compat import sitecustomize as shim
@@ -307,15 +304,9 @@ def test_the_shim_keeps_sglangs_batch_invariant_mode_off_when_asked_and_only_the
         "import sglang.srt.batch_invariant_ops as ops\n"
         "print('enabled' if ops.ENABLED else 'kept off')\n"
     )
-    path = os.pathsep.join([str(Path(shim.__file__).parent), str(tmp_path)])
 
     def run(value: str | None) -> str:
-        env = {k: v for k, v in os.environ.items() if k != shim.BATCH_INVARIANT_ENV} | {"PYTHONPATH": path}
-        if value is not None:
-            env[shim.BATCH_INVARIANT_ENV] = value
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.strip()
+        return run_as_an_engine_process(script, tmp_path, shim.BATCH_INVARIANT_ENV, value)
 
     assert run("0") == "kept off"
     assert run("1") == "enabled" and run(None) == "enabled"  # the default leaves SGLang alone
@@ -326,9 +317,6 @@ def test_the_shim_caps_the_schedulers_allocator_before_its_model_runner_allocate
     scheduler, the process that builds its ModelRunner (run 3's, uncapped, kept 7.7 GiB against a 4.9 GiB budget).
     In a child process started as the scheduler is (the shim first on PYTHONPATH), stand-ins for torch.cuda and
     SGLang's model_runner record the order: the cap on the runner's GPU first, then the runner's own start."""
-    import os
-    import subprocess
-    import sys
 
     from miniverl.rollout import sglang as backend
     from miniverl.rollout.sglang_compat import sitecustomize as shim
@@ -359,15 +347,27 @@ def test_the_shim_caps_the_schedulers_allocator_before_its_model_runner_allocate
         "ModelRunner('config', 0.03, 0)\nModelRunner('config', 0.03, gpu_id=1)\n"
         "import torch\nprint(torch.cuda.CALLS)\n"
     )
-    path = os.pathsep.join([str(Path(shim.__file__).parent), str(tmp_path)])
 
     def run(cap: str | None) -> str:
-        env = {k: v for k, v in os.environ.items() if k != shim.MEMORY_CAP_ENV} | {"PYTHONPATH": path}
-        if cap is not None:
-            env[shim.MEMORY_CAP_ENV] = cap
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.strip()
+        return run_as_an_engine_process(script, tmp_path, shim.MEMORY_CAP_ENV, cap)
 
     assert run(str(5 * GIB)) == "[(0.0625, 0), ('init', 0), (0.0625, 1), ('init', 1)]"  # 5 of 80 GiB, each GPU
     assert run(None) == "[('init', 0), ('init', 1)]"  # a real card: SGLang's own sizing alone
+
+
+def run_as_an_engine_process(script: Path, stand_ins: Path, name: str, value: str | None) -> str:
+    """`script`'s output in a child process started as SGLang starts its engine's (the shim first on PYTHONPATH, then
+    the stand-in packages in `stand_ins`), with the environment variable `name` set to `value` or unset."""
+    import os
+    import subprocess
+    import sys
+
+    from miniverl.rollout.sglang_compat import sitecustomize as shim
+
+    path = os.pathsep.join([str(Path(shim.__file__).parent), str(stand_ins)])
+    env = {k: v for k, v in os.environ.items() if k != name} | {"PYTHONPATH": path}
+    if value is not None:
+        env[name] = value
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
