@@ -96,6 +96,10 @@ class SglangRolloutConfig:
     # the tokens/s (run 3); true makes a row's tokens independent of the batch it shares
     batch_invariant: bool = False
 
+    def running_rows(self, largest_call: int) -> int:
+        """Rows SGLang decodes at once: the run's largest generate call, or max_running_requests where smaller."""
+        return min(largest_call, self.max_running_requests or largest_call)
+
     def check(self) -> None:
         require(
             self.chunked_prefill_size > 0,

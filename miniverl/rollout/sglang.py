@@ -89,7 +89,7 @@ class SglangSettings:
     """What the engine is started with: rollout.sglang plus the sizes the rest of the run implies."""
 
     attention_backend: str
-    mem_fraction_static: float | None  # null: derived from the share (static_fraction)
+    mem_fraction_static: float | None  # null: the KV pool sized from the share (memory_plan)
     chunked_prefill_size: int  # tokens in one prefill chunk
     batch_invariant: bool  # SGLang's batch-invariant kernels, which deterministic inference switches on
     max_running_requests: int  # rows decoded at once: the run's largest call, or rollout.sglang's smaller bound
@@ -109,7 +109,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, large
         mem_fraction_static=s.mem_fraction_static,
         chunked_prefill_size=s.chunked_prefill_size,
         batch_invariant=s.batch_invariant,
-        max_running_requests=min(largest_call, s.max_running_requests or largest_call),
+        max_running_requests=s.running_rows(largest_call),
         context_length=cfg.longest_row,
         gpu_share=gpu_share,
         gpu_cap_gib=gpu_cap_gib,
@@ -137,7 +137,7 @@ def bench_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
         section.mem_fraction_static,
         section.chunked_prefill_size,
         section.batch_invariant,
-        min(rows, section.max_running_requests or rows),
+        section.running_rows(rows),
         context,
         share,
         None,

@@ -209,12 +209,11 @@ def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float
     kv_per_token = kv_bytes_per_token(c, KV_BYTES)
     measured_as = "engine" if r.paged_engine else "reserved"
     plan = ActorPlan("rollout", fraction, share, weights, 0, "", calibrated=False, measured_as=measured_as)
-    if r.backend == "sglang":  # SGLang takes its static fraction of the device, less its overhead, whole at start
+    if r.backend == "sglang":  # SGLang's KV pool is what its share leaves beside weights and overhead (memory_plan)
         from miniverl.process import CUDA_CONTEXT_GIB
         from miniverl.rollout.sglang import engine_overhead_bytes
 
-        largest = r.largest_call(cfg.data)
-        running = min(largest, r.sglang.max_running_requests or largest)
+        running = r.sglang.running_rows(r.largest_call(cfg.data))
         overhead = engine_overhead_bytes(running, c.vocab_size)
         kv = share - weights - adapter_bytes - overhead
         plan.peak_bytes = weights + adapter_bytes + overhead + max(kv, 0)
