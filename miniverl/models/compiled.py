@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from miniverl.errors import ConfigError
+from miniverl.models.loading import unwrap_kernel_routing
 
 # No-grad calls (evaluation, probes, the sampler-gap check), the adapter disabled (the reference policy), train and
 # eval mode, a one-row micro-batch each add a compiled variant of the one function every layer shares (5 at the 0.5B
@@ -68,27 +69,11 @@ def compile_decoder_layers(model) -> int:
     for layer in layers:
         checkpointed = bool(layer.gradient_checkpointing)
         layer.gradient_checkpointing = False
-        _unwrap_kernel_dispatch(layer)
+        unwrap_kernel_routing(layer)  # loaded models are unwrapped already; a model built in memory may not be
         # An instance attribute that refers to its module: a reference cycle, freed by the garbage collector
         # rather than at once (the learner keeps its model for its process's life).
         layer.forward = compiled_forward(layer, checkpointed)
     return len(layers)
-
-
-def _unwrap_kernel_dispatch(layer: torch.nn.Module) -> None:
-    """Give `layer`'s submodules whose class the `kernels` package wrapped (transformers >= 5.2x marks the attention
-    `use_kernelized_func(apply_rotary_pos_emb)`, whatever USE_HUB_KERNELS says) their own forward back.
-
-    The wrapper sets a process-wide variable around every call to route hub kernels (kernels 0.19; under compile a
-    plain global): dynamo refuses that side effect inside the checkpoint, so every compiled update failed. No hub
-    kernel is ever installed here (nothing calls kernels.kernelize), so the wrapper routes to the torch function the
-    unwrapped forward calls anyway: the arithmetic is the same."""
-    from types import MethodType
-
-    for module in layer.modules():
-        inner = getattr(type(module).forward, "__wrapped__", None)
-        if inner is not None and "_kernel_funcs" in module.__dict__:  # kernels' per-instance routing table
-            module.forward = MethodType(inner, module)
 
 
 def _configure_compiler() -> None:

@@ -153,7 +153,29 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: str, quantization: str
             f"cannot load the model at {path!r} ({e.__class__.__name__}: {e}); re-save it (save_pretrained) or,"
             " for a built-in model, delete that directory so it is rebuilt"
         ) from e
+    unwrap_kernel_routing(model)
     return model if quantization == "nf4" else model.to(device)
+
+
+def unwrap_kernel_routing(model: torch.nn.Module) -> None:
+    """Give the submodules of `model` whose class the `kernels` package wrapped their own forward back.
+
+    transformers >= 5.2x marks the attention `use_kernelized_func(apply_rotary_pos_emb)` whatever USE_HUB_KERNELS
+    says (kernels 0.19). The wrapper sets a variable around every call to route hub kernels, and that variable turns
+    process-wide while `torch.compiler.is_compiling()` holds, a flag torch sets for the whole process while any
+    thread compiles. Left wrapped: dynamo refused the side effect inside a compiled layer's checkpoint (every
+    compiled update failed), and with trainer.staleness=1 beside compiled layers (trainer.compile_layers) the rollout
+    thread's eager attention wrote that variable while the learner's thread traced a layer that reads it, so the
+    compile failed at random (dynamo: "divergence" in its speculation log, kernels' layer.py). Every model is
+    unwrapped where it is loaded, so no thread writes it. No hub kernel is ever installed here (nothing calls
+    kernels.kernelize): the wrapper routes to the torch function the unwrapped forward calls anyway, so the
+    arithmetic is the same."""
+    from types import MethodType
+
+    for module in model.modules():
+        inner = getattr(type(module).forward, "__wrapped__", None)
+        if inner is not None and "_kernel_funcs" in module.__dict__:  # kernels' per-instance routing table
+            module.forward = MethodType(inner, module)
 
 
 def shared_vocab_size(student_logits: int, teacher_logits: int, tokenizer_size: int) -> int:

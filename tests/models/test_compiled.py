@@ -12,6 +12,7 @@ import torch
 
 from miniverl.errors import ConfigError
 from miniverl.models.compiled import compile_decoder_layers
+from miniverl.models.loading import load_causal_lm
 from miniverl.models.lora import adapter_state
 from miniverl.models.packing import batch_micro_batches
 from miniverl.workers.learner import LearnerWorker
@@ -78,6 +79,32 @@ def test_compiled_layers_give_the_eager_update_every_micro_batch_compiled(name, 
     backwards = ops["CompiledFunctionBackward"]  # one per compiled region that trained (PG-k1's reference: none)
     assert micro_batches > 1 and backwards == micro_batches * len(layers)
     assert ops["aten::mul"] < eager_ops["aten::mul"] / 2  # the elementwise work fused away
+
+
+def test_no_loaded_model_writes_the_kernel_routing_variable_a_compiling_thread_reads(student_dir, monkeypatch):
+    """transformers >= 5.2x wraps the attention so that each call sets kernels' routing variable, process-wide
+    while torch.compiler.is_compiling() holds, and torch holds it for the whole process while any thread compiles.
+    With trainer.staleness=1 and compiled layers, the rollout thread's eager attention wrote it while the learner's
+    thread traced a layer reading it: the compile failed at random (CI, test_main's stale-compiled run). Every model
+    load_causal_lm hands over is unwrapped, so none writes it."""
+    from transformers import AutoModelForCausalLM
+
+    routing = pytest.importorskip("kernels._internals.layer.layer")._ACTIVE_KERNEL_FUNCS
+    as_transformers_loads_it = AutoModelForCausalLM.from_pretrained(str(student_dir))
+    if not any("_kernel_funcs" in m.__dict__ for m in as_transformers_loads_it.modules()):
+        pytest.skip("this transformers wraps no module for the kernels package")
+    loaded = load_causal_lm(str(student_dir), torch.float32, "cpu")
+    writes = []
+    original = routing.set
+    monkeypatch.setattr(routing, "set", lambda value: writes.append(value) or original(value))
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # as while another thread compiles
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        loaded(ids)
+        assert writes == [] and not routing.uses_global_var
+        as_transformers_loads_it(ids)
+    assert writes  # the check can fail: transformers' own model writes the variable on every attention call
+    torch.testing.assert_close(loaded(ids).logits, as_transformers_loads_it(ids).logits, rtol=0, atol=0)
 
 
 def test_a_model_without_decoder_layers_is_refused():
