@@ -6,6 +6,7 @@ use); anything else goes through the same `from_pretrained` path a user's checkp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,44 +171,21 @@ def unwrap_kernel_routing(model: torch.nn.Module) -> None:
     unwrapped where it is loaded, so no thread writes it. No hub kernel is ever installed here (nothing calls
     kernels.kernelize): the wrapper routes to the torch function the unwrapped forward calls anyway, so the
     arithmetic is the same."""
-    from types import MethodType
-
     for module in model.modules():
-        inner = getattr(type(module).forward, "__wrapped__", None)
-        if inner is not None and "_kernel_funcs" in module.__dict__:  # kernels' per-instance routing table
-            module.forward = MethodType(inner, module)
+        routed = "_kernel_funcs" in module.__dict__  # kernels' per-instance routing table
+        if routed and not getattr(type(module), "_unrouted", False) and hasattr(type(module).forward, "__wrapped__"):
+            module.__class__ = _unrouted(type(module))
 
 
-def shared_vocab_size(student_logits: int, teacher_logits: int, tokenizer_size: int) -> int:
-    """How many logits distillation compares: the student's, when the teacher has at least as many.
-
-    Models of one family pad their output layer past the tokenizer differently (Qwen2.5-0.5B/1.5B/3B:
-    151,936 logits, 7B: 152,064, tokenizer: 151,665). Ids past the tokenizer are never real tokens, so
-    the scorer drops the teacher's logits past the student's range and renormalizes over the rest. A
-    teacher with fewer logits than the student could not score the student's extra ids: refused.
-    """
-    if teacher_logits < student_logits:
-        raise ConfigError(
-            f"the teacher outputs {teacher_logits} logits and the student {student_logits}: the teacher cannot"
-            " score the student's extra ids; pick a teacher whose output layer is at least the student's"
-        )
-    if student_logits < tokenizer_size:
-        raise ConfigError(
-            f"the student outputs {student_logits} logits but its tokenizer has {tokenizer_size} tokens;"
-            " the tokenizer does not belong to this model"
-        )
-    return student_logits
-
-
-def check_same_vocabulary(student_tok, teacher_tok, student_path: str, teacher_path: str) -> None:
-    """Distillation compares distributions token by token: both models must share one vocabulary."""
-    s, t = student_tok.get_vocab(), teacher_tok.get_vocab()
-    if s != t:
-        only_s = sorted(set(s) - set(t))[:5]
-        only_t = sorted(set(t) - set(s))[:5]
-        moved = sorted(k for k in set(s) & set(t) if s[k] != t[k])[:5]
-        raise ConfigError(
-            f"the teacher's vocabulary differs from the student's ({len(t)} vs {len(s)} tokens;"
-            f" only in student: {only_s}, only in teacher: {only_t}, different ids: {moved});"
-            f" pick a teacher from the same model family as {student_path!r} (it is {teacher_path!r})"
-        )
+@functools.cache
+def _unrouted(wrapped: type) -> type:
+    """`wrapped` with the forward kernels' decorator wrapped. A class swap rather than a bound method on each
+    instance: a method stored on its own module is a reference cycle, which keeps a discarded model (and its GPU
+    memory) until the garbage collector runs (models/lora.py swaps its LoRA layers' class for the same reason)."""
+    name = f"Unrouted{wrapped.__name__}"
+    while name in globals():  # another wrapped class of the same name
+        name += "_"
+    members = {"forward": wrapped.forward.__wrapped__, "_unrouted": True, "__module__": __name__, "__qualname__": name}
+    swapped = type(name, (wrapped,), members)
+    globals()[name] = swapped  # found by name, so a model holding it still pickles
+    return swapped

@@ -5,6 +5,9 @@ and keeps the adapter's names; a model without decoder layers is refused."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import pickle
+import weakref
 from collections import Counter
 
 import pytest
@@ -66,7 +69,7 @@ def test_compiled_layers_give_the_eager_update_every_micro_batch_compiled(name, 
     assert all("forward" in layer.__dict__ and not layer.gradient_checkpointing for layer in layers)
     # transformers >= 5.2x with kernels: the attention's hub-kernel routing wrapper is bypassed (it broke compiling)
     routed = [m for m in layers.modules() if "_kernel_funcs" in m.__dict__]
-    assert all(m.forward.__func__ is type(m).forward.__wrapped__ for m in routed)
+    assert all(type(m)._unrouted and type(m).forward is type(m).__mro__[1].forward.__wrapped__ for m in routed)
     want = two_updates(eager, batch, scores)
     got = two_updates(compiled, batch, scores)
     # fp32: Inductor's fused arithmetic reorders sums, nothing more
@@ -105,6 +108,17 @@ def test_no_loaded_model_writes_the_kernel_routing_variable_a_compiling_thread_r
         as_transformers_loads_it(ids)
     assert writes  # the check can fail: transformers' own model writes the variable on every attention call
     torch.testing.assert_close(loaded(ids).logits, as_transformers_loads_it(ids).logits, rtol=0, atol=0)
+    attention = next(m for m in loaded.modules() if "_kernel_funcs" in m.__dict__)
+    assert "forward" not in attention.__dict__  # the class swapped: no method on its own module (a reference cycle)
+    assert type(pickle.loads(pickle.dumps(attention))) is type(attention)
+    gc.collect()
+    gc.disable()
+    try:
+        ref = weakref.ref(attention)
+        del attention, loaded
+        assert ref() is None  # freed without the collector
+    finally:
+        gc.enable()
 
 
 def test_a_model_without_decoder_layers_is_refused():
