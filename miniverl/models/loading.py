@@ -189,3 +189,38 @@ def _unrouted(wrapped: type) -> type:
     swapped = type(name, (wrapped,), members)
     globals()[name] = swapped  # found by name, so a model holding it still pickles
     return swapped
+
+
+def shared_vocab_size(student_logits: int, teacher_logits: int, tokenizer_size: int) -> int:
+    """How many logits distillation compares: the student's, when the teacher has at least as many.
+
+    Models of one family pad their output layer past the tokenizer differently (Qwen2.5-0.5B/1.5B/3B:
+    151,936 logits, 7B: 152,064, tokenizer: 151,665). Ids past the tokenizer are never real tokens, so
+    the scorer drops the teacher's logits past the student's range and renormalizes over the rest. A
+    teacher with fewer logits than the student could not score the student's extra ids: refused.
+    """
+    if teacher_logits < student_logits:
+        raise ConfigError(
+            f"the teacher outputs {teacher_logits} logits and the student {student_logits}: the teacher cannot"
+            " score the student's extra ids; pick a teacher whose output layer is at least the student's"
+        )
+    if student_logits < tokenizer_size:
+        raise ConfigError(
+            f"the student outputs {student_logits} logits but its tokenizer has {tokenizer_size} tokens;"
+            " the tokenizer does not belong to this model"
+        )
+    return student_logits
+
+
+def check_same_vocabulary(student_tok, teacher_tok, student_path: str, teacher_path: str) -> None:
+    """Distillation compares distributions token by token: both models must share one vocabulary."""
+    s, t = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if s != t:
+        only_s = sorted(set(s) - set(t))[:5]
+        only_t = sorted(set(t) - set(s))[:5]
+        moved = sorted(k for k in set(s) & set(t) if s[k] != t[k])[:5]
+        raise ConfigError(
+            f"the teacher's vocabulary differs from the student's ({len(t)} vs {len(s)} tokens;"
+            f" only in student: {only_s}, only in teacher: {only_t}, different ids: {moved});"
+            f" pick a teacher from the same model family as {student_path!r} (it is {teacher_path!r})"
+        )
