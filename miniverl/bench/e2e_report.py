@@ -129,7 +129,9 @@ def plan_check(plan: dict, memory: dict, smi_peak_gib: float, process_mib: dict[
     process (`process_mib`: read_cell's smi_process_peak_mib) plus those of the GPU processes the log names no actor
     for (the engine's own: SGLang's scheduler, vLLM's engine core in a subprocess), modelled as its share, what it
     holds outside torch and one CUDA context; None where the log names no process of its actor (samples hidden by
-    the pid namespace)."""
+    the pid namespace), or where a process is unnamed while another planned actor's is not named either: the log of
+    a cell cut short may stop before the scorer and learner print (run 4's vLLM cell), and then the unnamed
+    processes are theirs, not the engine's."""
 
     def row(modelled: float, measured: float | None, measured_as: str) -> dict:
         error = None if not measured else 100 * (modelled / measured - 1)
@@ -137,12 +139,15 @@ def plan_check(plan: dict, memory: dict, smi_peak_gib: float, process_mib: dict[
 
     process_mib = process_mib or {}
     engine_children = sum(mib for name, mib in process_mib.items() if name not in ROLE_ACTORS.values())
+    others_named = all(
+        ROLE_ACTORS.get(r) in process_mib for r, a in plan["actors"].items() if a["measured_as"] != "engine"
+    )
     context = plan.get("contexts_gib", 0.0) / max(plan.get("contexts", 1), 1)
     out: dict = {}
     for role, a in plan["actors"].items():
         if a["measured_as"] == "engine":
             mib = process_mib.get(ROLE_ACTORS.get(role, ""))
-            mib = mib + engine_children if mib else None
+            mib = mib + engine_children if mib and (others_named or not engine_children) else None
             whole = a["peak_gib"] + a.get("outside_gib", 0.0) + context
             out[role] = row(whole, mib / 1024 if mib else None, "engine")
             continue

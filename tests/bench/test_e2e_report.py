@@ -157,6 +157,10 @@ def test_an_engine_rollout_is_checked_against_its_processes_in_nvidia_smi():
     child = plan_check(plan, memory, 15.0, {**named, "RolloutWorker": 518.0, "pid 3678": 7928.0})["rollout"]
     assert child["measured_gib"] == pytest.approx((518 + 7928) / 1024)
     assert plan_check(plan, memory, 15.0, {"ScorerWorker": 6832.0})["rollout"]["error_pct"] is None  # none named
+    # run 4's vLLM cell, cut short: its log named only the rollout's actor, so the scorer's and learner's processes
+    # were unnamed; they are not the engine's, and the rollout is not checked (it read 14.78 GiB, the whole card)
+    unnamed = {"RolloutWorker": 5900.0, "pid 6858": 4756.0, "pid 6865": 4480.0}
+    assert plan_check(plan, memory, 15.0, unnamed)["rollout"]["measured_gib"] is None
     # a plan recorded before outside_gib existed counts nothing outside torch
     del plan["actors"]["rollout"]["outside_gib"]
     assert plan_check(plan, memory, 15.0, named)["rollout"]["modelled_gib"] == pytest.approx(4.5 + 0.66)
