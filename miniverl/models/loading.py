@@ -7,6 +7,7 @@ use); anything else goes through the same `from_pretrained` path a user's checkp
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,15 +180,26 @@ def unwrap_kernel_routing(model: torch.nn.Module) -> None:
 
 @functools.cache
 def _unrouted(wrapped: type) -> type:
-    """`wrapped` with the forward kernels' decorator wrapped. A class swap rather than a bound method on each
-    instance: a method stored on its own module is a reference cycle, which keeps a discarded model (and its GPU
-    memory) until the garbage collector runs (models/lora.py swaps its LoRA layers' class for the same reason)."""
-    name = f"Unrouted{wrapped.__name__}"
-    while name in globals():  # another wrapped class of the same name
+    """`wrapped` with the forward that kernels' decorator wraps, unwrapped. A class swap rather than a bound method
+    on each instance: a method stored on its own module is a reference cycle, which keeps a discarded model (and its
+    GPU memory) until the garbage collector runs."""
+    return picklable_subclass(
+        wrapped, "Unrouted", {"forward": wrapped.forward.__wrapped__, "_unrouted": True}, __name__
+    )
+
+
+def picklable_subclass(base: type, prefix: str, members: dict, home: str) -> type:
+    """A subclass of `base` named `prefix + base.__name__` (with a `_` added while the name is taken), holding
+    `members`, registered by that name in the module `home`, so that a model holding an instance still pickles.
+    For swapping a module's class in place (`module.__class__ = ...`), which is how this package changes a loaded
+    module's forward without a reference cycle (unwrap_kernel_routing; models/lora.py's LoRA layers): cache the
+    caller per `base`, so each class is made once."""
+    namespace = vars(sys.modules[home])
+    name = f"{prefix}{base.__name__}"
+    while name in namespace:  # another base class of the same name
         name += "_"
-    members = {"forward": wrapped.forward.__wrapped__, "_unrouted": True, "__module__": __name__, "__qualname__": name}
-    swapped = type(name, (wrapped,), members)
-    globals()[name] = swapped  # found by name, so a model holding it still pickles
+    swapped = type(name, (base,), {**members, "__module__": home, "__qualname__": name})
+    namespace[name] = swapped
     return swapped
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from miniverl.models.loading import load_causal_lm
+from miniverl.models.loading import load_causal_lm, picklable_subclass
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,9 @@ def _computing_in_base_dtype(peft_class: type) -> type:
     """`peft_class` with `_forward` as its forward, and peft's kept as `_peft_forward`. A class swap rather than
     a bound method on each instance: a method stored on its own module is a reference cycle, which kept every
     discarded learner's model on the GPU until the garbage collector ran (0.74 GiB per bench cell, measured)."""
-    name = f"BaseDtype{peft_class.__name__}"
-    members = {"forward": _forward, "_peft_forward": peft_class.forward, "__module__": __name__, "__qualname__": name}
-    swapped = type(name, (peft_class,), members)
-    globals()[name] = swapped  # found by name, so a model holding it still pickles
-    return swapped
+    return picklable_subclass(
+        peft_class, "BaseDtype", {"forward": _forward, "_peft_forward": peft_class.forward}, __name__
+    )
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
