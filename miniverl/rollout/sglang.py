@@ -3,9 +3,10 @@
 Written against sglang 0.5.17, the newest release whose pins match the GPU machine's torch 2.11
 (docs/benchmarks/sglang-feasibility.md), from its source. On the H200 (run 1, docs/benchmarks/sglang-gpu/run1.md) its
 engine imports and starts only with the registration shim below, and honours `sampling_seed` only with deterministic
-inference on. On an H100 its GPU tests pass (run 3: the oracle, row seeds, the probe after every refresh, a stale
-replica caught), it samples the policy's law about 4x slower than hf_cached and runs the 4080 recipe end to end (52
-refreshes, gate passed: docs/benchmarks/sglang-gpu/run3.md). What it relies on:
+inference on. On an H100 its GPU tests pass (runs 3 and 5: the oracle, row seeds, the probe after every refresh, a stale
+replica caught), it samples the policy's law 2.5-3.3x slower than hf_cached with realistic prompts (about as fast as
+tuned vLLM at 256 x 4) and runs the 4080 recipe end to end (52 refreshes at 14.55 GiB, gate passed:
+docs/benchmarks/sglang-gpu/run4.md, run5.md). What it relies on:
 - `Engine(skip_tokenizer_init=True)`: token ids in (`input_ids`), token ids out (`output_ids`), stopping on
   `stop_token_ids` only;
 - `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (set before SGLang is imported): `return_logprob=True` gives each sampled
