@@ -7,7 +7,7 @@ function the controller calls: RolloutBatch -> one score per row.
 
 from __future__ import annotations
 
-from miniverl.data.tasks import TASKS
+from miniverl.data.tasks import CHAT_TASKS, TASKS
 from miniverl.registry import Registry
 from miniverl.rewards.batch import (
     ExactMatchReward,
@@ -16,12 +16,13 @@ from miniverl.rewards.batch import (
     check_custom_signature,
     load_custom_function,
 )
-from miniverl.rewards.scoring import boxed, exact_match, gsm8k
+from miniverl.rewards.scoring import boxed, exact_match, gsm8k, numeric
 
 REWARDS = Registry("reward", "reward.name")
 REWARDS.register("exact_match", exact_match)
 REWARDS.register("gsm8k", gsm8k)
 REWARDS.register("boxed", boxed)
+REWARDS.register("numeric", numeric)  # the final number of a free-form answer (#### n, \\boxed{n}, or the last one)
 
 AUTO = "auto"
 # data_source -> reward for reward.name=auto. The hub names are the ones verl's data preprocessors write.
@@ -33,7 +34,7 @@ SOURCE_REWARDS = {
     "HuggingFaceH4/MATH-500": "boxed",
     "math": "boxed",
     "jsonl": "exact_match",  # data.default_data_source of plain jsonl rows
-    **{task: "exact_match" for task in TASKS.names()},
+    **{task: "numeric" if task in CHAT_TASKS else "exact_match" for task in TASKS.names()},
 }
 
 __all__ = [

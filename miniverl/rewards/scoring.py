@@ -16,6 +16,9 @@ GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9][0-9.,]*)")
 NUMERIC_REL_TOL = 1e-6
 NUMERIC_ABS_TOL = 1e-9
 BOXED_COMMANDS = ("\\boxed", "\\fbox")
+# A number as written in free text: sign, digits with optional thousands commas, optional decimals. A minus sign
+# counts only where it cannot be a binary minus ("5-3" is 5 and 3; "= -2" and "-2" are -2).
+FREE_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 # LaTeX decoration that does not change a final answer's value.
 LATEX_NOISE = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\displaystyle", "$", "^\\circ", "^{\\circ}")
 
@@ -94,3 +97,34 @@ def boxed(response: str, ground_truth: str) -> float:
     answer = last_boxed(response)
     truth = last_boxed(ground_truth) or ground_truth
     return float(answer is not None and answers_equal(answer, truth))
+
+
+def last_number(response: str) -> str | None:
+    """The last number written in free text ("27 + 82 = 109." -> "109"; "1,234" -> "1234"), or None."""
+    found = FREE_NUMBER.findall(response)
+    return found[-1].replace(",", "") if found else None
+
+
+def extract_numeric(response: str) -> str | None:
+    """The response's final numeric answer: its last `#### n` (GSM8K), else its last `\\boxed{n}`, else the last
+    number in the text; None when it holds none. A marked answer wins over later numbers, so "#### 12. Check: 3"
+    answers 12."""
+    for marked in (extract_gsm8k(response), last_boxed(response)):
+        if marked is not None and to_number(normalize_answer(marked)) is not None:
+            return marked
+    return last_number(response)
+
+
+def numeric(response: str, ground_truth: str) -> float:
+    """1.0 when the response's final number (extract_numeric) equals the ground truth's number, else 0.0.
+
+    For free-form answers of real models ("27 + 82 = 109", "The answer is 109."). A ground truth that is not a
+    number scores nothing: this reward compares numbers only (use boxed or exact_match for other answers)."""
+    answer = extract_numeric(response)
+    truth = extract_numeric(ground_truth)
+    if answer is None or truth is None:
+        return 0.0
+    x, y = to_number(normalize_answer(answer)), to_number(normalize_answer(truth))
+    return float(
+        x is not None and y is not None and math.isclose(x, y, rel_tol=NUMERIC_REL_TOL, abs_tol=NUMERIC_ABS_TOL)
+    )

@@ -154,3 +154,38 @@ def test_bad_custom_function_specs(tmp_path, spec, body, message):
     (tmp_path / "my_reward.py").write_text(body)
     with pytest.raises(ConfigError, match=message):
         build_reward(RewardConfig(custom_function=spec.format(dir=tmp_path)), CharTok())
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "score"),
+    [
+        ("27 + 82 = 109", "109", 1.0),  # SmolLM2's worked form: the last number answers
+        ("The answer is 109.", "109", 1.0),
+        ("The total is 1,234 apples", "1234", 1.0),  # thousands separators
+        ("x = -2", "-2", 1.0),
+        ("5-3=2", "2", 1.0),  # a binary minus is not a sign
+        ("3.50", "3.5", 1.0),
+        ("#### 12. Check: 3 + 9", "12", 1.0),  # a marked answer wins over later numbers
+        ("so \\boxed{-5}, not 7", "-5", 1.0),
+        ("To add 67 and 70, we need to", "137", 0.0),  # cut off before the answer
+        ("", "1", 0.0),
+        ("no number here", "3", 0.0),
+        ("109", "one hundred and nine", 0.0),  # a ground truth that is no number scores nothing
+        ("#### \\boxed{}", "0", 0.0),  # empty markers, no number
+        ("27 + 82 = 110", "109", 0.0),
+    ],
+)
+def test_numeric_reward_reads_the_final_number(response, truth, score):
+    from miniverl.rewards.scoring import numeric
+
+    assert numeric(response, truth) == score
+
+
+def test_numeric_is_the_chat_tasks_reward_and_a_name():
+    from miniverl.rewards import REWARDS, SOURCE_REWARDS
+
+    assert SOURCE_REWARDS["addition_chat"] == "numeric" and SOURCE_REWARDS["addition"] == "exact_match"
+    check_reward_config(RewardConfig(name="numeric"))
+    fn = build_reward(RewardConfig(name="numeric"), CharTok())
+    assert fn(batch(["1 + 2 = 3", "1 + 2 = 4"], ["3", "3"], ["jsonl", "jsonl"])).tolist() == [1.0, 0.0]
+    assert "numeric" in REWARDS.names()
