@@ -31,6 +31,9 @@ class PromptBatch:
     ground_truth: list[str]
     data_source: list[str] | None = None  # [G]; None = DEFAULT_DATA_SOURCE for every row
     extra_info: list[dict] | None = None  # [G]; None = {} for every row
+    # [G] unpadded ids of what the teacher sees before the response instead of the prompt (privileged context,
+    # data.teacher_demonstrations); None = the teacher scores the student's prompt
+    teacher_prompt_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         g = len(self.prompt_ids)
@@ -53,6 +56,10 @@ class PromptBatch:
         for i, ids in enumerate(self.prompt_ids):
             if len(ids) == 0:
                 raise BatchError(f"prompt {i} ({self.uid[i]}) has no tokens")
+        if self.teacher_prompt_ids is not None and (
+            len(self.teacher_prompt_ids) != g or not all(self.teacher_prompt_ids)
+        ):
+            raise BatchError(f"PromptBatch has {g} prompts: give one non-empty teacher prompt per prompt, or None")
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -64,6 +71,7 @@ class PromptBatch:
             [self.ground_truth[i] for i in idx],
             [self.data_source[i] for i in idx],
             [self.extra_info[i] for i in idx],
+            None if self.teacher_prompt_ids is None else [self.teacher_prompt_ids[i] for i in idx],
         )
 
 
@@ -85,8 +93,8 @@ def _check_padding_side(mask: torch.Tensor, side: str, name: str) -> None:
     _check(not rows, f"{name} must be {side}-padded (contiguous ones); rows {rows[:8]} are not")
 
 
-_TOKEN_ID_FIELDS = ("prompts", "responses")  # [B, Tp], [B, Tr] long in a process; int32 in transit
-_MASK_FIELDS = ("prompt_mask", "response_mask")  # long in a process; bool in transit
+_TOKEN_ID_FIELDS = ("prompts", "responses", "teacher_prompts")  # [B, T] long in a process; int32 in transit
+_MASK_FIELDS = ("prompt_mask", "response_mask", "teacher_prompt_mask")  # long in a process; bool in transit
 
 
 @dataclass
@@ -109,6 +117,9 @@ class RolloutBatch:
     finished: torch.Tensor = field(default=None)  # [B] bool, True when the row ended with a stop token
     data_source: list[str] | None = None  # [B]; None = DEFAULT_DATA_SOURCE (picks each row's reward)
     extra_info: list[dict] | None = None  # [B]; None = {}
+    # What the teacher sees before each response instead of `prompts` (PromptBatch.teacher_prompt_ids), or None
+    teacher_prompts: torch.Tensor | None = None  # [B, Tq] long, left-padded
+    teacher_prompt_mask: torch.Tensor | None = None  # [B, Tq] long
 
     def __post_init__(self) -> None:
         b = self.prompts.shape[0]
@@ -141,6 +152,13 @@ class RolloutBatch:
         _check(bool((self.prompt_mask.sum(1) > 0).all()), "every row needs at least one prompt token")
         _check_padding_side(self.prompt_mask, "left", "prompt_mask")
         _check_padding_side(self.response_mask, "right", "response_mask")
+        _check((self.teacher_prompts is None) == (self.teacher_prompt_mask is None), "teacher prompts need their mask")
+        if self.teacher_prompts is not None:
+            tq, mq = self.teacher_prompts, self.teacher_prompt_mask
+            _check(tq.dim() == 2 and tq.shape[0] == b and mq.shape == tq.shape, f"teacher_prompts must be [B={b}, Tq]")
+            _check(tq.dtype == torch.long and mq.dtype == torch.long, "teacher_prompts and mask must be torch.long")
+            _check(_is_binary(mq) and bool((mq.sum(1) > 0).all()), "every row needs a teacher prompt token (0/1 mask)")
+            _check_padding_side(mq, "left", "teacher_prompt_mask")
         _check(bool(torch.isfinite(self.rollout_log_probs).all()), "rollout_log_probs must be finite")
         _check(bool((self.rollout_log_probs <= 0).all()), "rollout_log_probs must be <= 0")
         _check(
@@ -164,15 +182,23 @@ class RolloutBatch:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         for name in _TOKEN_ID_FIELDS:
-            state[name] = state[name].to(torch.int32)
+            state[name] = None if state.get(name) is None else state[name].to(torch.int32)
         for name in _MASK_FIELDS:
-            state[name] = state[name].bool()
+            state[name] = None if state.get(name) is None else state[name].bool()
         return state
 
     def __setstate__(self, state: dict) -> None:
         for name in (*_TOKEN_ID_FIELDS, *_MASK_FIELDS):
-            state[name] = state[name].long()
+            state[name] = None if state.get(name) is None else state[name].long()
         self.__dict__.update(state)
+
+    def teacher_view(self) -> RolloutBatch:
+        """The batch as the teacher scores it: its teacher prompts in place of the prompts (the responses, and so
+        every [B, Tr] score position, unchanged); the batch itself when it has none."""
+        if self.teacher_prompts is None:
+            return self
+        fields = {**self.__dict__, "prompts": self.teacher_prompts, "prompt_mask": self.teacher_prompt_mask}
+        return _unchecked(RolloutBatch, **fields)
 
     @property
     def input_ids(self) -> torch.Tensor:  # [B, Tp + Tr]
@@ -203,6 +229,8 @@ class RolloutBatch:
             finished=self.finished[start:stop],
             data_source=self.data_source[start:stop],
             extra_info=self.extra_info[start:stop],
+            teacher_prompts=None if self.teacher_prompts is None else self.teacher_prompts[start:stop],
+            teacher_prompt_mask=None if self.teacher_prompt_mask is None else self.teacher_prompt_mask[start:stop],
         )
 
     def select(self, rows: list[int]) -> RolloutBatch:
@@ -223,6 +251,8 @@ class RolloutBatch:
             finished=self.finished[idx],
             data_source=[self.data_source[i] for i in rows],
             extra_info=[self.extra_info[i] for i in rows],
+            teacher_prompts=None if self.teacher_prompts is None else self.teacher_prompts[idx],
+            teacher_prompt_mask=None if self.teacher_prompt_mask is None else self.teacher_prompt_mask[idx],
         )
 
 
@@ -313,6 +343,16 @@ def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
         extra = width - t.shape[1]
         return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
 
+    teacher = {}
+    if any(b.teacher_prompts is not None for b in batches):
+        if not all(b.teacher_prompts is not None for b in batches):
+            raise BatchError("some rollout replicas returned teacher prompts and some did not")
+        tq = max(b.teacher_prompts.shape[1] for b in batches)
+        teacher = {
+            "teacher_prompts": torch.cat([pad(b.teacher_prompts, tq, True) for b in batches]),
+            "teacher_prompt_mask": torch.cat([pad(b.teacher_prompt_mask, tq, True) for b in batches]),
+        }
+
     return RolloutBatch(
         prompts=torch.cat([pad(b.prompts, tp, True) for b in batches]),
         prompt_mask=torch.cat([pad(b.prompt_mask, tp, True) for b in batches]),
@@ -325,6 +365,7 @@ def concat_rollouts(batches: list[RolloutBatch]) -> RolloutBatch:
         finished=torch.cat([b.finished for b in batches]),
         data_source=[s for b in batches for s in b.data_source],
         extra_info=[e for b in batches for e in b.extra_info],
+        **teacher,
     )
 
 

@@ -18,6 +18,11 @@ class DataConfig:
     prompts_per_step: int = 32  # G: prompt groups per step (each sampled rollout.n times)
     eval_prompts: int = 64  # fixed held-out prompts for the start/periodic/final evaluation (built-ins: never trained)
     max_prompt_length: int = 32  # tokens, after the chat template; a longer prompt is never cut (data.overlong)
+    # Privileged context for the teacher (chat tasks): each row's teacher prompt holds this many solved examples of
+    # the task as earlier chat turns before the student's question; the student never sees them (context
+    # distillation). Drawn per row from the training distribution, never a held-out problem or the row's own.
+    # Teacher prompts count against data.max_prompt_length too. 0 = the teacher scores the student's own prompt.
+    teacher_demonstrations: int = 0
     seed: int = 0
     # Prompt files (jsonl or verl-schema parquet). Empty: prompts come from the built-in data.task.
     # A path or a list of paths (verl's docs write data.train_files=train.parquet); typed Any because
@@ -44,7 +49,7 @@ class DataConfig:
 
     def check(self) -> None:
         """data's own values. Whether the prompt files exist is check_files' (it reads the disk)."""
-        from miniverl.data.tasks import TASKS, task_names
+        from miniverl.data.tasks import CHAT_TASKS, TASKS, task_names
 
         require(self.prompts_per_step > 0, f"data.prompts_per_step={self.prompts_per_step}: must be >= 1")
         require(self.eval_prompts > 0, f"data.eval_prompts={self.eval_prompts}: must be >= 1")
@@ -53,6 +58,10 @@ class DataConfig:
             f"data.min_len/max_len={self.min_len}/{self.max_len}: need 0 < min_len <= max_len",
         )
         require(self.max_prompt_length > 0, f"data.max_prompt_length={self.max_prompt_length}: must be >= 1")
+        require(
+            self.teacher_demonstrations >= 0,
+            f"data.teacher_demonstrations={self.teacher_demonstrations}: use 0 (none) or a count of solved examples",
+        )
         require(
             self.overlong in OVERLONG_POLICIES,
             f"data.overlong={self.overlong!r}: use filter (skip and count over-long prompts) or error (stop on the"
@@ -73,3 +82,16 @@ class DataConfig:
         )
         for task in task_names(self.task):
             TASKS.require(task)
+        chat = [t for t in task_names(self.task) if t in CHAT_TASKS]
+        require(
+            not chat or len(chat) == len(task_names(self.task)),
+            f"data.task={self.task} mixes chat tasks ({', '.join(chat)}) with character tasks, which no one model"
+            " takes; train them in separate runs",
+        )
+        require(
+            self.teacher_demonstrations == 0 or (chat and not self.train_files),
+            f"data.teacher_demonstrations={self.teacher_demonstrations} draws solved examples from a built-in chat task"
+            f" ({', '.join(sorted(CHAT_TASKS))}), but data.task={self.task}"
+            f"{' and data.train_files is set' if self.train_files else ''}; set data.task=addition_chat (no prompt"
+            " files), or data.teacher_demonstrations=0",
+        )

@@ -29,7 +29,16 @@ def build_prompt_source(d, tokenizer, total_steps: int, log=print) -> PromptStre
     are checked lazily as the stream reaches each row: here only the held-out set and step 0.
     """
     if not d.train_files:
-        source = PromptSource(d.task, d.min_len, d.max_len, tokenizer, d.max_prompt_length, d.seed, d.eval_prompts)
+        source = PromptSource(
+            d.task,
+            d.min_len,
+            d.max_len,
+            tokenizer,
+            d.max_prompt_length,
+            d.seed,
+            d.eval_prompts,
+            d.teacher_demonstrations,
+        )
         for step in range(total_steps):
             source.batch(step, d.prompts_per_step)
     else:

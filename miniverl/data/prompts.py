@@ -1,6 +1,8 @@
-"""The built-in tasks' prompt stream: task examples tokenized (raw text) by the student's tokenizer.
+"""The built-in tasks' prompt stream: task examples tokenized by the student's tokenizer.
 
-Built-in models are trained on raw task strings, so no chat template is applied here.
+Built-in models are trained on raw task strings, so their tasks' prompts are raw text; a chat task
+(data.tasks.CHAT_TASKS) is one user message behind the student's chat template, and may give the teacher
+solved demonstrations as earlier turns (data.teacher_demonstrations).
 """
 
 from __future__ import annotations
@@ -8,7 +10,8 @@ from __future__ import annotations
 import random
 
 from miniverl.batches import PromptBatch
-from miniverl.data.tasks import TASKS, draw_examples, task_names
+from miniverl.data.tasks import CHAT_TASKS, TASKS, Example, draw_examples, task_names
+from miniverl.data.templates import encode_prompt
 from miniverl.errors import ConfigError
 
 
@@ -38,16 +41,53 @@ def training_examples(
     return draw_examples(task, prompt_rng(seed, "train", step), min_len, max_len, count, exclude)
 
 
+def demonstration_messages(demos: list[Example], question: str) -> list[dict[str, str]]:
+    """A chat whose earlier turns solve `demos` (user: the problem, assistant: its worked solution), then asks
+    `question`: the teacher's privileged context."""
+    turns = []
+    for ex in demos:
+        turns += [{"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.solution or ex.answer}]
+    return [*turns, {"role": "user", "content": question}]
+
+
+def generation_opener(tokenizer) -> list[int]:
+    """The ids the chat template adds to open the assistant's turn (`<|im_start|>assistant\n` for ChatML): what a
+    student's and a teacher's prompt must both end with, so the response tokens follow the same turn marker."""
+    chat = [{"role": "user", "content": "x"}]
+    closed = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+    opened = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if not opened.startswith(closed) or opened == closed:
+        return []  # a template that rewrites earlier text when opening the turn: compared by the whole suffix below
+    return list(tokenizer(opened[len(closed) :], add_special_tokens=False)["input_ids"])
+
+
 class PromptSource:
     """Deterministic prompt groups: `batch(step, g)` is the same for the same seed and step."""
 
     def __init__(
-        self, task: str, min_len: int, max_len: int, tokenizer, max_prompt_length: int, seed: int, held_out: int = 0
+        self,
+        task: str,
+        min_len: int,
+        max_len: int,
+        tokenizer,
+        max_prompt_length: int,
+        seed: int,
+        held_out: int = 0,
+        teacher_demonstrations: int = 0,
     ) -> None:
-        """`held_out`: how many evaluation prompts (data.eval_prompts) training draws must never repeat."""
+        """`held_out`: how many evaluation prompts (data.eval_prompts) training draws must never repeat.
+        `teacher_demonstrations` (chat tasks): solved examples in each row's teacher prompt."""
         self.name = task
         for name in task_names(task):  # a mixture (reverse+sort) draws its tasks in turn: data_source per row
             TASKS.require(name)
+        self.chat = all(name in CHAT_TASKS for name in task_names(task))
+        if teacher_demonstrations and not self.chat:
+            raise ConfigError(
+                f"data.teacher_demonstrations={teacher_demonstrations} needs a chat task (data.task=addition_chat);"
+                f" data.task={task} is raw text for the built-in models"
+            )
+        self.demonstrations = teacher_demonstrations
+        self.opener = generation_opener(tokenizer) if self.chat else []
         self.overlong_count = 0  # an over-long built-in prompt is always an error (the task is the fix)
         self.min_len, self.max_len = min_len, max_len
         self.tokenizer = tokenizer
@@ -55,28 +95,65 @@ class PromptSource:
         self.seed = seed
         self.held_out = held_out_prompts(task, min_len, max_len, seed, held_out)  # drawn once, not every step
 
-    def _make(self, examples: list, prefix: str) -> PromptBatch:
-        ids, uids, answers, sources = [], [], [], []
+    def _encode(self, messages: list[dict[str, str]], what: str) -> list[int]:
+        """Ids of a chat task's `messages` behind the chat template, or of the one message's raw text."""
+        tokens = (
+            encode_prompt(self.tokenizer, messages, True)
+            if self.chat
+            else self.tokenizer(messages[0]["content"])["input_ids"]
+        )
+        if len(tokens) > self.max_prompt_length:
+            more = f"data.teacher_demonstrations={self.demonstrations}, " if what.startswith("the teacher") else ""
+            raise ConfigError(
+                f"{what} has {len(tokens)} tokens, more than data.max_prompt_length={self.max_prompt_length}; raise"
+                f" data.max_prompt_length to at least {len(tokens)} or shorten it ({more}data.max_len={self.max_len})"
+            )
+        return tokens
+
+    def _make(self, examples: list, prefix: str, demo_rng: random.Random) -> PromptBatch:
+        ids, uids, answers, sources, teacher = [], [], [], [], []
         for i, (source, ex) in enumerate(examples):
-            tokens = self.tokenizer(ex.prompt)["input_ids"]
-            if len(tokens) > self.max_prompt_length:
-                raise ConfigError(
-                    f"prompt {prefix}-{i} ({ex.prompt!r}) has {len(tokens)} tokens, more than"
-                    f" data.max_prompt_length={self.max_prompt_length}; raise data.max_prompt_length or"
-                    f" shorten the task (data.max_len={self.max_len})"
-                )
-            ids.append(tokens)
+            question = [{"role": "user", "content": ex.prompt}]
+            ids.append(self._encode(question, f"prompt {prefix}-{i} ({ex.prompt!r})"))
             uids.append(f"{prefix}-{i}")
             answers.append(ex.answer)
             sources.append(source)
-        return PromptBatch(ids, uids, answers, sources)
+            if self.demonstrations:
+                demos = [d for _, d in self._demos(demo_rng, ex)]
+                shown = demonstration_messages(demos, ex.prompt)
+                teacher.append(self._encode(shown, f"the teacher prompt of {prefix}-{i}"))
+                self._check_opener(ids[-1], teacher[-1], f"{prefix}-{i}")
+        return PromptBatch(ids, uids, answers, sources, teacher_prompt_ids=teacher or None)
+
+    def _demos(self, rng: random.Random, row: Example) -> list:
+        """The solved examples shown to the teacher beside `row`: never a held-out problem, never the row itself."""
+        exclude = self.held_out | {row.prompt}
+        return draw_examples(self.name, rng, self.min_len, self.max_len, self.demonstrations, exclude)
+
+    def _check_opener(self, student: list[int], teacher: list[int], uid: str) -> None:
+        """Both prompts end with the assistant turn's opener, so the response tokens sit where each expects its
+        answer; a template that ends the two differently (a system text the demonstrations drop, a think tag)
+        would score the student's tokens at another position of the teacher's turn."""
+        tail = len(self.opener) or 1
+        if student[-tail:] != teacher[-tail:]:
+            raise ConfigError(
+                f"row {uid}: the teacher prompt ends with ids {teacher[-tail:]} but the student's with"
+                f" {student[-tail:]}; the chat template opens the answer differently after the demonstrations, so"
+                " the teacher would score the response at another position. Use a tokenizer whose template ends every prompt with the"
+                " same assistant opener, or data.teacher_demonstrations=0"
+            )
 
     def describe(self) -> str:
-        return f"built-in task {self.name!r} ({self.min_len}-{self.max_len} characters, raw text)"
+        if not self.chat:
+            return f"built-in task {self.name!r} ({self.min_len}-{self.max_len} characters, raw text)"
+        demos = f", {self.demonstrations} solved demonstrations in the teacher's prompt" if self.demonstrations else ""
+        return f"built-in chat task {self.name!r} ({self.min_len}-{self.max_len} digits, chat template{demos})"
 
     def batch(self, step: int, groups: int) -> PromptBatch:
         task = (self.name, self.min_len, self.max_len, self.seed)
-        return self._make(training_examples(*task, step, groups, self.held_out), f"s{step}")
+        examples = training_examples(*task, step, groups, self.held_out)
+        return self._make(examples, f"s{step}", prompt_rng(self.seed, "demos", step))
 
     def eval_batch(self, count: int) -> PromptBatch:
-        return self._make(held_out_examples(self.name, self.min_len, self.max_len, self.seed, count), "eval")
+        examples = held_out_examples(self.name, self.min_len, self.max_len, self.seed, count)
+        return self._make(examples, "eval", prompt_rng(self.seed, "eval-demos"))

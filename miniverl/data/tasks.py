@@ -17,6 +17,7 @@ DIGITS = "0123456789"
 class Example:
     prompt: str
     answer: str
+    solution: str = ""  # the worked answer a demonstration shows (chat tasks); "" = the answer itself
 
 
 class Task(Protocol):
@@ -43,10 +44,25 @@ def sort_task(rng: random.Random, min_len: int, max_len: int) -> Example:
     return Example(prompt=f"{s}=", answer="".join(sorted(s)))
 
 
+def addition_chat_task(rng: random.Random, min_len: int, max_len: int) -> Example:
+    """ "What is 27 + 82? Answer with just the number." -> `109`: add two numbers of min_len..max_len digits (no
+    leading zeros), asked in words, for an instruct model behind its chat template. The worked form `27 + 82 = 109`
+    is what its demonstrations show: SmolLM2-135M-Instruct answered 35/100 with four such demonstrations in its
+    context and 0/100 with bare-number ones (DESIGN.md, "one real model")."""
+    a, b = (rng.randint(10 ** (d - 1), 10**d - 1) for d in (rng.randint(min_len, max_len) for _ in range(2)))
+    return Example(
+        prompt=f"What is {a} + {b}? Answer with just the number.", answer=str(a + b), solution=f"{a} + {b} = {a + b}"
+    )
+
+
 TASKS = Registry("task", "data.task")
 TASKS.register("reverse", reverse_task)
 TASKS.register("addition", addition_task)
 TASKS.register("sort", sort_task)
+TASKS.register("addition_chat", addition_chat_task)
+# Tasks asked in words of an instruct model: their prompts go through the student's chat template as one user
+# message, their answers are scored as numbers (reward numeric), and the built-in character models cannot take them.
+CHAT_TASKS = frozenset({"addition_chat"})
 
 MIX_SEPARATOR = "+"  # data.task=reverse+sort mixes built-in tasks row by row (each row's data_source: its task)
 

@@ -145,6 +145,14 @@ def to_rollout_batch(prompts: PromptBatch, completions: list[Completion], n: int
         batch["responses"][row, :k] = torch.tensor(c.token_ids, dtype=torch.long)
         batch["response_mask"][row, :k] = 1
         batch["rollout_log_probs"][row, :k] = torch.tensor(c.logprobs, dtype=torch.float32)
+    if prompts.teacher_prompt_ids is not None:  # the same left padding, at the teacher prompts' own width
+        tq = max(map(len, prompts.teacher_prompt_ids))
+        batch["teacher_prompts"] = torch.zeros((b, tq), dtype=torch.long)
+        batch["teacher_prompt_mask"] = torch.zeros((b, tq), dtype=torch.long)
+        for row in range(b):
+            q = prompts.teacher_prompt_ids[row // n]
+            batch["teacher_prompts"][row, tq - len(q) :] = torch.tensor(q)
+            batch["teacher_prompt_mask"][row, tq - len(q) :] = 1
     return RolloutBatch(
         **batch,
         uid=[u for u in prompts.uid for _ in range(n)],

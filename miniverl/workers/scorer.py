@@ -56,12 +56,15 @@ class ScorerWorker:
     def score(self, batch: RolloutBatch, support_k: int | None, temperature: float = 1.0) -> TeacherScores:
         """support_k None: sampled-token log-probs only; 0 (or >= V): full distribution; K: top-K + tail.
 
+        A batch with teacher prompts (data.teacher_demonstrations) is scored after those instead of its prompts.
+
         The support is at `temperature` (the loss temperature); sampled-token log-probs at 1. Rows are scored
         in token-budget micro-batches without inner padding (models/packing.py), the LM head on
         `chunk_tokens` response tokens at a time; positions outside the response mask score 0.
         Shapes: -> teacher_log_probs [B, Tr], support [B, Tr, K] (or [B, Tr, V]) and tail [B, Tr].
         MINIVERL_PROFILE_CALL=K profiles the K-th call where it runs (observe/profile.py).
         """
+        batch = batch.teacher_view()  # privileged context: the teacher's own prompts before the same responses
         b, tr = batch.responses.shape
         v = self.vocab_size or self.model.config.vocab_size
         k = None if support_k is None else (v if support_k == 0 or support_k >= v else support_k)
