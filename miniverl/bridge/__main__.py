@@ -25,6 +25,8 @@ run, prints them all and writes nothing. It refuses:
   pg_discount           pg_k1 with objective.discount > 0
   pg_kl_in_advantage    pg_k1 with objective.kl_coef > 0
   pg_reward_weight      pg_k1 with objective.reward_coef other than 0 or 1
+  pg_teacher_weight     pg_k1 with objective.teacher_coef other than 1 (e.g. 0: GRPO on the task reward alone)
+  teacher_context       data.teacher_demonstrations > 0: verl's teacher scores the student's own prompt
   staleness             trainer.staleness=1: verl 0.9.1's one-step-off-policy trainer has no distillation
   lora                  LoRA dropout, a fractional alpha, or a rank vLLM cannot serve
   batch_sizes           samples per step that do not split evenly over GPUs and micro-batches

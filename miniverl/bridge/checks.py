@@ -143,6 +143,27 @@ def _pg_reward_weight(s: RunSpec) -> str | None:
     )
 
 
+def _pg_teacher_weight(s: RunSpec) -> str | None:
+    o = s.cfg.objective
+    if o.name != "pg_k1" or o.teacher_coef == 1.0:
+        return None
+    return (
+        f"objective.teacher_coef={o.teacher_coef}: verl 0.9 weighs the teacher's distillation loss by"
+        " distillation_loss_coef, which also scales its gradient clipping, not the k1 advantage alone; set"
+        " objective.teacher_coef=1 (for GRPO without a teacher, export a verl GRPO run of its own)"
+    )
+
+
+def _teacher_context(s: RunSpec) -> str | None:
+    k = s.cfg.data.teacher_demonstrations
+    if k == 0:
+        return None
+    return (
+        f"data.teacher_demonstrations={k}: the teacher scores a prompt of its own (solved demonstrations the student"
+        " does not see), and verl 0.9.1's teacher scores the student's prompt; set data.teacher_demonstrations=0"
+    )
+
+
 def _staleness(s: RunSpec) -> str | None:
     lag = s.cfg.trainer.staleness
     if lag == 0:
@@ -277,6 +298,8 @@ CHECKS: tuple[Callable[[RunSpec], str | None], ...] = (
     _pg_discount,
     _pg_kl_in_advantage,
     _pg_reward_weight,
+    _pg_teacher_weight,
+    _teacher_context,
     _staleness,
     _lora,
     _batch_sizes,

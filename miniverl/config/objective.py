@@ -59,6 +59,9 @@ class PgK1ObjectiveConfig(ObjectiveConfig):
     kl_coef: float = 0.0  # reference-KL penalty folded into the per-token reward (0 = off)
     kl_kind: str = "k1"  # k1|k2|k3 (verl aliases kl|mse|low_var_kl) and abs
     reward_coef: float = 0.0  # weight of the GRPO-normalized task reward added to every token's advantage
+    # weight of the teacher's k1 signal log p - log q in the per-token reward; 0 with reward_coef > 0 is GRPO on the
+    # task reward alone (the baseline a distillation result is compared with)
+    teacher_coef: float = 1.0
 
     def check(self) -> None:
         """PG-k1's own ranges; what it asks of the rollout is check_objective's."""
@@ -68,6 +71,12 @@ class PgK1ObjectiveConfig(ObjectiveConfig):
         require(0 <= self.discount <= 1, f"objective.discount={self.discount}: must be in [0, 1]")
         require(self.is_cap >= 1, f"objective.is_cap={self.is_cap}: must be >= 1 (verl uses about 2)")
         require(self.kl_kind in KL_KINDS, f"objective.kl_kind={self.kl_kind!r}: use one of {', '.join(KL_KINDS)}")
+        require(self.teacher_coef >= 0, f"objective.teacher_coef={self.teacher_coef}: must be >= 0 (0 = no teacher)")
+        require(
+            self.teacher_coef > 0 or self.reward_coef > 0,
+            "objective.teacher_coef=0 and objective.reward_coef=0 leave PG-k1 no signal; set objective.reward_coef=1"
+            " for GRPO on the task reward, or objective.teacher_coef=1 to distil",
+        )
 
 
 OBJECTIVE_CONFIGS: dict[str, type[ObjectiveConfig]] = {"gkd": GkdObjectiveConfig, "pg_k1": PgK1ObjectiveConfig}

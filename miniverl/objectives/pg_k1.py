@@ -108,7 +108,7 @@ PG_K1_GAP_BOUNDS = {"mean_gap": 0.02, "p99_gap": 0.1, "outside_frac": 1e-3}
 class PgK1Objective:
     """PG-k1 in the learner, with an optional reference-KL penalty and GRPO-normalized task reward.
 
-    Per-token reward `r_t = (log p - log q_sampler) - kl_coef * kl(q_sampler, ref)`, discounted into
+    Per-token reward `r_t = teacher_coef * (log p - log q_sampler) - kl_coef * kl(q_sampler, ref)`, discounted into
     `A_t`, plus `reward_coef * grpo(task score)` on every token of the sequence. The reference is the
     student with its adapter disabled (no second model).
     """
@@ -116,7 +116,15 @@ class PgK1Objective:
     teacher_support_k = None  # only the sampled token's teacher log-prob is needed
     loss_temperature = 1.0
 
-    def __init__(self, discount: float, is_cap: float, kl_coef: float, kl_kind: str, reward_coef: float) -> None:
+    def __init__(
+        self,
+        discount: float,
+        is_cap: float,
+        kl_coef: float,
+        kl_kind: str,
+        reward_coef: float,
+        teacher_coef: float = 1.0,
+    ) -> None:
         from miniverl.objectives.kl import KL_KINDS
 
         if not 0.0 <= discount <= 1.0:
@@ -125,8 +133,11 @@ class PgK1Objective:
             raise ValueError(f"is_cap must be >= 1, got {is_cap}")
         if kl_kind not in KL_KINDS:
             raise ValueError(f"unknown KL estimator {kl_kind!r}; known: {', '.join(KL_KINDS)}")
-        if kl_coef < 0 or reward_coef < 0:
-            raise ValueError(f"kl_coef and reward_coef must be >= 0, got {kl_coef} and {reward_coef}")
+        if kl_coef < 0 or reward_coef < 0 or teacher_coef < 0:
+            raise ValueError(
+                f"kl_coef, reward_coef, teacher_coef must be >= 0: {kl_coef}, {reward_coef}, {teacher_coef}"
+            )
+        self.teacher_coef = teacher_coef
         self.discount, self.is_cap = discount, is_cap
         self.kl_coef, self.kl_kind, self.reward_coef = kl_coef, kl_kind, reward_coef
         self.needs_reference = kl_coef > 0
@@ -137,7 +148,7 @@ class PgK1Objective:
 
     @classmethod
     def from_config(cls, cfg) -> PgK1Objective:
-        return cls(cfg.discount, cfg.is_cap, cfg.kl_coef, cfg.kl_kind, cfg.reward_coef)
+        return cls(cfg.discount, cfg.is_cap, cfg.kl_coef, cfg.kl_kind, cfg.reward_coef, cfg.teacher_coef)
 
     # A batch one version behind (trainer.staleness=1) takes its advantage from the current policy's log-probs
     # (the learner computes them before the update); the importance ratio stays against the sampler's.
@@ -155,7 +166,7 @@ class PgK1Objective:
 
         mask = batch.response_mask.float()
         old = batch.rollout_log_probs if current_log_probs is None else current_log_probs
-        token_reward = (scores.teacher_log_probs - old) * mask
+        token_reward = self.teacher_coef * (scores.teacher_log_probs - old) * mask
         if self.kl_coef > 0:
             if ref_log_prob is None:
                 raise ValueError("objective.kl_coef > 0 needs reference log-probs; the learner passed none")

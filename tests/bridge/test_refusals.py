@@ -33,6 +33,8 @@ CASES = {
     "pg_discount": {"objective.discount": 0.5},
     "pg_kl_in_advantage": {"objective.kl_coef": 0.1},
     "pg_reward_weight": {"objective.reward_coef": 0.5},
+    "pg_teacher_weight": {"objective.teacher_coef": 0.0, "objective.reward_coef": 1.0},
+    "teacher_context": {"data.task": "addition_chat", "data.teacher_demonstrations": 2},
     "staleness": {"trainer.staleness": 1},
     "lora": {"model.lora.dropout": 0.05},
     "batch_sizes": {"trainer.micro_batch_size": 3},
