@@ -16,7 +16,8 @@ silently: the loss is finite, only wrong. `check_same_tokenizer` compares, in th
    pad is not compared: the scorer packs rows without padding (models/packing.py) and the losses mask
    it, so no model reads a padded position;
 4. the chat template rendered for one system and one user message (when both tokenizers have one):
-   the special tokens around a turn, and where the response starts.
+   the special tokens that frame the turns, and the tokens after the last one, where the response starts
+   (check_same_chat_format).
 
 Same-family tokenizers pass all four (Qwen2.5-0.5B and 7B share one tokenizer of 151,665 tokens; their
 151,936 vs 152,064 logits are shared_vocab_size's business).
@@ -61,18 +62,43 @@ def check_same_tokenizer(student, teacher, student_path: str, teacher_path: str,
                 f" (teacher {teacher_path!r}, student {student_path!r}): rollouts would start or stop where the"
                 f" teacher does not expect it; {FIX}, e.g. both instruct or both base models of one release"
             )
+    check_same_chat_format(student, teacher, teacher_path)
+
+
+def check_same_chat_format(student, teacher, teacher_path: str) -> None:
+    """CHAT_PROBE rendered by both templates (when both have one) must hold the same added tokens in the same order
+    (the turn structure) and end with the same tokens after the last of them (the assistant opener: where the
+    response starts). The text between added tokens may differ: a default system prompt, a date line (Llama-3.2's
+    template writes today's date, 3.1's a fixed one) is content the teacher reads like any prompt text."""
     s_chat, t_chat = render_chat(student), render_chat(teacher)
-    if s_chat is not None and t_chat is not None:
-        s_ids = list(student(s_chat, add_special_tokens=False)["input_ids"])
-        t_ids = list(teacher(t_chat, add_special_tokens=False)["input_ids"])
-        if s_ids != t_ids:
-            at = first_difference(s_ids, t_ids)
-            raise ConfigError(
-                f"the teacher's chat template renders a system and a user message as {_window(teacher, t_ids, at)}"
-                f" but the student's as {_window(student, s_ids, at)} ({len(t_ids)} vs {len(s_ids)} tokens):"
-                f" first difference at token {at}; the teacher would score the student's prompts in a format it"
-                f" was not tuned on (teacher {teacher_path!r}); {FIX}, or set data.chat_template=false"
-            )
+    if s_chat is None or t_chat is None:
+        return
+    s_ids = list(student(s_chat, add_special_tokens=False)["input_ids"])
+    t_ids = list(teacher(t_chat, add_special_tokens=False)["input_ids"])
+    s_added, t_added = set(student.added_tokens_decoder), set(teacher.added_tokens_decoder)
+    s_turns, t_turns = [i for i in s_ids if i in s_added], [i for i in t_ids if i in t_added]
+    where = f"teacher {teacher_path!r}; {FIX}, or set data.chat_template=false"
+    if s_turns != t_turns:
+        at = first_difference(s_turns, t_turns)
+        raise ConfigError(
+            f"the teacher's chat template frames a system and a user message with {_window(teacher, t_turns, at)}"
+            f" but the student's with {_window(student, s_turns, at)}: first difference at special token {at}; the"
+            f" teacher would score the student's prompts in a turn format it was not tuned on ({where})"
+        )
+    s_tail, t_tail = _after_last(s_ids, s_added), _after_last(t_ids, t_added)
+    if s_tail != t_tail:
+        at = first_difference(s_tail, t_tail)
+        raise ConfigError(
+            f"the teacher's chat template opens the answer with {_window(teacher, t_tail, at)} after its last special"
+            f" token but the student's with {_window(student, s_tail, at)}: the student's responses would start"
+            f" where the teacher does not answer ({where})"
+        )
+
+
+def _after_last(ids: Sequence[int], added: set[int]) -> list[int]:
+    """The ids after the last one in `added` (all of them when none is)."""
+    last = max((i for i, t in enumerate(ids) if t in added), default=-1)
+    return list(ids[last + 1 :])
 
 
 def check_prompts_encode_alike(student, teacher, prompt_ids: Sequence[Sequence[int]], teacher_path: str) -> None:

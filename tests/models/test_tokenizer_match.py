@@ -146,8 +146,35 @@ def test_a_chat_template_that_moves_the_first_response_token_is_refused(bpe_dir,
     student, teacher = load(bpe_dir), load(variant(bpe_dir, tmp_path, "template", blank_line))
     assert teacher.chat_template != student.chat_template
     msg = refused(student, teacher)
-    assert "the teacher's chat template renders a system and a user message as" in msg
-    assert "first difference at token" in msg and "data.chat_template=false" in msg
+    assert "the teacher's chat template opens the answer with [..., 'tan', 't', 'Ċ', 'Ċ'] after its last special" in msg
+    assert "the student's responses would start where the teacher does not answer" in msg
+    assert "data.chat_template=false" in msg
+
+
+def test_a_chat_template_with_other_turn_tokens_is_refused(bpe_dir, tmp_path):
+    """The teacher ends a turn with <|endoftext|> where the student writes <|im_end|>."""
+
+    def other_turn_end(tok, cfg):
+        cfg["chat_template"] = QWEN_STYLE_TEMPLATE.replace("'<|im_end|>\\n'", "'<|endoftext|>\\n'")
+
+    student, teacher = load(bpe_dir), load(variant(bpe_dir, tmp_path, "turns", other_turn_end))
+    msg = refused(student, teacher)
+    assert "frames a system and a user message with ['<|im_start|>', '<|endoftext|>'" in msg
+    assert "first difference at special token 1" in msg
+
+
+def test_templates_that_differ_only_in_text_between_special_tokens_pass(bpe_dir, tmp_path):
+    """A date line in the system turn (Llama-3.2's template writes today's date, 3.1's a fixed one): content the
+    teacher reads like any prompt text, not a format."""
+
+    def dated(tok, cfg):
+        cfg["chat_template"] = QWEN_STYLE_TEMPLATE.replace(
+            "'<|im_start|>' + m['role'] + '\\n'", "'<|im_start|>' + m['role'] + '\\nToday Date: 7 Dec 2026\\n'"
+        )
+
+    student, teacher = load(bpe_dir), load(variant(bpe_dir, tmp_path, "dated", dated))
+    assert "Today Date" in teacher.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    check_same_tokenizer(student, teacher, "s", "t", LOGITS)
 
 
 def test_a_template_that_only_writes_its_default_system_prompt_otherwise_passes(bpe_dir, tmp_path):
