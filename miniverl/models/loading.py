@@ -222,17 +222,3 @@ def shared_vocab_size(student_logits: int, teacher_logits: int, tokenizer_size: 
             " the tokenizer does not belong to this model"
         )
     return student_logits
-
-
-def check_same_vocabulary(student_tok, teacher_tok, student_path: str, teacher_path: str) -> None:
-    """Distillation compares distributions token by token: both models must share one vocabulary."""
-    s, t = student_tok.get_vocab(), teacher_tok.get_vocab()
-    if s != t:
-        only_s = sorted(set(s) - set(t))[:5]
-        only_t = sorted(set(t) - set(s))[:5]
-        moved = sorted(k for k in set(s) & set(t) if s[k] != t[k])[:5]
-        raise ConfigError(
-            f"the teacher's vocabulary differs from the student's ({len(t)} vs {len(s)} tokens;"
-            f" only in student: {only_s}, only in teacher: {only_t}, different ids: {moved});"
-            f" pick a teacher from the same model family as {student_path!r} (it is {teacher_path!r})"
-        )

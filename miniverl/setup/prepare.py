@@ -20,7 +20,6 @@ from miniverl.models.builtin import (
 )
 from miniverl.models.hub import check_model_dir, resolve_model_ref
 from miniverl.models.loading import (
-    check_same_vocabulary,
     load_model_config,
     load_tokenizer,
     require_quantization,
@@ -30,6 +29,7 @@ from miniverl.models.lora import LoraSettings
 from miniverl.models.memory import check_vocab_memory
 from miniverl.models.packing import check_plain_logits
 from miniverl.models.stops import resolve_stop_ids
+from miniverl.models.tokenizer_match import check_prompts_encode_alike, check_same_tokenizer
 from miniverl.models.vocab_kernels import kernels_available
 from miniverl.objectives import build_objective
 from miniverl.process import emulated_cap_gib, emulated_card_gib
@@ -144,9 +144,9 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     for role, config in configs.items():
         check_plain_logits(config, f"model.{role}.path={paths[role]!r}")
     v_student = configs["student"].vocab_size
-    for role in teachers:  # every teacher meets the vocabulary rules on its own
-        teacher_tok = load_tokenizer(paths[role], f"model.{role}.path", USER_MODEL_FIX)
-        check_same_vocabulary(student_tok, teacher_tok, paths["student"], paths[role])
+    teacher_toks = {role: load_tokenizer(paths[role], f"model.{role}.path", USER_MODEL_FIX) for role in teachers}
+    for role, teacher_tok in teacher_toks.items():  # every teacher meets the tokenizer rules on its own
+        check_same_tokenizer(student_tok, teacher_tok, paths["student"], paths[role], v_student)
         vocab_size = shared_vocab_size(v_student, configs[role].vocab_size, len(student_tok))
     t, r = cfg.trainer, cfg.rollout
     # What `python -m miniverl.fit` prints, before any actor starts: shares known from the config (emulated card or
@@ -200,6 +200,8 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)
     eval_batch = source.eval_batch(d.eval_prompts)
     first = source.batch(0, d.prompts_per_step)
+    for role, teacher_tok in teacher_toks.items():  # the run's own prompts, beside the fixed probe texts
+        check_prompts_encode_alike(student_tok, teacher_tok, first.prompt_ids, paths[role])
     if planned is not None:  # the plan sized every row for data.max_prompt_length: say when the prompts are far shorter
         longest = max(len(ids) for batch in (eval_batch, first) for ids in batch.prompt_ids)
         hint = short_prompts_hint(longest, d.max_prompt_length, cfg.rollout.paged_engine)

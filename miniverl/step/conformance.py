@@ -13,6 +13,10 @@ the fix. The gate's honest gap then calibrates the bound every later step is hel
 a step sampled by anything but the learner's policy (a generation path that kept an older one) stops the run.
 The learner's log-probs are those every update computes (its micro-batches, dropout off). The numbers go into
 summary.json; every step logs its gap.
+
+The gate also scores a few of its rollouts twice with the teacher (teacher_self_test): the same rows must come back
+the same, far below the distillation signal, or the teacher is noise (dropout on, a teacher left in train mode,
+nondeterministic kernels, an fp16 overflow) and the run stops before training on it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from miniverl.batches import PromptBatch
+from miniverl.batches import PromptBatch, RolloutBatch, TeacherScores
 from miniverl.cluster.actors import call, call_all
 from miniverl.errors import ConfigError
 from miniverl.objectives.ratios import SamplerTolerance
@@ -35,6 +39,16 @@ if TYPE_CHECKING:
 
 GATE_PROMPTS = 16  # prompt groups sampled for the gate (x rollout.n samples): a few hundred tokens
 P99 = 0.99
+SELF_TEST_ROWS = 4  # rollout rows (whole prompt groups, at least one) the teacher scores twice
+SELF_TEST_TOPK = 16  # the support the self-test asks for when the run's is the full vocabulary (cheaper, same forward)
+# How far two scorings of the same rows may sit apart: mean |delta log p| in nats over the sampled tokens (and the
+# support's entries). The same kernels on the same rows repeat bit for bit on the CPU and on CUDA (cuBLAS and SDPA
+# forwards are run-to-run deterministic): 0.0 measured on the built-in CPU teacher
+# (tests/step/test_teacher_self_test.py).
+# The bound is a tenth of what two *implementations* of one bf16 policy differ by at the gate (hf_cached vs the
+# learner on H100, mean 9.96e-3 nats: docs/benchmarks/staleness-gpu/cell-gkd-bf16-hf_cached.log), and a
+# five-hundredth of that run's per-token reverse KL to its teacher (0.49 nats, the same cell's metrics).
+TEACHER_REPEAT_BOUND = 1e-3
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,7 @@ def conformance_gate(
         f" {stats.mean_gap:.2e} p99 {stats.p99_gap:.2e} nats, {stats.outside_frac:.2%} of ratios outside"
         f" [1/{stats.cap:g}, {stats.cap:g}]: {decision}"
     )
+    repeat = teacher_self_test(controller, batch, log)
     bound = call_all(
         controller.learners,
         "calibrate_sampler_gap",
@@ -145,4 +160,71 @@ def conformance_gate(
         "tolerance": dataclasses.asdict(tolerance),
         "step_bound": bound[0],
         "trial_adapter_probe_gap": trial_gap,
+        "teacher_repeat": repeat,
     }
+
+
+def teacher_self_test(controller, batch: RolloutBatch, log=print) -> dict:
+    """Score SELF_TEST_ROWS rows of `batch` twice with the run's teacher(s) (the run's support, top-SELF_TEST_TOPK
+    where that is the full vocabulary) and refuse scores that do not repeat (check_teacher_repeat). Returns the
+    numbers summary.json keeps (teacher_repeat_gap)."""
+    starts = [i for i, u in enumerate(batch.uid) if i == 0 or u != batch.uid[i - 1]] + [len(batch.uid)]
+    end = next(s for s in starts[1:] if s >= SELF_TEST_ROWS or s == len(batch.uid))  # whole groups only
+    rows = batch.rows(0, end)
+    k = controller.teacher_support_k
+    k = SELF_TEST_TOPK if k == 0 else k
+    first, second = (controller.fetch_scores(controller.score(rows, k)) for _ in range(2))
+    gap = teacher_repeat_gap(first, second, rows.response_mask)
+    check_teacher_repeat(gap)
+    log(
+        f"[miniverl] teacher self-test: {end} rows scored twice, |delta log p| mean {gap['sampled_mean']:.2e}"
+        f" (max {gap['sampled_max']:.2e}) nats over {gap['tokens']} sampled tokens, support mean"
+        f" {gap['support_mean']:.2e}: repeats"
+    )
+    return gap
+
+
+def teacher_repeat_gap(first: TeacherScores, second: TeacherScores, mask: torch.Tensor) -> dict:
+    """How far two scorings of the same rows sit apart, in nats over the masked tokens: sampled-token log-probs
+    (mean, max) and the support's entries (mean; 0 without one), and whether every sampled log-prob is finite.
+    Shapes: first, second: TeacherScores of [B, Tr] (support [B, Tr, K]); mask [B, Tr]."""
+    keep = mask.bool()
+    a, b = first.teacher_log_probs[keep], second.teacher_log_probs[keep]  # [tokens]
+    finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+    diff = (a - b).abs()
+    support = 0.0
+    if first.teacher_topk_logprobs is not None and second.teacher_topk_logprobs is not None:
+        # top-K values come sorted, so ids that swap places on a tie compare equal; the ids are not compared
+        s = (first.teacher_topk_logprobs[keep] - second.teacher_topk_logprobs[keep]).abs()  # [tokens, K]
+        support = float(s.nan_to_num(nan=float("inf")).mean()) if s.numel() else 0.0
+    return {
+        "sampled_mean": float(diff.nan_to_num(nan=float("inf")).mean()) if diff.numel() else 0.0,
+        "sampled_max": float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0,
+        "support_mean": support,
+        "tokens": int(diff.numel()),
+        "finite": finite,
+        "bound": TEACHER_REPEAT_BOUND,
+    }
+
+
+def check_teacher_repeat(gap: dict) -> None:
+    """ConfigError when two scorings of the same rows (teacher_repeat_gap) are not finite or differ beyond
+    TEACHER_REPEAT_BOUND."""
+    fix = (
+        " Fix: score in eval mode (model.eval(): no dropout), with deterministic kernels"
+        " (torch.use_deterministic_algorithms(True) to find the one), in a dtype that holds the logits"
+        " (model.teacher.dtype=bfloat16 or float32, not float16)"
+    )
+    if not gap["finite"]:
+        raise ConfigError(
+            "the teacher's log-probs of the gate's sampled tokens are not finite (inf or NaN: an fp16 overflow,"
+            f" or weights that were never loaded); check the teacher's checkpoint.{fix}"
+        )
+    worst = max(gap["sampled_mean"], gap["support_mean"])
+    if worst > TEACHER_REPEAT_BOUND:
+        raise ConfigError(
+            f"the teacher scored the same {gap['tokens']} sampled tokens twice and disagreed with itself by mean"
+            f" {gap['sampled_mean']:.3g} nats (max {gap['sampled_max']:.3g}; support mean {gap['support_mean']:.3g}),"
+            f" above the {TEACHER_REPEAT_BOUND:g} a teacher repeats within: its scores are noise the student would"
+            f" learn.{fix}"
+        )

@@ -107,6 +107,7 @@ def test_gate_on_real_backends_passes_in_fp32(student_dir, teacher_dir, backend)
     assert out["mean_gap"] < 1e-5 and out["p99_gap"] < 1e-4 and out["outside_frac"] == 0.0
     assert out["tolerance"]["truncated"] is False
     assert f"conformance gate: {backend} vs learner" in lines[0] and "pass" in lines[0]
+    assert out["teacher_repeat"]["sampled_mean"] == 0.0 and "teacher self-test" in lines[1]  # fp32 repeats exactly
     assert learner.version == 0  # the gate samples; it never trains
 
 
