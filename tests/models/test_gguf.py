@@ -64,6 +64,16 @@ def test_a_second_resolve_reuses_the_conversion(real_model_dir, monkeypatch):
     assert not any("converting" in line for line in logs)
 
 
+def test_a_runs_setup_takes_the_short_name_before_ray(real_model_dir):
+    from miniverl.setup.prepare import prepare
+
+    cfg = load(f"model.student.path={SHORT}", f"model.teacher.path={SHORT}", "trainer.total_steps=2")
+    cfg.model.cache_dir = str(real_model_dir.parents[1])
+    setup = prepare(cfg, log=lambda _line: None)
+    assert setup.paths == {"student": str(real_model_dir), "teacher": str(real_model_dir)}
+    assert IM_END_ID in setup.stop_token_ids and setup.vocab_size == 49152
+
+
 def test_the_fit_planner_plans_a_short_name(real_model_dir):
     from miniverl.fit import plan_run
 
