@@ -223,7 +223,9 @@ def convert(source: Path, header: dict, out: Path, field: str) -> dict:
     config = read.config
     if hasattr(config, "quantization_config"):  # the entry that makes save_pretrained refuse the model
         del config.quantization_config
-    with torch.device("meta"):  # no second copy of the weights: the read tensors are assigned, not copied
+    # Built on the meta device, so the weights are never held twice: the read tensors are assigned, not copied. Its
+    # non-persistent buffers (the rotary frequencies) stay on meta: this model is only saved, never run.
+    with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(read.state_dict(), assign=True)
     plain.tie_weights()

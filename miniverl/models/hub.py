@@ -95,6 +95,12 @@ def check_model_dir(p: Path, field: str, fix: str, loads: bool = True) -> None:
     """config.json readable, every safetensors file as long as its header says and, where a run `loads` the model
     (not the fit planner, which reads config.json alone), the weights and tokenizer files present: before any load."""
     config = p / "config.json"
+    ggufs = sorted(p.glob("*.gguf"))
+    if not config.exists() and ggufs:
+        raise ConfigError(
+            f"{field}={str(p)!r} is a directory without config.json; for its GGUF file pass the file itself"
+            f" ({field}={ggufs[0]})"
+        )
     if not config.exists():
         raise ConfigError(
             f"{field}={str(p)!r} is a directory without config.json; point it at a saved Hugging Face model"

@@ -185,3 +185,9 @@ def test_the_shipped_models_and_a_hub_snapshot_pass(tmp_path, student_dir):
 def test_a_bare_name_offline_lists_the_short_names(offline):
     with pytest.raises(ConfigError, match=r"or name a shipped model by its short name \(smollm2-135m-instruct\)"):
         resolve_model_ref("tinyllama", "model.student.path", "fix")
+
+
+def test_a_directory_of_a_gguf_file_names_the_file(tmp_path):
+    (tmp_path / "model.Q4_0.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match=r"for its GGUF file pass the file itself \(model.student.path=.*Q4_0.gguf\)"):
+        resolve_model_ref(str(tmp_path), "model.student.path", "fix")
