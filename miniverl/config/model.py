@@ -12,7 +12,9 @@ SINGLE_TEACHER_ROLE = "teacher"  # setup.paths key of model.teacher; named teach
 
 @dataclass
 class ModelSpec:
-    path: str = "builtin:student"  # builtin:student | builtin:teacher | a model directory | a hub id
+    # builtin:student | builtin:teacher | a model directory | a hub id | a .gguf file | a shipped model's short name
+    # (smollm2-135m-instruct; miniverl/models/gguf.py SHORT_NAMES): a GGUF is converted once into cache_dir
+    path: str = "builtin:student"
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     # none | nf4: bitsandbytes 4-bit NF4, double quantization, bf16 compute (CUDA only). An nf4 student
     # trains a LoRA adapter on the 4-bit base (QLoRA); the rollout side serves that same 4-bit base
@@ -55,7 +57,7 @@ class ModelConfig:
     student: ModelSpec = field(default_factory=lambda: ModelSpec(path="builtin:student"))
     teacher: ModelSpec = field(default_factory=lambda: ModelSpec(path="builtin:teacher"))
     lora: LoraConfig = field(default_factory=LoraConfig)
-    cache_dir: str = "~/.cache/miniverl"  # where built-in models are cached
+    cache_dir: str = "~/.cache/miniverl"  # where built-in models and GGUF conversions are cached
     # A built-in teacher below this greedy accuracy on its task stops the run: distilling from a teacher
     # that cannot do the task teaches nothing (data.task=addition built one with accuracy 0.000).
     builtin_min_teacher_accuracy: float = 0.8

@@ -18,6 +18,7 @@ from miniverl.models.builtin import (
     parse_builtin_ref,
     require_competent_teacher,
 )
+from miniverl.models.gguf import ensure_converted
 from miniverl.models.hub import check_model_dir, resolve_model_ref
 from miniverl.models.loading import (
     load_model_config,
@@ -59,7 +60,7 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-USER_MODEL_FIX = "re-save the model (save_pretrained) or download it again"
+USER_MODEL_FIX = "re-save the model and its tokenizer (save_pretrained of each) or download it again"
 
 
 def builtin_refs(paths: dict[str, str], task: str) -> dict[str, tuple[str, str]]:
@@ -80,27 +81,34 @@ def builtin_recipes(
     ]
 
 
-def resolve_model_paths(model: ModelConfig, data: DataConfig, log=print) -> dict[str, str]:
+def resolve_model_paths(model: ModelConfig, data: DataConfig, log=print, loads: bool = True) -> dict[str, str]:
     """Model directories or hub ids for the student and every teacher; built-in models are cached on first use
-    (copied from the shipped ones, or built).
+    (copied from the shipped ones, or built), GGUF files and short names converted on first use (models/gguf.py).
 
     Keys: "student", and "teacher" (model.teacher) or "teachers.<name>" (model.teachers.<name>). Each role
     resolves on its own, so a local model for one role and a built-in one for another works; a built-in ref
     `builtin:teacher/<task>` names another task's teacher. A built-in teacher below
-    model.builtin_min_teacher_accuracy stops the run.
+    model.builtin_min_teacher_accuracy stops the run. `loads`: False for a caller that reads config.json alone (the
+    fit planner), so a local directory need not hold weights or a tokenizer.
     """
     specs = model.paths()
     builtin = builtin_refs(specs, data.task)
-    out = {
-        role: resolve_model_ref(path, f"model.{role}.path", USER_MODEL_FIX)
-        for role, path in specs.items()
-        if role not in builtin
-    }
+    out = {}
+    for role, path in specs.items():
+        if role in builtin:
+            continue
+        field = f"model.{role}.path"
+        converted = ensure_converted(path, field, model.cache_dir, log)
+        if converted is None:
+            out[role] = resolve_model_ref(path, field, USER_MODEL_FIX, loads)
+        else:
+            check_model_dir(converted, f"{field}={path} (converted)", f"delete {converted} so it is converted again")
+            out[role] = str(converted)
     for recipe, roles in builtin_recipes(builtin, data.min_len, data.max_len):
         built = ensure_builtin_models(model.cache_dir, recipe, log, roles)
         for role, (which, _) in ((r, ref) for r, ref in builtin.items() if ref[1] == recipe.task):
             fix = f"delete {built[which].parent} so the built-in models are rebuilt (scripts/build_models.py)"
-            check_model_dir(built[which], f"model.{role}.path={specs[role]} (cached)", fix)
+            check_model_dir(built[which], f"model.{role}.path={specs[role]} (cached)", fix, loads)
             out[role] = str(built[which])
         if "teacher" in roles:
             accuracy = built_accuracy(built["teacher"])

@@ -10,8 +10,8 @@ import pytest
 
 from miniverl.errors import ConfigError
 from miniverl.models import hub
-from miniverl.models.builtin import BuiltinRecipe, builtin_dir, require_competent_teacher
-from miniverl.models.hub import HUB_PROBE_TIMEOUT_S, resolve_model_ref, safetensors_problem
+from miniverl.models.builtin import SHIPPED_DIR, BuiltinRecipe, builtin_dir, require_competent_teacher
+from miniverl.models.hub import HUB_PROBE_TIMEOUT_S, check_model_dir, resolve_model_ref, safetensors_problem
 from miniverl.setup.prepare import prepare
 from tests.test_config import with_models
 
@@ -118,3 +118,76 @@ def test_incompetent_builtin_teacher_stops_the_run(tmp_path, student_dir, teache
     cfg = with_models(student_dir, "builtin:teacher", f"model.cache_dir={tmp_path / 'cache'}")
     with pytest.raises(ConfigError, match="greedy accuracy 0.100, below model.builtin_min_teacher_accuracy=0.8"):
         prepare(cfg)
+
+
+def model_copy(tmp_path, model_dir, *remove: str):
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    for name in remove:
+        (copy / name).unlink()
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("remove", "named"),
+    [
+        (("tokenizer.json",), r"no tokenizer files \(tokenizer.json, or a vocabulary"),
+        (("tokenizer_config.json",), r"no tokenizer_config.json \(the tokenizer's special tokens and chat template\)"),
+        (("model.safetensors",), r"no weights \(\*.safetensors, pytorch_model.bin, or an index of shards\)"),
+        (
+            ("tokenizer.json", "tokenizer_config.json", "model.safetensors", "build.json"),
+            r"holds only config.json: no tokenizer files .*; no tokenizer_config.json .*; no weights .*; re-save",
+        ),
+    ],
+)
+def test_a_directory_missing_what_a_load_needs_names_each_piece(tmp_path, student_dir, remove, named):
+    broken = model_copy(tmp_path, student_dir, *remove)
+    with pytest.raises(ConfigError, match=named) as err:
+        check_model_dir(broken, "model.student.path", "re-save")
+    assert "\n" not in str(err.value)
+    check_model_dir(broken, "model.student.path", "re-save", loads=False)  # the fit planner reads config.json alone
+
+
+def test_a_missing_tokenizer_is_refused_before_the_vocabulary_check(tmp_path, student_dir, teacher_dir):
+    """It was reported as "vocabulary differs (43 vs 1 tokens)" by the check of teacher against student."""
+    broken = model_copy(tmp_path, teacher_dir, "tokenizer.json")
+    with pytest.raises(ConfigError, match=r"model.teacher.path=.*model' cannot load: no tokenizer files"):
+        prepare(with_models(student_dir, broken))
+
+
+def test_an_index_naming_absent_shards_is_refused(tmp_path, student_dir):
+    broken = model_copy(tmp_path, student_dir, "model.safetensors")
+    shards = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (broken / "model.safetensors.index.json").write_text(json.dumps(shards))
+    shutil.copy(student_dir / "model.safetensors", broken / "model-00001-of-00002.safetensors")
+    with pytest.raises(
+        ConfigError, match=r"names 1 shard\(s\) that are not there \(model-00002-of-00002.safetensors\)"
+    ):
+        check_model_dir(broken, "model.student.path", "re-save")
+    shutil.copy(student_dir / "model.safetensors", broken / "model-00002-of-00002.safetensors")
+    check_model_dir(broken, "model.student.path", "re-save")
+
+
+def test_the_shipped_models_and_a_hub_snapshot_pass(tmp_path, student_dir):
+    shipped = sorted(SHIPPED_DIR.glob("*/*/config.json"))
+    assert len(shipped) >= 4
+    for config in shipped:
+        check_model_dir(config.parent, "model.student.path", "rebuild")
+    # a hub snapshot's files are symlinks into its blobs
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / ("a" * 40)
+    shutil.copytree(student_dir, blobs)
+    snap.mkdir(parents=True)
+    for f in blobs.iterdir():
+        (snap / f.name).symlink_to(f)
+    check_model_dir(snap, "model.student.path", "download it again")
+
+
+def test_a_bare_name_offline_lists_the_short_names(offline):
+    with pytest.raises(ConfigError, match=r"or name a shipped model by its short name \(smollm2-135m-instruct\)"):
+        resolve_model_ref("tinyllama", "model.student.path", "fix")
+
+
+def test_a_directory_of_a_gguf_file_names_the_file(tmp_path):
+    (tmp_path / "model.Q4_0.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match=r"for its GGUF file pass the file itself \(model.student.path=.*Q4_0.gguf\)"):
+        resolve_model_ref(str(tmp_path), "model.student.path", "fix")
