@@ -97,6 +97,7 @@ def test_loss_weights_are_off_by_default_and_mopd_weighs_sorting():
         (["trainer.total_steps=0"], "trainer.total_steps=0"),
         (["trainer.total_steps=-3"], "at least 1 step"),
         (["objective.beta=1.5"], "objective.beta"),
+        (["objective.signal_floor=-1"], "objective.signal_floor=-1.0: must be >= 0 nats"),
         (["objective.name=ppo"], "unknown objective 'ppo'; known: gkd, pg_k1"),
         (
             ["rollout.backend=tgi"],

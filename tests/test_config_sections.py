@@ -81,6 +81,7 @@ CASES = [
     ),
     (GkdObjectiveConfig, GkdObjectiveConfig(), {"beta": 1.5}, (), "objective.beta=1.5: must be in [0, 1]"),
     (PgK1ObjectiveConfig, PgK1ObjectiveConfig(), {"kl_kind": "k4"}, (), "objective.kl_kind='k4': use one of"),
+    (PgK1ObjectiveConfig, PgK1ObjectiveConfig(), {"signal_floor": -1e-5}, (), "objective.signal_floor=-1e-05: must"),
     (RewardConfig, RewardConfig(), {"name": "fuzzy"}, (), "unknown reward 'fuzzy'"),
     (TrainerConfig, TrainerConfig(), {"total_steps": 0}, (), "trainer.total_steps=0: need at least 1 step"),
     (

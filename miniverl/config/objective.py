@@ -7,6 +7,14 @@ from dataclasses import dataclass
 
 from miniverl.config.base import require
 
+# objective.signal_floor's default (nats). Teacher and student log-probs that differ by rounding alone count as agreeing:
+# fp32 log-softmax values of the same logits, computed in two orders, differ by a few ulps of the normalizer (one ulp
+# is 1.9e-6 at 16, 3.8e-6 at 32); measured with teacher = student on the CPU in fp32, at most 1.9e-6 on GKD's top-K
+# support (the scorer's and the learner's normalizers), 5.5e-6 between the hf_cached sampler's and the teacher's
+# sampled-token log-probs (docs/objectives.md, "A zero signal"). A token this close carries a divergence of ~1e-11
+# nats: no signal a step could use, but a gradient that Adam would scale up to about the learning rate.
+SIGNAL_FLOOR_NATS = 1e-5
+
 
 @dataclass
 class ObjectiveConfig:
@@ -15,12 +23,21 @@ class ObjectiveConfig:
     being ignored. Choose one with `objective=<name>` (or an experiment); `name` only says which it is."""
 
     name: str = "???"  # a name in miniverl.objectives.OBJECTIVES (set by each objective's dataclass)
+    # Per-token teacher-student differences (GKD: every support log-prob and the tail's; PG-k1: the token reward)
+    # within this many nats count as 0 signal, with 0 gradient, so teacher = student leaves the adapter as it is.
+    # 0 = only exact equality.
+    signal_floor: float = SIGNAL_FLOOR_NATS
 
     def check(self) -> None:
         """The name is a known objective, and this group holds that objective's settings."""
         from miniverl.objectives import OBJECTIVES
 
         OBJECTIVES.require(self.name)
+        require(
+            self.signal_floor >= 0,
+            f"objective.signal_floor={self.signal_floor}: must be >= 0 nats (0 = only exact agreement counts as no"
+            f" signal; the default {SIGNAL_FLOOR_NATS:g} is above fp32 rounding)",
+        )
         require(
             type(self) is OBJECTIVE_CONFIGS[self.name],
             f"objective.name={self.name} but the objective group holds {type(self).__name__}'s settings; choose the"

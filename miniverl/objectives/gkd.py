@@ -13,6 +13,12 @@ divergence between the two distributions coarsened to K + 1 outcomes. Merging ou
 their mixture m alike, so by the data processing inequality each KL term can only shrink: the result
 never exceeds the full divergence, grows with K for nested supports, and equals it once the tail holds
 at most one token (K >= V - 1).
+
+A zero signal gives a zero gradient (docs/objectives.md, "A zero signal"): a token whose teacher and student
+log-probs agree within `signal_floor` nats at every category contributes 0 to the loss and exactly 0 to the
+gradient. Computed as written, the divergence of two bitwise-equal distributions is not exactly 0: the mixture's
+log rounds to t +- 1 ulp, leaving a gradient of ~1e-9 per adapter entry that Adam, which divides by the
+gradient's own scale, turns into steps of a sizeable share of the learning rate.
 """
 
 from __future__ import annotations
@@ -48,20 +54,36 @@ def _sum_plogp_ratio(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     return (a * (safe_a - safe_b)).sum(dim=-1)
 
 
-def jsd_from_logprobs(teacher_logp: torch.Tensor, student_logp: torch.Tensor, beta: float) -> torch.Tensor:
-    """Generalized JSD between two normalized log-distributions over the last dim.
+def agree_within(teacher_logp: torch.Tensor, student_logp: torch.Tensor, signal_floor: float) -> torch.Tensor:
+    """Positions where the two log-distributions differ by at most `signal_floor` nats at every category (equal
+    -inf entries agree). Shapes: [B, T, C] -> [B, T] bool."""
+    close = (teacher_logp == student_logp) | ((teacher_logp - student_logp).abs() <= signal_floor)
+    return close.all(dim=-1)
+
+
+def jsd_from_logprobs(
+    teacher_logp: torch.Tensor, student_logp: torch.Tensor, beta: float, signal_floor: float = 0.0
+) -> torch.Tensor:
+    """Generalized JSD between two normalized log-distributions over the last dim. Where they agree within
+    `signal_floor` nats at every category (0: only where they are equal) the result is 0, with gradient 0.
 
     Shapes: teacher_logp, student_logp [B, T, C] -> [B, T].
     """
     require_same_shape(teacher_logp=teacher_logp, student_logp=student_logp)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if not signal_floor >= 0.0:
+        raise ValueError(f"signal_floor must be >= 0 nats, got {signal_floor}")
     if beta == 0.0:
-        return _sum_plogp_ratio(teacher_logp, student_logp)  # forward KL(p || q)
-    if beta == 1.0:
-        return _sum_plogp_ratio(student_logp, teacher_logp)  # reverse KL(q || p)
-    mix = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log1p(-beta))  # log m
-    return beta * _sum_plogp_ratio(teacher_logp, mix) + (1.0 - beta) * _sum_plogp_ratio(student_logp, mix)
+        jsd = _sum_plogp_ratio(teacher_logp, student_logp)  # forward KL(p || q)
+    elif beta == 1.0:
+        jsd = _sum_plogp_ratio(student_logp, teacher_logp)  # reverse KL(q || p)
+    else:
+        mix = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log1p(-beta))  # log m
+        jsd = beta * _sum_plogp_ratio(teacher_logp, mix) + (1.0 - beta) * _sum_plogp_ratio(student_logp, mix)
+    # where(), not a product: the agreeing tokens' gradient is exactly 0 (their JSD's rounding residue never reaches
+    # the adapter), and the condition is a comparison, so it carries no gradient of its own.
+    return torch.where(agree_within(teacher_logp, student_logp, signal_floor), torch.zeros_like(jsd), jsd)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -75,11 +97,16 @@ def _check_temperature(temperature: float) -> None:
 
 
 def generalized_jsd(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float = 1.0
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    beta: float,
+    temperature: float = 1.0,
+    signal_floor: float = 0.0,
 ) -> torch.Tensor:
     """Per-token generalized JSD over the full vocabulary, both distributions at `temperature`.
 
-    Exact forward KL(p || q) at beta = 0 and reverse KL(q || p) at beta = 1.
+    Exact forward KL(p || q) at beta = 0 and reverse KL(q || p) at beta = 1; 0 where the log-probs agree within
+    `signal_floor` nats everywhere (jsd_from_logprobs).
 
     Shapes: student_logits, teacher_logits [B, T, V] -> [B, T] (nats).
     """
@@ -87,7 +114,7 @@ def generalized_jsd(
     _check_temperature(temperature)
     s = F.log_softmax(_upcast(student_logits) / temperature, dim=-1)  # [B, T, V]
     t = F.log_softmax(_upcast(teacher_logits) / temperature, dim=-1)  # [B, T, V]
-    return jsd_from_logprobs(t, s, beta)
+    return jsd_from_logprobs(t, s, beta, signal_floor)
 
 
 def topk_generalized_jsd(
@@ -97,8 +124,10 @@ def topk_generalized_jsd(
     beta: float,
     temperature: float = 1.0,
     teacher_tail_logprob: torch.Tensor | None = None,
+    signal_floor: float = 0.0,
 ) -> torch.Tensor:
-    """Per-token generalized JSD over the teacher's top-K support plus one tail bucket.
+    """Per-token generalized JSD over the teacher's top-K support plus one tail bucket (0 where the K + 1
+    log-probs agree within `signal_floor` nats: jsd_from_logprobs).
 
     `teacher_topk_logprobs` must already be at the loss temperature: log_softmax(teacher_logits / T)
     at `teacher_topk_ids` (K distinct ids per position). The student logits are divided by
@@ -127,9 +156,9 @@ def topk_generalized_jsd(
     s_k = s_all.gather(-1, teacher_topk_ids) - log_z  # [B, T, K]
     t_k = teacher_topk_logprobs.to(s_all.device, s_all.dtype)  # [B, T, K]
     if teacher_topk_ids.shape[-1] == s_all.shape[-1]:
-        return jsd_from_logprobs(t_k, s_k, beta)  # the support is the whole vocabulary, permuted
+        return jsd_from_logprobs(t_k, s_k, beta, signal_floor)  # the support is the whole vocabulary, permuted
     s_tail = torch.logsumexp(s_all.scatter(-1, teacher_topk_ids, float("-inf")), dim=-1) - log_z[..., 0]  # [B, T]
-    return support_jsd(s_k, s_tail, t_k, teacher_tail_logprob, beta)
+    return support_jsd(s_k, s_tail, t_k, teacher_tail_logprob, beta, signal_floor)
 
 
 def support_jsd(
@@ -138,10 +167,11 @@ def support_jsd(
     teacher_support: torch.Tensor,
     teacher_tail: torch.Tensor | None,
     beta: float,
+    signal_floor: float = 0.0,
 ) -> torch.Tensor:
     """Generalized JSD over K support ids plus one tail bucket, from both sides' log-probs of them (the last
     step of `topk_generalized_jsd`; the learner's fused LM head computes the student's side itself).
-    `teacher_tail` None derives it from the support, floored at TAIL_FLOOR.
+    `teacher_tail` None derives it from the support, floored at TAIL_FLOOR; `signal_floor`: jsd_from_logprobs.
     Shapes: *_support [B, T, K], *_tail [B, T] -> [B, T]."""
     t_k = teacher_support.to(student_support.device, student_support.dtype)
     if teacher_tail is None:
@@ -150,7 +180,7 @@ def support_jsd(
     t_tail = teacher_tail.to(t_k.device, t_k.dtype).clamp(min=math.log(TAIL_FLOOR))  # [B, T]
     s_cat = torch.cat([student_support, student_tail.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
     t_cat = torch.cat([t_k, t_tail.unsqueeze(-1)], dim=-1)  # [B, T, K+1]
-    return jsd_from_logprobs(t_cat, s_cat, beta)
+    return jsd_from_logprobs(t_cat, s_cat, beta, signal_floor)
 
 
 class GkdObjective:
@@ -163,7 +193,9 @@ class GkdObjective:
     needs_reference = False
     sampler_tolerance = GKD_SAMPLER_TOLERANCE  # the conformance gate's bound; no ratio to truncate
 
-    def __init__(self, beta: float, loss_temperature: float, teacher_topk: int) -> None:
+    def __init__(self, beta: float, loss_temperature: float, teacher_topk: int, signal_floor: float = 0.0) -> None:
+        """`signal_floor` (objective.signal_floor, nats): a token whose teacher and student log-probs agree within
+        it at every support entry and the tail adds nothing to the loss or its gradient (0: only exact equality)."""
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1], got {beta}")
         _check_temperature(loss_temperature)
@@ -171,11 +203,19 @@ class GkdObjective:
             raise ValueError(f"teacher_topk must be 0 (full vocabulary) or K >= 1, got {teacher_topk}")
         self.beta = beta
         self.loss_temperature = loss_temperature
+        if not signal_floor >= 0:
+            raise ValueError(f"signal_floor must be >= 0 nats, got {signal_floor}")
         self.teacher_support_k = teacher_topk  # 0 = full vocabulary
+        self.signal_floor = signal_floor
 
     @classmethod
     def from_config(cls, cfg) -> GkdObjective:
-        return cls(beta=cfg.beta, loss_temperature=cfg.loss_temperature, teacher_topk=cfg.teacher_topk)
+        return cls(
+            beta=cfg.beta,
+            loss_temperature=cfg.loss_temperature,
+            teacher_topk=cfg.teacher_topk,
+            signal_floor=cfg.signal_floor,
+        )
 
     @property
     def closed_form_head(self) -> bool:
@@ -206,7 +246,7 @@ class GkdObjective:
             teacher = scores.teacher_topk_logprobs.to(logits.device).float()  # [b, t, V]
             require_same_shape(student_logits=logits, teacher_logprobs=teacher)
             student = F.log_softmax(logits.float() / self.loss_temperature, dim=-1)  # [b, t, V]
-            return jsd_from_logprobs(teacher, student, self.beta)
+            return jsd_from_logprobs(teacher, student, self.beta, self.signal_floor)
         return topk_generalized_jsd(
             logits,
             scores.teacher_topk_logprobs,
@@ -214,6 +254,7 @@ class GkdObjective:
             self.beta,
             self.loss_temperature,
             scores.teacher_tail_logprob,
+            self.signal_floor,
         )
 
     def support_ids(self, scores) -> torch.Tensor | None:
@@ -234,7 +275,12 @@ class GkdObjective:
                 f"teacher support is at temperature {scores.loss_temperature}, the loss at {self.loss_temperature}"
             )
         return support_jsd(
-            student_support, student_tail, scores.teacher_topk_logprobs, scores.teacher_tail_logprob, self.beta
+            student_support,
+            student_tail,
+            scores.teacher_topk_logprobs,
+            scores.teacher_tail_logprob,
+            self.beta,
+            self.signal_floor,
         )
 
     def token_loss(self, logprobs, terms, sampler_logprobs, advantages, num_step_tokens):

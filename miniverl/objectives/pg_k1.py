@@ -6,6 +6,10 @@ gradient of the per-token reverse KL(q || p) on the sampled states:
 `E_{y~q}[(log q(y) - log p(y)) grad log q(y)] = grad sum_y q(y) (log q(y) - log p(y))` because
 `E_{y~q}[grad log q(y)] = 0`. For the same reason the advantage must be this *action-dependent*
 quantity: a state-only quantity (such as a top-k KL at s_t) has zero expected policy gradient.
+
+A per-token reward within `signal_floor` nats of 0 counts as 0 (docs/objectives.md, "A zero signal"): with teacher =
+student, `r_t` is the sampler's rounding against the teacher's forward (|r_t| <= 5.5e-6 nats in fp32 on the CPU),
+and Adam, which divides by the gradient's own scale, would turn that into steps of about the learning rate.
 """
 
 from __future__ import annotations
@@ -19,18 +23,30 @@ from miniverl.objectives.aggregation import masked_mean, require_same_shape, ste
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, SamplerTolerance, importance_ratio, ratio_metrics
 
 
+def below_floor_to_zero(rewards: torch.Tensor, signal_floor: float) -> torch.Tensor:
+    """`rewards` with every entry of magnitude <= `signal_floor` (nats) set to exactly 0. Shapes: [...] -> [...]."""
+    if not signal_floor >= 0.0:
+        raise ValueError(f"signal_floor must be >= 0 nats, got {signal_floor}")
+    return torch.where(rewards.abs() <= signal_floor, torch.zeros_like(rewards), rewards)
+
+
 def k1_advantages(
-    teacher_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, discount: float = 0.0
+    teacher_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    discount: float = 0.0,
+    signal_floor: float = 0.0,
 ) -> torch.Tensor:
     """Detached advantages from the k1 reward `r_t = teacher - old`, discounted over future tokens.
 
-    `A_t = sum_{k >= t} discount^(k - t) r_k` over the masked tokens of each row (discount 0: A_t = r_t).
+    `A_t = sum_{k >= t} discount^(k - t) r_k` over the masked tokens of each row (discount 0: A_t = r_t); an
+    `r_t` within `signal_floor` nats of 0 counts as 0.
 
     Shapes: teacher_logprobs, old_logprobs, mask [B, T] -> [B, T].
     """
     require_same_shape(teacher_logprobs=teacher_logprobs, old_logprobs=old_logprobs, mask=mask)
     rewards = (teacher_logprobs.detach() - old_logprobs.detach()) * mask.to(teacher_logprobs.dtype)
-    return discounted_returns(rewards, mask, discount)
+    return discounted_returns(below_floor_to_zero(rewards, signal_floor), mask, discount)
 
 
 def truncated_pg_terms(
@@ -124,7 +140,11 @@ class PgK1Objective:
         kl_kind: str,
         reward_coef: float,
         teacher_coef: float = 1.0,
+        signal_floor: float = 0.0,
     ) -> None:
+        """`teacher_coef` (objective.teacher_coef) weighs the k1 signal (0 with reward_coef > 0: GRPO alone).
+        `signal_floor` (objective.signal_floor, nats): a per-token reward (k1 and reference penalty together)
+        within it of 0 counts as 0, so a teacher equal to the student moves nothing (0: only an exact 0)."""
         from miniverl.objectives.kl import KL_KINDS
 
         if not 0.0 <= discount <= 1.0:
@@ -137,8 +157,10 @@ class PgK1Objective:
             raise ValueError(
                 f"kl_coef, reward_coef, teacher_coef must be >= 0: {kl_coef}, {reward_coef}, {teacher_coef}"
             )
+        if not signal_floor >= 0:
+            raise ValueError(f"signal_floor must be >= 0 nats, got {signal_floor}")
         self.teacher_coef = teacher_coef
-        self.discount, self.is_cap = discount, is_cap
+        self.discount, self.is_cap, self.signal_floor = discount, is_cap, signal_floor
         self.kl_coef, self.kl_kind, self.reward_coef = kl_coef, kl_kind, reward_coef
         self.needs_reference = kl_coef > 0
         truncated = math.isfinite(is_cap)
@@ -148,7 +170,9 @@ class PgK1Objective:
 
     @classmethod
     def from_config(cls, cfg) -> PgK1Objective:
-        return cls(cfg.discount, cfg.is_cap, cfg.kl_coef, cfg.kl_kind, cfg.reward_coef, cfg.teacher_coef)
+        return cls(
+            cfg.discount, cfg.is_cap, cfg.kl_coef, cfg.kl_kind, cfg.reward_coef, cfg.teacher_coef, cfg.signal_floor
+        )
 
     # A batch one version behind (trainer.staleness=1) takes its advantage from the current policy's log-probs
     # (the learner computes them before the update); the importance ratio stays against the sampler's.
@@ -171,7 +195,7 @@ class PgK1Objective:
             if ref_log_prob is None:
                 raise ValueError("objective.kl_coef > 0 needs reference log-probs; the learner passed none")
             token_reward = token_reward - self.kl_coef * kl_penalty(old, ref_log_prob, self.kl_kind) * mask
-        adv = discounted_returns(token_reward, mask, self.discount)
+        adv = discounted_returns(below_floor_to_zero(token_reward, self.signal_floor), mask, self.discount)
         if self.reward_coef > 0:
             if rewards is None:
                 raise ValueError("objective.reward_coef > 0 needs task rewards; the controller passed none")

@@ -217,3 +217,51 @@ def test_mismatched_shapes_are_rejected():
 def test_non_positive_temperature_is_rejected():
     with pytest.raises(ValueError, match="temperature must be > 0"):
         generalized_jsd(_logits(Q), _logits(P), 0.5, temperature=0.0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 0.9, 1.0])
+def test_equal_distributions_give_exactly_zero_and_no_gradient(beta):
+    """The divergence of bitwise-equal distributions is 0 with gradient 0 (computed as written, the mixture's log
+    rounds and leaves a residue that Adam scales up: docs/objectives.md, "A zero signal")."""
+    torch.manual_seed(0)
+    logits = (torch.randn(4, 6, 43) * 4).requires_grad_()  # fp32, as in the learner
+    t = torch.log_softmax(logits.detach(), dim=-1)  # the teacher: the same model, the same arithmetic
+    jsd = jsd_from_logprobs(t, torch.log_softmax(logits, dim=-1), beta)
+    jsd.sum().backward()
+    assert torch.equal(jsd, torch.zeros_like(jsd))
+    assert torch.equal(logits.grad, torch.zeros_like(logits.grad))
+
+
+def test_the_signal_floor_zeroes_rounding_and_keeps_a_real_difference():
+    torch.manual_seed(0)
+    t = torch.log_softmax(torch.randn(2, 3, 8), dim=-1)
+    rounding = t + 2e-6 * torch.randn_like(t)  # a few fp32 ulps of the normalizer
+    logits = rounding.clone().requires_grad_()
+    jsd_from_logprobs(t, torch.log_softmax(logits, dim=-1), 0.5, signal_floor=1e-5).sum().backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits.grad))
+    moved = t.clone()
+    moved[0, 0] = torch.log_softmax(t[0, 0] + torch.linspace(0, 1e-3, 8), dim=-1)  # one token really differs
+    logits = moved.clone().requires_grad_()
+    jsd = jsd_from_logprobs(t, torch.log_softmax(logits, dim=-1), 0.5, signal_floor=1e-5)
+    jsd.sum().backward()
+    assert jsd[0, 0] > 0 and logits.grad[0, 0].abs().max() > 0
+    assert torch.equal(logits.grad[1:], torch.zeros_like(logits.grad[1:]))  # the rest agree exactly
+
+
+def test_topk_paths_apply_the_signal_floor_to_the_tail_too():
+    """Top-K + tail: the K + 1 log-probs agreeing within the floor give 0; a tail that differs keeps the term."""
+    torch.manual_seed(0)
+    student = torch.randn(1, 2, 10, dtype=torch.float64)
+    s = torch.log_softmax(student, dim=-1)
+    lp, ids = s.topk(3, dim=-1)
+    tail = torch.logsumexp(s.scatter(-1, ids, float("-inf")), dim=-1)
+    same = topk_generalized_jsd(student, lp + 1e-7, ids, 0.5, teacher_tail_logprob=tail, signal_floor=1e-5)
+    assert torch.equal(same, torch.zeros_like(same))
+    other = topk_generalized_jsd(student, lp, ids, 0.5, teacher_tail_logprob=tail - 0.1, signal_floor=1e-5)
+    assert (other > 0).all()
+
+
+def test_a_negative_signal_floor_is_rejected():
+    t = torch.log_softmax(torch.randn(1, 1, 4), dim=-1)
+    with pytest.raises(ValueError, match="signal_floor"):
+        jsd_from_logprobs(t, t, 0.5, signal_floor=-1.0)

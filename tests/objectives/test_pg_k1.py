@@ -284,3 +284,17 @@ def test_one_version_behind_the_current_policys_advantage_keeps_the_reverse_kl_g
     (kl_grad,) = torch.autograd.grad((lq.exp() * (lq - log_p)).sum(), theta)
     torch.testing.assert_close(expected_grad(lambda lq: lq.detach()), kl_grad)
     assert not torch.allclose(expected_grad(lambda lq: log_b), kl_grad, atol=1e-3)
+
+
+def test_a_k1_reward_within_the_signal_floor_counts_as_zero():
+    """Teacher = student: r_t is the sampler's rounding against the teacher (|r_t| ~ 1e-6 nats), which must not
+    become a policy gradient; a real r_t (and its discounted return) is kept."""
+    teacher = torch.tensor([[-1.0, -2.0, -0.5]])
+    old = teacher + torch.tensor([[3e-6, -5e-6, 0.25]])
+    mask = torch.ones_like(teacher)
+    adv = k1_advantages(teacher, old, mask, discount=0.5, signal_floor=1e-5)
+    assert torch.equal(adv[0, :2], torch.tensor([-0.0625, -0.125]))  # only the real -0.25, discounted back
+    assert adv[0, 2] == -0.25
+    assert k1_advantages(teacher, old, mask)[0, 0] != 0  # floor 0: only an exact 0 is no signal
+    with pytest.raises(ValueError, match="signal_floor"):
+        k1_advantages(teacher, old, mask, signal_floor=-1e-5)
