@@ -8,7 +8,7 @@ gradient of the per-token reverse KL(q || p) on the sampled states:
 quantity: a state-only quantity (such as a top-k KL at s_t) has zero expected policy gradient.
 
 A per-token reward within `signal_floor` nats of 0 counts as 0 (docs/objectives.md, "A zero signal"): with teacher =
-student, `r_t` is the sampler's rounding against the teacher's forward (|r_t| <= 5.5e-6 nats in fp32 on the CPU),
+student, `r_t` is the sampler's rounding against the teacher's forward (|r_t| up to 1.14e-5 nats in fp32 on the CPU),
 and Adam, which divides by the gradient's own scale, would turn that into steps of about the learning rate.
 """
 
