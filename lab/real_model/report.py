@@ -83,7 +83,16 @@ def main(results: Path) -> str:
         total = f"{statistics.fmean(p.get('time/step', 0.0) for p in ph):.2f}" if ph else "-"
         (s_m, _), (e_m, e_se), (g_m, g_se), (k_m, _) = mean_se(starts), mean_se(ends), mean_se(gaps), mean_se(kls)
         finals[cell] = e_m
-        status = ", ".join(f"{n}: {runs[n]['summary'].get('status', 'no summary')}" for n in names if n not in ok)
+        status = ", ".join(
+            f"{n} {runs[n]['summary'].get('status', 'no summary')} before step {runs[n]['summary'].get('steps', '?')}"
+            + (
+                f" (last eval: step {runs[n]['evals'][-1][0]}, {runs[n]['evals'][-1][3]:.3f})"
+                if runs[n]["evals"]
+                else ""
+            )
+            for n in names
+            if n not in ok
+        )
         lines.append(
             f"| {cell} | {len(ok)}/{len(names)} | {s_m:.3f} | {e_m:.3f} +- {e_se:.3f} |"
             f" {g_m:.2f} +- {g_se:.2f}; {min(gaps, default=math.nan):.2f} | {k_m:.3f} |"
