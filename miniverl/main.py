@@ -71,8 +71,24 @@ def train(
 
     Everything that can be checked is checked before Ray starts. `after_step(step, actors)` runs after
     each completed step (tests use it to inject faults). `run_files` (path in run_dir -> text: main's
-    .hydra/*.yaml) are written once every check has passed, so a refused run touches nothing.
+    .hydra/*.yaml) are written once every check has passed, so a refused run touches nothing. The run holds
+    run_dir's lock (run_lock.py) from before its first check to its end: a second run there is refused.
     """
+    from miniverl.run_lock import RunLock
+
+    with RunLock(run_dir, log):
+        return train_holding_the_lock(cfg, run_dir, config_dict, log, after_step, run_files)
+
+
+def train_holding_the_lock(
+    cfg: MiniVerlConfig,
+    run_dir: Path,
+    config_dict: dict[str, Any],
+    log,
+    after_step: Callable[[int, dict[str, list[Any]]], None] | None,
+    run_files: dict[str, str] | None,
+) -> dict[str, Any]:
+    """train's run, once it holds run_dir's lock."""
     import ray
 
     from miniverl.checkpoints.compat import identity_hash
