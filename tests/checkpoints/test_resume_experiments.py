@@ -142,11 +142,26 @@ def test_each_cpu_experiment_stopped_at_step_2_resumes_to_4_as_the_uninterrupted
     assert again.objective == first(cut, 4).objective and again.model == first(cut, 4).model
     resumed = train(again, cut, {}, quiet)
     assert resumed["status"] == "finished" and resumed["resumed_from"] == str(step_dir(cut, 2))
-    assert [r["step"] for r in metrics(cut)] == [0, 1, 2, 3, 4] and metrics(cut) == metrics(whole)
+    assert [r["step"] for r in metrics(cut)] == [0, 1, 2, 3, 4]
+    assert_same_steps(metrics(cut), metrics(whole))
     if experiment != "pg_k1":
         return
     wait_all_cpus_free(ray_session)
     fresh = tmp_path / "fresh"
     again = compose_as_main((f"hydra.run.dir={fresh}", f"trainer.resume={step_dir(whole, 2)}"))
     assert train(again, fresh, {}, quiet)["status"] == "finished"
-    assert metrics(fresh) == metrics(whole)[3:]  # the steps after the checkpoint; 0-2 are the first run's
+    assert_same_steps(metrics(fresh), metrics(whole)[3:])  # the steps after the checkpoint; 0-2 are the first run's
+
+
+# The version test's vote against the previous policy: a resumed learner does not hold that policy for its first
+# step, so the vote is not armed there (test_faults leaves out its z for the same reason).
+NOT_RESUMED = "sampler_vs_previous_"
+
+
+def assert_same_steps(got: list[dict], want: list[dict]) -> None:
+    """Equal metrics, step by step (the vote above aside); a difference is named by step and key."""
+    assert len(got) == len(want)
+    for mine, theirs in zip(got, want, strict=True):
+        mine, theirs = ({k: v for k, v in r.items() if not k.startswith(NOT_RESUMED)} for r in (mine, theirs))
+        differ = {k: (mine.get(k), theirs.get(k)) for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+        assert not differ, f"step {mine['step']}: (resumed, uninterrupted) {differ}"
