@@ -30,7 +30,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from miniverl.cluster.faults import RunInterrupted, StartupInterrupted, StartupSignals, guard_output
-    from miniverl.errors import MiniVerlError
+    from miniverl.errors import MiniVerlError, message_of
     from miniverl.process import quiet_library_notes
 
     guard_output()  # `| tee log` whose reader died: the run stops with a checkpoint instead of crashing
@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> None:
         print(f"\nminiverl: interrupted: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     except MiniVerlError as e:
-        print(f"\nminiverl: error: {e}", file=sys.stderr, flush=True)
+        print(f"\nminiverl: error: {message_of(e)}", file=sys.stderr, flush=True)
         sys.exit(ERROR_EXIT_CODE)
     print_summary(summary, run_dir)
 
@@ -71,15 +71,31 @@ def train(
 
     Everything that can be checked is checked before Ray starts. `after_step(step, actors)` runs after
     each completed step (tests use it to inject faults). `run_files` (path in run_dir -> text: main's
-    .hydra/*.yaml) are written once every check has passed, so a refused run touches nothing.
+    .hydra/*.yaml) are written once every check has passed, so a refused run touches nothing. The run holds
+    run_dir's lock (run_lock.py) from before its first check to its end: a second run there is refused.
     """
+    from miniverl.run_lock import RunLock
+
+    with RunLock(run_dir, log):
+        return train_holding_the_lock(cfg, run_dir, config_dict, log, after_step, run_files)
+
+
+def train_holding_the_lock(
+    cfg: MiniVerlConfig,
+    run_dir: Path,
+    config_dict: dict[str, Any],
+    log,
+    after_step: Callable[[int, dict[str, list[Any]]], None] | None,
+    run_files: dict[str, str] | None,
+) -> dict[str, Any]:
+    """train's run, once it holds run_dir's lock."""
     import ray
 
     from miniverl.checkpoints.compat import identity_hash
     from miniverl.cluster.actors import call_all
     from miniverl.cluster.faults import RunInterrupted, StopRequests
     from miniverl.cluster.launch import build_actors, start_ray, teardown
-    from miniverl.errors import MiniVerlError
+    from miniverl.errors import MiniVerlError, disk_full, message_of
     from miniverl.observe.dashboard import RunGauges
     from miniverl.observe.plots import write_plots
     from miniverl.observe.summary import run_summary, version
@@ -105,7 +121,8 @@ def train(
     objective = setup.objective
     started_ray = start_ray(cfg, log)
     # a run that fails or is interrupted keeps the plan it started from (an out-of-memory run is where it matters)
-    tracker, actors, pg, status = None, {}, None, {"status": "failed", "plan": setup.plan}
+    tracker, actors, pg, loop = None, {}, None, None
+    status: dict[str, Any] = {"status": "failed", "plan": setup.plan}
     try:
         actors, pg = build_actors(cfg, setup, objective)
         log(f"[miniverl] actors ready on {setup.device} ({time.perf_counter() - started:.1f}s since start)")
@@ -152,17 +169,39 @@ def train(
         status = run_summary(cfg, setup, result, actors, resumed_from, gate, str(tracker.metrics_path), wall)
         return status
     except MiniVerlError as e:
-        status.setdefault("error", str(e).strip().splitlines()[0])
+        status.setdefault("error", first_line(message_of(e)))
+        raise
+    except KeyboardInterrupt as e:  # a second signal mid-step (StopRequests): stopped at once, nothing saved
+        saved = loop.checkpoint if loop is not None else None
+        kept = f"the last checkpoint {saved} is as it was" if saved else "no checkpoint was written"
+        status = {"status": "interrupted", "error": f"{e or 'a second signal'}; {kept}", "checkpoint": saved}
+        status["plan"] = setup.plan
+        raise
+    except OSError as e:  # the driver's own files: metrics.jsonl, samples.jsonl, plots
+        full = disk_full(e, e.filename or run_dir, "continue with trainer.resume=auto: the last checkpoint is intact")
+        status["error"] = str(full) if full else f"{type(e).__name__}: {first_line(str(e))}"
+        if full is None:
+            raise
+        raise full from e
+    except Exception as e:
+        status["error"] = f"{type(e).__name__}: {first_line(message_of(e))}"
         raise
     finally:
         if tracker is not None:
-            tracker.finish(status)
+            try:
+                tracker.finish(status)
+            except OSError as e:  # a full disk refuses summary.json itself: say so rather than hide the cause
+                log(f"[miniverl] could not write {run_dir / 'summary.json'} ({e.strerror or e}): {status}")
             if cfg.tracking.plots:
                 write_plots(tracker.metrics_path, run_dir, log)
         if started_ray:
             ray.shutdown()
         else:
             teardown(actors, pg)
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def continue_saved_run(cfg: DictConfig, run_dir: Path, overrides: list[str], log=print) -> DictConfig:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from miniverl.atomic import atomic_dir
-from miniverl.errors import MiniVerlError
+from miniverl.errors import MiniVerlError, disk_full
 from miniverl.policy import PolicyIdentity
 
 STATE_FILE = "state.json"
@@ -81,7 +81,13 @@ def write_checkpoint(directory: Path, model, optimizer, identity: PolicyIdentity
     tmp = directory  # named in the error when the temporary folder was never made
     try:
         with atomic_dir(directory, fsync=True) as tmp:
-            write_files(tmp, model, optimizer, identity, meta)
+            try:
+                write_files(tmp, model, optimizer, identity, meta)
+            except Exception as e:  # judged here, while the half-written files still fill the disk
+                full = disk_full(e, directory, "continue with trainer.resume=auto: the previous checkpoints are intact")
+                if full is not None:
+                    raise CheckpointError(str(full)) from e
+                raise
     except OSError as e:
         raise CheckpointError(
             f"could not write checkpoint {directory}: {e.strerror or e} ({e.__class__.__name__}, at"

@@ -83,11 +83,65 @@ def test_disk_full_or_unwritable_keeps_the_previous_checkpoint(trained, tmp_path
     with pytest.raises(CheckpointError) as info:
         learner.save_checkpoint(str(step_dir(tmp_path, 2)), META)
     message = str(info.value)
-    assert str(step_dir(tmp_path, 2)) in message and error.strerror in message and "previous" in message
+    assert str(step_dir(tmp_path, 2)) in message and "previous" in message and "trainer.resume=auto" in message
+    if error.errno == errno.ENOSPC:  # issue 76: named as the full disk it is
+        assert message.startswith(f"the disk is full while writing {step_dir(tmp_path, 2)}; free space on it (")
+    else:
+        assert error.strerror in message and "disk is full" not in message
     assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 1)]  # no half-written step_2, no .partial left
     assert not list((tmp_path / "checkpoints").glob("*.partial"))
     assert read_state(step_dir(tmp_path, 1)) == before and newest_valid(tmp_path) == step_dir(tmp_path, 1)
     assert good == str(step_dir(tmp_path, 1))
+
+
+@pytest.mark.parametrize(
+    ("error", "free_mib"),
+    [
+        # torch.save on a full disk: no errno, only its stream writer's words
+        (
+            RuntimeError(
+                "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0:"
+                " file write failed"
+            ),
+            0,
+        ),
+        # safetensors (the adapter's file): the OS's words inside its own error type
+        (
+            Exception(
+                "Error while serializing: IoError(Os { code: 28, kind: StorageFull,"
+                ' message: "No space left on device" })'
+            ),
+            500,
+        ),
+    ],
+)
+def test_a_full_disk_reported_without_an_errno_is_named_as_one(tmp_path, monkeypatch, error, free_mib):
+    """Issue 76: a disk filling mid-checkpoint ended in a traceback that never said "disk"."""
+    import shutil
+
+    from tests.checkpoints.test_store import real_checkpoint
+
+    real_checkpoint(tmp_path, 1)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage._replace(free=free_mib << 20))
+    monkeypatch.setattr(files.torch, "save", lambda *_a, **_k: (_ for _ in ()).throw(error))
+    with pytest.raises(CheckpointError) as info:
+        real_checkpoint(tmp_path, 2)
+    assert str(info.value) == (
+        f"the disk is full while writing {step_dir(tmp_path, 2)}; free space on it ({free_mib} MiB left there), then"
+        " continue with trainer.resume=auto: the previous checkpoints are intact"
+    )
+    assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 1)] and not list(
+        (tmp_path / "checkpoints").glob("*.partial")
+    )
+
+
+def test_another_write_error_without_an_errno_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    from tests.checkpoints.test_store import real_checkpoint
+
+    monkeypatch.setattr(files.torch, "save", lambda *_a, **_k: (_ for _ in ()).throw(RuntimeError("pickling failed")))
+    with pytest.raises(RuntimeError, match="pickling failed"):  # plenty of space here: not the disk
+        real_checkpoint(tmp_path, 2)
 
 
 def test_corrupt_files_are_named_and_skipped_for_an_older_checkpoint(trained, tmp_path):

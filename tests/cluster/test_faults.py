@@ -208,3 +208,50 @@ def test_nan_loss_through_ray_stops_before_anything_poisoned_is_saved(
     assert all(torch.isfinite(t).all() for t in adapter(step_dir(run, 1)).values())
     assert [r["step"] for r in metrics(run)] == [0, 1]  # the poisoned step logged nothing
     wait_all_cpus_free(ray_session)
+
+
+def test_a_second_signal_and_a_full_disk_end_the_run_with_their_status_and_error_in_summary_json(
+    ray_session, student_dir, teacher_dir, tmp_path, monkeypatch
+):
+    """Issue 76: a second Ctrl-C left `failed` with no error where the README promises `interrupted`, and a disk
+    that filled left `failed` with no error."""
+    import errno
+
+    from miniverl.errors import DiskFullError
+    from miniverl.main import train
+    from miniverl.observe.tracking import Tracker
+
+    steps = ("trainer.total_steps=3", "trainer.eval_every=0", "trainer.save_every=1")
+
+    def ctrl_c_twice_after_1(step, _actors):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the first: finish the step, checkpoint, stop
+            os.kill(os.getpid(), signal.SIGINT)  # the second: stop at once
+
+    twice = tmp_path / "twice"
+    with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+        train(config(student_dir, teacher_dir, *steps), twice, {}, quiet, after_step=ctrl_c_twice_after_1)
+    summary = json.loads((twice / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["checkpoint"] == str(step_dir(twice, 1))
+    assert summary["error"] == (
+        f"second SIGINT: stopping without a checkpoint; the last checkpoint {step_dir(twice, 1)} is as it was"
+    )
+    wait_all_cpus_free(ray_session)
+
+    logged = Tracker.log
+
+    def disk_fills_at_step_2(self, step, metrics, advance=True):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.metrics_path))
+        logged(self, step, metrics, advance)
+
+    monkeypatch.setattr(Tracker, "log", disk_fills_at_step_2)
+    full = tmp_path / "full"
+    with pytest.raises(DiskFullError, match="the disk is full while writing"):
+        train(config(student_dir, teacher_dir, *steps), full, {}, quiet)
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith(
+        f"the disk is full while writing {full / 'metrics.jsonl'}; free space on it ("
+    )
+    assert list_checkpoints(full) == [step_dir(full, 1)]
+    wait_all_cpus_free(ray_session)
