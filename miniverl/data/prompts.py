@@ -139,8 +139,8 @@ class PromptSource:
             raise ConfigError(
                 f"row {uid}: the teacher prompt ends with ids {teacher[-tail:]} but the student's with"
                 f" {student[-tail:]}; the chat template opens the answer differently after the demonstrations, so"
-                " the teacher would score the response at another position. Use a tokenizer whose template ends every prompt with the"
-                " same assistant opener, or data.teacher_demonstrations=0"
+                " the teacher would score the response at another position. Use a tokenizer whose template ends every"
+                " prompt with the same assistant opener, or data.teacher_demonstrations=0"
             )
 
     def describe(self) -> str:

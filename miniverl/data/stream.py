@@ -79,6 +79,7 @@ class FilePromptSource:
         self.valid: list[int] = []  # table rows of the training stream, in stream order
         self.scanned = 0  # stream positions examined so far (epoch * len(train_idx) + offset)
         self.overlong_count = 0  # distinct over-long rows met so far (train and eval)
+        self.shortest_overlong = 10**9  # tokens of the shortest over-long prompt met so far (its refusal names it)
         self._epoch_order: tuple[int, np.ndarray] | None = None
 
     def describe(self) -> str:
@@ -125,6 +126,7 @@ class FilePromptSource:
             )
         status[index] = OVERLONG
         self.overlong_count += 1
+        self.shortest_overlong = min(self.shortest_overlong, len(ids))
         return row, None
 
     def _extend(self, count: int) -> None:
@@ -140,7 +142,8 @@ class FilePromptSource:
             if self.scanned % n == 0 and not (status[self.train_idx] == VALID).any():
                 raise ConfigError(
                     f"every training prompt is longer than data.max_prompt_length={self.max_prompt_length}"
-                    " tokens; raise data.max_prompt_length"
+                    f" tokens (the shortest, after the chat template, has {self.shortest_overlong}); raise"
+                    f" data.max_prompt_length to at least {self.shortest_overlong}"
                 )
 
     def _batch(self, table, indices: list[int], prefix: str) -> PromptBatch:
@@ -166,5 +169,9 @@ class FilePromptSource:
             if self._encode(self.val, int(i))[1] is not None:
                 keep.append(int(i))
         if not keep:
-            raise ConfigError(f"no evaluation prompt fits data.max_prompt_length={self.max_prompt_length}; raise it")
+            raise ConfigError(
+                f"no evaluation prompt fits data.max_prompt_length={self.max_prompt_length} (the shortest over it has"
+                f" {self.shortest_overlong} tokens after the chat template); raise it to at least"
+                f" {self.shortest_overlong}"
+            )
         return self._batch(self.val, keep, "eval")

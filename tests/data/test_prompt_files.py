@@ -310,7 +310,10 @@ def test_overlong_prompts_are_filtered_and_counted_never_cut(tmp_path, chat_tok)
 
 def test_every_prompt_over_the_limit_stops(tmp_path, chat_tok):
     path = write_parquet(tmp_path / "t.parquet", gsm8k_rows(6))
-    with pytest.raises(ConfigError, match="every training prompt is longer"):
+    with pytest.raises(
+        ConfigError,
+        match=r"every training prompt is longer .* \(the shortest, after the chat template, has \d+\); raise data.max_prompt_length to at least \d+",
+    ):
         source(chat_tok, [path], limit=5, eval_prompts=1).batch(0, 2)
 
 
