@@ -1,4 +1,4 @@
-"""Time LearnerWorker.update on synthetic RL-size batches (miniverl/bench/learner.py), one cell per line.
+"""Time LearnerWorker.update on synthetic RL-size batches (lab/bench/learner.py), one cell per line.
 
     python scripts/bench_learner.py --cells cells.json --out results.jsonl [--profile NAME] [--shape qwen2.5-0.5b]
 
@@ -33,11 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from miniverl.bench import learner as bench
-from miniverl.bench.config import ModelShape
-from miniverl.bench.workload import build_random_model, real_shape
+from lab.bench import learner as bench
 from miniverl.models import vocab_kernels
 from miniverl.models.lora import LoraSettings
+from miniverl.models.random_init import ModelShape, build_random_model, real_shape
 from miniverl.process import ProcessSettings
 from miniverl.workers import learner as learner_module
 from miniverl.workers.learner import LearnerWorker

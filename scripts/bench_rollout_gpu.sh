@@ -15,7 +15,7 @@ for step in "${@:-tests}"; do
       python -m pytest -q -m gpu tests/rollout -p no:cacheprovider
     } 2>&1 | tee "$OUT/gpu_tests.log"
   else
-    python -m miniverl.bench "+bench=$step" "bench.output_dir=$OUT" "hydra.run.dir=/tmp/hydra-$step" 2>&1 \
+    python -m lab.bench "+bench=$step" "bench.output_dir=$OUT" "hydra.run.dir=/tmp/hydra-$step" 2>&1 \
       | grep --line-buffered -v -e "Loading weights" -e "Writing model shards" | tee "$OUT/$step.log"
   fi
 done

@@ -7,7 +7,7 @@
 #   two-nf4       two NF4 1.5B-shape teachers (different random weights), rows routed by data_source
 #   four-nf4      four NF4 1.5B-shape teachers, rows of a prompt file with four data_sources (reverse-task rows
 #                 written to /tmp/m/four_sources.jsonl, one source in turn per row) routed one teacher each
-#   report        python -m miniverl.bench.e2e_report $OUT: the table of every cell run so far
+#   report        python -m lab.bench.e2e_report $OUT: the table of every cell run so far
 # Every cell: random 0.5B-shape student (LoRA r32, bf16, hf_cached), built-in reverse+sort prompts (half the rows
 # per source), 64 x 4 x 512 tokens, GKD top-64, resources.emulate_gpu_gib=16; nvidia-smi samples the whole
 # device every 200 ms (<cell>_smi.csv; the processes, clocks and load beside it: scripts/e2e_cell.sh).
@@ -58,7 +58,7 @@ for cell in "$@"; do
         '+model.teachers={a:{path:/tmp/m/teacher_a,quantization:nf4},b:{path:/tmp/m/teacher_b,quantization:nf4},c:{path:/tmp/m/teacher_c,quantization:nf4},d:{path:/tmp/m/teacher_d,quantization:nf4}}' \
         '+model.teacher_by_source={src_a:a,src_b:b,src_c:c,src_d:d}' \
         '+reward.by_source={src_a:exact_match,src_b:exact_match,src_c:exact_match,src_d:exact_match}' ;;
-    report) python3 -m miniverl.bench.e2e_report "$out" | tee "$out/mopd_report.md" ;;
+    report) python3 -m lab.bench.e2e_report "$out" | tee "$out/mopd_report.md" ;;
     *) echo "unknown cell $cell" ;;
   esac
 done

@@ -15,7 +15,7 @@
 #                       steps (default 52), $OVERRIDES added, named recipe-7b${TAG:+-$TAG}
 #   compare             miniVERL and TRL's GKDTrainer on the comparison shape (16 prompts x 1 x 512 tokens,
 #                       LoRA r32, beta 0.5, on-policy), one after the other in this call
-#   report              python -m miniverl.bench.e2e_report $OUT: the table of every cell run so far
+#   report              python -m lab.bench.e2e_report $OUT: the table of every cell run so far
 #   mps-on / mps-off    start / stop the CUDA Multi-Process Service for the cells between them (its kernels of
 #                       separate processes run at once instead of time-slicing; says so when the machine lacks it)
 # nvidia-smi samples the whole device every 200 ms during each run (<cell>_smi.csv), each GPU process every second
@@ -75,7 +75,7 @@ for step in "$@"; do
     mps-off)
       echo quit | nvidia-cuda-mps-control 2>/dev/null; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY ;;
     report)
-      python3 -m miniverl.bench.e2e_report "$out" | tee "$out/e2e_report.md" ;;
+      python3 -m lab.bench.e2e_report "$out" | tee "$out/e2e_report.md" ;;
     *) echo "unknown step $step" ;;
   esac
 done

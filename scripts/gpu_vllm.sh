@@ -2,7 +2,7 @@
 # Issue 8's GPU measurements, on the device machine from the project root after staging the vllm+ray+extras
 # bundle. Each argument is a step; results land in $OUT (flat names). Steps:
 #   tests          the vLLM backend's GPU tests (tests/rollout/test_vllm_gpu.py), one engine per pytest process
-#   bench-NAME     python -m miniverl.bench +bench=NAME (conf/bench/NAME.yaml)
+#   bench-NAME     python -m lab.bench +bench=NAME (conf/bench/NAME.yaml)
 #   e2e-BACKEND    GKD through Ray at real sizes (random Qwen2.5-0.5B student, 1.5B teacher) with
 #                  rollout=BACKEND under 16 GB caps, $STEPS steps (default 48: with the conformance gate and the start and end evaluations, 51 refreshes);
 #                  nvidia-smi sampled every 200 ms, and the run's metrics.jsonl (gpu/device_used_gib per step)
@@ -33,7 +33,7 @@ for step in "$@"; do
       tail -5 "$out/gpu${gpu}_vllm_tests.log" ;;
     bench-*)
       name=${step#bench-}
-      python3 -m miniverl.bench "+bench=$name" "bench.output_dir=$out" "hydra.run.dir=/tmp/hydra-$name" 2>&1 \
+      python3 -m lab.bench "+bench=$name" "bench.output_dir=$out" "hydra.run.dir=/tmp/hydra-$name" 2>&1 \
         | grep --line-buffered -v -e "Loading weights" -e "Writing model shards" > "$out/$name.log"
       tail -12 "$out/$name.log" ;;
     e2e-*)

@@ -86,7 +86,7 @@ def test_nothing_below_the_step_imports_the_step_or_above_it():
 # process's settings and CUDA lock (process.py) and the seed scheme (seeds.py) were leaves living in setup/,
 # workers/ and step/, imported up from config/ and rollout/ (issue 36).
 BELOW_THE_ACTORS = (*BELOW_THE_STEP, "miniverl.config")
-THE_ACTORS_AND_UP = (*ABOVE_THEM, "miniverl.workers", "miniverl.setup", "miniverl.bench", "miniverl.bridge")
+THE_ACTORS_AND_UP = (*ABOVE_THEM, "miniverl.workers", "miniverl.setup", "miniverl.bridge")
 
 
 def lazy_upward_imports(modules) -> list[str]:

@@ -90,7 +90,7 @@ def decode_attention(
     query heads, then Hkv key heads, then Hkv value heads), q and k rotated by cos/sin, k and v written into the
     cache at `column` for the W rows, then each row's queries attend over its columns [first_column, column].
     `block` (cache columns per iteration, a power of two >= 16) and `launch` (Triton's num_warps / num_stages) are
-    what miniverl/bench/attention_sweep.py varies; the decode runs the defaults.
+    what lab/bench/attention_sweep.py varies; the decode runs the defaults.
 
     Shapes: y [W, >= (H + 2 Hkv) D], t [W, (H + 2 Hkv) D] or None, cos/sin [W, D], keys/values [R >= W, Hkv, L,
     D] contiguous, column [1] long, first_column [R] long -> [W, H * D] in y's dtype.

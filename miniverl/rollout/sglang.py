@@ -118,7 +118,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, large
 
 
 def bench_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
-    """A bench's engine (miniverl.bench, decode_profile): sized for its widest call and longest row, half the GPU and
+    """A bench's engine (lab.bench, decode_profile): sized for its widest call and longest row, half the GPU and
     rollout.sglang's defaults unless `attributes` (rollout.sglang keys, or gpu_share) say otherwise, checked as
     validate checks rollout.sglang."""
     a = {"gpu_share": 0.5} | dict(attributes)

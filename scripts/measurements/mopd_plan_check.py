@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from miniverl.bench.e2e_report import plan_check, read_cell
+from lab.bench.e2e_report import plan_check, read_cell
 from miniverl.config import register_configs, to_config
 from miniverl.data.build import build_prompt_source
 from miniverl.fit import plan_run

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
-from miniverl.bench.peer_cell import step_timer
+from lab.bench.peer_cell import step_timer
 
 TRL_VERSION = "1.16.0"  # the API read for this script: trl.experimental.gkd.GKDTrainer / GKDConfig
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -1,4 +1,4 @@
-"""One TRL cell of the peers harness (python -m miniverl.bench.peers): `trl.DistillationTrainer` at its fastest.
+"""One TRL cell of the peers harness (python -m lab.bench.peers): `trl.DistillationTrainer` at its fastest.
 
     python scripts/peers/trl_distill.py --student S --teacher T --out cell.json --prompts 16 --samples 1 \
         --max-new-tokens 512 --steps 5 [--vllm] [--cpu] [--prompt-len 100:320] [--stop-ids 5,17,...]
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
-from miniverl.bench.peer_cell import (
+from lab.bench.peer_cell import (
     add_harness_options,
     apply_attention,
     run_cell,
@@ -40,7 +40,7 @@ from miniverl.bench.peer_cell import (
     time_generation,
     trained_tokens_per_step,
 )
-from miniverl.bench.peer_prompts import PLAIN_CHAT_TEMPLATE, step_prompts
+from lab.bench.peer_prompts import PLAIN_CHAT_TEMPLATE, step_prompts
 
 LORA_RANK = 32  # miniVERL's gkd_4080 recipe: rank 32, alpha 64, every linear layer
 LEARNING_RATE = 1e-4

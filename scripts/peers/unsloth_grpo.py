@@ -1,4 +1,4 @@
-"""The Unsloth cell of the peers harness (python -m miniverl.bench.peers): Unsloth's GRPO at its recommended settings.
+"""The Unsloth cell of the peers harness (python -m lab.bench.peers): Unsloth's GRPO at its recommended settings.
 
     python scripts/peers/unsloth_grpo.py --student S --out cell.json --prompts 8 --samples 2 --max-new-tokens 512 \
         --steps 5 [--prompt-len 100:320] [--stop-ids 5,17,...]
@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, when run as a script
 
-from miniverl.bench.peer_cell import (
+from lab.bench.peer_cell import (
     add_harness_options,
     apply_attention,
     run_cell,
@@ -45,7 +45,7 @@ from miniverl.bench.peer_cell import (
     time_generation,
     trained_tokens_per_step,
 )
-from miniverl.bench.peer_prompts import longest_prompt_tokens, step_examples
+from lab.bench.peer_prompts import longest_prompt_tokens, step_examples
 
 LORA_RANK = 32
 LEARNING_RATE = 5e-6  # Unsloth's GRPO notebooks

@@ -1,4 +1,4 @@
-"""The decode attention sweep (miniverl/bench/attention_sweep.py): on the CPU through Triton's interpreter (a child
+"""The decode attention sweep (lab/bench/attention_sweep.py): on the CPU through Triton's interpreter (a child
 process: Triton reads TRITON_INTERPRET when imported) every tile and launch setting computes the decode's own
 output, and its refusals."""
 
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the kernel is Triton; the package ships with the dev extras")
 
-from miniverl.bench import attention_sweep
+from lab.bench import attention_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_every_setting_computes_the_decodes_own_attention_under_the_interpreter(
             "--stages", "1", "--repeat", "1", "--device", "cpu"]  # fmt: skip
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "miniverl.bench.attention_sweep", *args],
+        [sys.executable, "-m", "lab.bench.attention_sweep", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,

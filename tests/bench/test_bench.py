@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miniverl.bench import invalidation
-from miniverl.bench.config import AdapterSpec, InvalidationRules
-from miniverl.bench.report import speedup, targets
-from miniverl.bench.runner import CellResult
-from miniverl.bench.workload import cell_requests, expand_cells, make_adapter
+from lab.bench import invalidation
+from lab.bench.config import AdapterSpec, InvalidationRules
+from lab.bench.report import speedup, targets
+from lab.bench.runner import CellResult
+from lab.bench.workload import cell_requests, expand_cells, make_adapter
 from miniverl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def compose(name: str, *overrides: str):
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from miniverl.bench.config import MAIN_NAME, register_configs
+    from lab.bench.config import MAIN_NAME, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -129,22 +129,20 @@ def test_speedups_bounds_and_target_verdicts():
 
 
 def test_missing_bench_choice_is_a_clear_error():
-    out = subprocess.run(
-        [sys.executable, "-m", "miniverl.bench"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-m", "lab.bench"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "+bench=rollout-runtime-v2" in out.stderr
 
 
 def test_a_malformed_override_is_refused_in_one_line_with_its_fix():
     out = subprocess.run(
-        [sys.executable, "-m", "miniverl.bench", "+bench=rollout-smoke", "nonsense"],
+        [sys.executable, "-m", "lab.bench", "+bench=rollout-smoke", "nonsense"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 2, out.stderr
-    assert out.stderr.startswith("miniverl.bench: error: cannot read the override 'nonsense'") and "Fix:" in out.stderr
+    assert out.stderr.startswith("lab.bench: error: cannot read the override 'nonsense'") and "Fix:" in out.stderr
 
 
 def test_smoke_bench_end_to_end_reports_every_cell(tmp_path):
@@ -153,7 +151,7 @@ def test_smoke_bench_end_to_end_reports_every_cell(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "miniverl.bench",
+        "lab.bench",
         "+bench=rollout-smoke",
         f"bench.output_dir={tmp_path}",
         "bench.backends.hf_reference.time_cap_s=0",
@@ -171,12 +169,12 @@ def test_smoke_bench_end_to_end_reports_every_cell(tmp_path):
     assert len(fast["tokens_per_s"]) == 2 and fast["median_tokens_per_s"] > 0
     assert fast["oracle"]["gap_mean"] <= 1e-4  # fp32: the judge and the backend agree
     assert "lower bound" in fast["speedup_note"]
-    assert doc["command"].startswith("python -m miniverl.bench +bench=rollout-smoke")
+    assert doc["command"].startswith("python -m lab.bench +bench=rollout-smoke")
     assert doc["versions"]["torch"] and doc["date_utc"] and doc["machine"]["cpu_count"]
     md = (tmp_path / "rollout-smoke.md").read_text()
     assert "| hf_reference | 12 | 2 x 2 | invalid: time cap" in md
     assert "| vllm | 12 | 2 x 2 | not_run: rollout=vllm needs a CUDA GPU" in md
-    assert "Command: `python -m miniverl.bench +bench=rollout-smoke" in md
+    assert "Command: `python -m lab.bench +bench=rollout-smoke" in md
 
 
 @pytest.mark.parametrize(
@@ -186,8 +184,8 @@ def test_every_vllm_plan_of_a_committed_bench_builds_its_engine_settings(name):
     """A bench's vllm plans are sized at construction (no GPU needed to check they are complete)."""
     from omegaconf import OmegaConf
 
-    from miniverl.bench.config import BackendPlan
-    from miniverl.bench.runner import constructor_options
+    from lab.bench.config import BackendPlan
+    from lab.bench.runner import constructor_options
     from miniverl.rollout.vllm_settings import VllmSettings
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "bench" / f"{name}.yaml")
@@ -207,8 +205,8 @@ def test_every_vllm_plan_of_a_committed_bench_builds_its_engine_settings(name):
 def test_sglang_cells_are_not_run_on_the_cpu_and_say_why():
     """The bench runs rollout=sglang only where its engine can run: on the CPU its cells are not run, with the
     product's reason, and nothing is constructed."""
-    from miniverl.bench.config import BackendPlan
-    from miniverl.bench.runner import CellResult, run_backend
+    from lab.bench.config import BackendPlan
+    from lab.bench.runner import CellResult, run_backend
 
     cells = [CellResult("sglang", "sglang", 16, 2, 2)]
     said = []
@@ -223,8 +221,8 @@ def test_an_sglang_plan_is_sized_for_the_bench_and_its_attributes_checked_as_rol
     (plus gpu_share), refused by name when they are not or hold a bad value."""
     from omegaconf import OmegaConf
 
-    from miniverl.bench.config import BackendPlan
-    from miniverl.bench.runner import constructor_options
+    from lab.bench.config import BackendPlan
+    from lab.bench.runner import constructor_options
     from miniverl.rollout.sglang import SglangSettings
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "bench" / "rollout-smoke.yaml")

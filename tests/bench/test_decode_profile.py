@@ -1,4 +1,4 @@
-"""The decode profile (miniverl/bench/decode_profile.py) on the CPU at a tiny shape: the cells, the lengths its stop
+"""The decode profile (lab/bench/decode_profile.py) on the CPU at a tiny shape: the cells, the lengths its stop
 tokens give, and the files it writes (the GPU-only parts, the kernel trace and graph replays, are empty here)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 
-from miniverl.bench import decode_profile
-from miniverl.bench.oracle import sampled_logprobs, stop_mass
+from lab.bench import decode_profile
+from lab.bench.oracle import sampled_logprobs, stop_mass
 from miniverl.rollout import Completion
 
 
@@ -69,7 +69,7 @@ def test_the_prefill_pass_is_set_for_the_run_and_recorded(tmp_path, monkeypatch)
 
 
 def test_a_bench_peer_runs_the_same_cells_and_an_untraced_cell_has_no_trace(tmp_path):
-    """`--backend hf_generate` (a peer from miniverl/bench/baselines.py) with `--profile-steps 0`: timed, not traced."""
+    """`--backend hf_generate` (a peer from lab/bench/baselines.py) with `--profile-steps 0`: timed, not traced."""
     result = decode_profile.run(profile_args(tmp_path, backend="hf_generate", stop_median=0, profile_steps=0))
     cell = result["cells"][0]
     assert cell["cell"] == "4x2x24" and "trace" not in cell
@@ -128,6 +128,6 @@ def test_the_oracle_judges_a_backends_rows_by_the_law_they_were_sampled_from(tmp
 
 
 def _tiny_model(tmp_path):
-    from miniverl.bench.workload import build_random_model
+    from miniverl.models.random_init import build_random_model
 
     return build_random_model(decode_profile.TINY, torch.float32, "cpu", tmp_path / "m")

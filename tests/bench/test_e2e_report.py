@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from miniverl.bench.e2e_report import main, memory_slope, plan_check, plan_table, read_cell, summarize, table
+from lab.bench.e2e_report import main, memory_slope, plan_check, plan_table, read_cell, summarize, table
 
 
 def step(k: int, mem: float, gap: float = 0.1, clipped: float = 0.0, t: float = 1.0) -> dict:

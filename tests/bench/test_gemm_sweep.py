@@ -1,4 +1,4 @@
-"""The decode GEMM sweep (miniverl/bench/gemm_sweep.py) on the CPU at a tiny shape: its GEMM list, that every
+"""The decode GEMM sweep (lab/bench/gemm_sweep.py) on the CPU at a tiny shape: its GEMM list, that every
 variant computes the same product, and its refusals."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from miniverl.bench import gemm_sweep
-from miniverl.bench.workload import REAL_SHAPES
+from lab.bench import gemm_sweep
+from miniverl.models.random_init import REAL_SHAPES
 
 
 def test_the_gemms_are_the_fused_decode_weights_of_the_shape():

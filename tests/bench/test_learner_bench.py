@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from miniverl.bench.learner import (
+from lab.bench.learner import (
     exact_sampler,
     objective_for,
     profile_update,

@@ -1,4 +1,4 @@
-"""miniverl.bench.peers (issue 34's peers harness): import-safe, refuses bad arguments before anything runs, and
+"""lab.bench.peers (issue 34's peers harness): import-safe, refuses bad arguments before anything runs, and
 records a peer that is missing or cannot run here as a failed cell with its reason instead of crashing."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from miniverl.bench import peers
-from miniverl.bench.peer_prompts import step_examples, step_prompts
+from lab.bench import peer_prompts, peers
+from lab.bench.peer_prompts import step_examples, step_prompts
 from miniverl.data.prompts import held_out_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ HEAVY = ("trl", "unsloth", "vllm", "datasets")
 
 def test_importing_the_harness_and_its_cell_scripts_imports_no_peer():
     code = (
-        "import runpy, sys; import miniverl.bench.peers, miniverl.bench.peer_prompts\n"
+        "import runpy, sys; import lab.bench.peers, lab.bench.peer_prompts\n"
         "for s in ('trl_distill', 'unsloth_grpo'): runpy.run_path(f'scripts/peers/{s}.py', run_name='x')\n"
         f"print([m for m in {HEAVY!r} if m in sys.modules])"
     )
@@ -92,7 +92,9 @@ def test_failure_reasons(returncode, lines, expected):
 def test_peers_draw_miniverls_training_prompts_without_the_held_out_ones():
     examples = step_examples(prompts=4, steps=3)
     assert len(examples) == 12 and all(a == p[:-1][::-1] for p, a in examples)  # reverse task: "abc>" -> "cba"
-    held_out = held_out_prompts(peers.TASK, peers.TASK_MIN_LEN, peers.TASK_MAX_LEN, peers.DATA_SEED, 8)
+    held_out = held_out_prompts(
+        peer_prompts.TASK, peer_prompts.TASK_MIN_LEN, peer_prompts.TASK_MAX_LEN, peer_prompts.DATA_SEED, 8
+    )
     assert not {p for p, _ in examples} & held_out
     assert step_prompts(4, 1, 2) == [p for p, _ in examples[:4] for _ in range(2)]
     assert step_examples(4, 1) == examples[:4]  # a step's prompts do not depend on how many steps are drawn
@@ -131,7 +133,7 @@ def test_every_peer_cell_that_cannot_run_is_a_failed_cell_with_its_reason(studen
     if "trl-distill-hf" in results:
         assert results["trl-distill-hf"]["reason"].startswith("not importable here: trl")
     md = (out / "peers.md").read_text()
-    assert "Command: `python -m miniverl.bench.peers" in md
+    assert "Command: `python -m lab.bench.peers" in md
     for name in results:
         assert f"| 2x1x4 | {name} |" in md and (out / "2x1x4" / f"{name}.result.json").is_file()
 
@@ -148,8 +150,8 @@ def test_a_miniverl_cell_runs_on_the_cpu(student_dir, teacher_dir, tmp_path):
 
 
 def test_a_cell_scripts_timer_times_each_step_and_its_tokens_skip_the_first_steps_lengths():
-    """miniverl/bench/peer_cell.py, shared by scripts/peers/*.py: the callback a peer's trainer calls."""
-    from miniverl.bench.peer_cell import step_timer, trained_tokens_per_step
+    """lab/bench/peer_cell.py, shared by scripts/peers/*.py: the callback a peer's trainer calls."""
+    from lab.bench.peer_cell import step_timer, trained_tokens_per_step
 
     timer, seconds, lengths = step_timer(cuda=False)
     for length in (500.0, 200.0, 300.0, 100.0):
@@ -166,7 +168,7 @@ def test_a_cell_scripts_timer_times_each_step_and_its_tokens_skip_the_first_step
 
 
 def test_a_cell_scripts_generation_is_timed_inside_each_step_and_a_trainer_without_it_says_so():
-    from miniverl.bench.peer_cell import GENERATE_METHOD, step_timer, time_generation
+    from lab.bench.peer_cell import GENERATE_METHOD, step_timer, time_generation
 
     class Trainer:
         calls = 0
@@ -318,8 +320,8 @@ def test_the_harness_default_bounds_are_miniverls_data_defaults():
     from miniverl.config.data import DataConfig
 
     data = DataConfig()
-    assert (data.min_len, data.max_len) == peers.DEFAULT_PROMPT_LEN
-    assert (data.task, data.seed) == (peers.TASK, peers.DATA_SEED)
+    assert (data.min_len, data.max_len) == peer_prompts.DEFAULT_PROMPT_LEN
+    assert (data.task, data.seed) == (peer_prompts.TASK, peer_prompts.DATA_SEED)
 
 
 def test_the_default_options_leave_every_cells_command_line_as_it_was(student_dir, teacher_dir, tmp_path):
@@ -379,7 +381,7 @@ def test_the_cell_scripts_refuse_bad_prompt_and_stop_options(capsys, extra, mess
 
 
 def test_every_cell_carries_the_bounds_and_the_stop_ids_to_its_script(student_dir, teacher_dir, tmp_path):
-    from miniverl.bench.random_stops import stop_set
+    from lab.bench.random_stops import stop_set
 
     argv = args(student_dir, teacher_dir, tmp_path, "--cpu", "--shapes", "2x2x8", "--prompt-len", "20:40")
     plan = gpu_plan(peers.parse_args([*argv, "--stop-median", "3"]))
@@ -455,7 +457,7 @@ def test_miniverl_and_the_peers_draw_the_same_prompts_at_realistic_bounds(studen
     prompt exactly, and its stop ids are the harness's 702 (a list that long parses on Hydra's command line)."""
     from transformers import AutoTokenizer
 
-    from miniverl.bench.random_stops import stop_set
+    from lab.bench.random_stops import stop_set
     from miniverl.data.build import build_prompt_source
 
     qwen = qwen_shaped(student_dir, tmp_path / "qwen")
@@ -468,7 +470,12 @@ def test_miniverl_and_the_peers_draw_the_same_prompts_at_realistic_bounds(studen
         shape = plan.shapes[0].grouped() if "pg_k1" in name else plan.shapes[0]
         cfg = composed(peers.CELLS[name].command(plan, plan.shapes[0], tmp_path / "c.json"))
         d = cfg.data
-        assert (d.task, d.min_len, d.max_len, d.seed, d.eval_prompts) == ("reverse", *bounds, 0, peers.EVAL_PROMPTS)
+        assert (d.task, d.min_len, d.max_len, d.seed, d.eval_prompts) == (
+            "reverse",
+            *bounds,
+            0,
+            peer_prompts.EVAL_PROMPTS,
+        )
         assert d.max_prompt_length == len(tok("a" * 320 + ">")["input_ids"]) == 322  # the longest, to the token
         assert cfg.rollout.stop_token_ids == list(stop_set(150, 151_936, 7)) and len(cfg.rollout.stop_token_ids) == 702
         source = build_prompt_source(d, tok, cfg.trainer.total_steps, log=lambda s: None)  # raises on a long prompt
@@ -476,7 +483,9 @@ def test_miniverl_and_the_peers_draw_the_same_prompts_at_realistic_bounds(studen
         for step in range(plan.steps):
             rows = peer[step * shape.prompts : (step + 1) * shape.prompts]
             assert source.batch(step, d.prompts_per_step).prompt_ids == [tok(p)["input_ids"] for p, _ in rows]
-        assert source.held_out == held_out_prompts(peers.TASK, *bounds, peers.DATA_SEED, peers.EVAL_PROMPTS)
+        assert source.held_out == held_out_prompts(
+            peer_prompts.TASK, *bounds, peer_prompts.DATA_SEED, peer_prompts.EVAL_PROMPTS
+        )
         assert all(100 <= len(p) - 1 <= 320 for p, _ in peer) and len({len(p) for p, _ in peer}) > 1
 
 
@@ -485,7 +494,7 @@ def test_a_peers_eos_list_is_miniverls_union_with_the_stop_ids():
 
     from transformers import GenerationConfig
 
-    from miniverl.bench.peer_cell import stop_on
+    from lab.bench.peer_cell import stop_on
     from miniverl.errors import ConfigError
 
     def model(eos):
@@ -572,7 +581,7 @@ def test_a_peer_scripts_flash_attention_turns_cudnn_off_and_says_so():
 
     import torch
 
-    from miniverl.bench.peer_cell import apply_attention
+    from lab.bench.peer_cell import apply_attention
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

@@ -1,4 +1,4 @@
-"""The scorer profile (miniverl/bench/scorer_profile.py) on the CPU with a tiny teacher: it times score(), splits a
+"""The scorer profile (lab/bench/scorer_profile.py) on the CPU with a tiny teacher: it times score(), splits a
 profiled call into the phases score() labels, and refuses bad arguments before loading anything."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from miniverl.bench import scorer_profile
+from lab.bench import scorer_profile
 
 
 def test_a_tiny_profile_times_the_scoring_and_splits_it_by_phase(random_model_dir, tmp_path):
@@ -64,7 +64,7 @@ def test_redrawn_rows_give_every_call_new_lengths(random_model_dir, tmp_path):
 
 
 def test_vary_lengths_pads_prompts_left_and_responses_right():
-    from miniverl.bench.learner import synthetic_batch, vary_lengths
+    from lab.bench.learner import synthetic_batch, vary_lengths
 
     batch = vary_lengths(synthetic_batch(2000, 10, 64, 50, seed=0), 4, 20, seed=0)
     prompts, responses = batch.prompt_mask.sum(1), batch.response_mask.sum(1)

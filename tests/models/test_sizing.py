@@ -116,7 +116,7 @@ def test_an_explicit_budget_over_the_share_is_refused_with_the_one_that_fits():
     [(64, 8_080, 3.813), (64, 32_768, 5.364), (None, 8_080, 3.718)],
 )
 def test_the_scorer_model_is_within_7_percent_above_the_run_9_bench(support_k, tokens, measured_gib):
-    """The scorer alone on an H100 (docs/benchmarks/decode-profile.md run 9, `python -m miniverl.bench.scorer_profile`:
+    """The scorer alone on an H100 (docs/benchmarks/decode-profile.md run 9, `python -m lab.bench.scorer_profile`:
     the 1.5B-shape bf16 teacher, 1,024-token chunks, torch's max_memory_allocated): the model overestimates by 2.0%,
     3.7% (top-64) and 6.3% (no support), never under."""
     teacher = dataclasses.replace(TEACHER, weight_bytes=3_087_428_608)  # the 1.5B shape's bf16 weights

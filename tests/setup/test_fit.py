@@ -21,14 +21,14 @@ from miniverl.setup.fit import card_bytes, plan_fit
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
-SHAPES = ("0.5b", "1.5b", "7b")  # bench/workload.py REAL_SHAPES, the random models the GPU runs are measured on
+SHAPES = ("0.5b", "1.5b", "7b")  # models/random_init.py REAL_SHAPES, the random models the GPU runs are measured on
 
 
 @pytest.fixture(scope="module")
 def qwen_configs(tmp_path_factory) -> dict[str, Path]:
     """config.json alone of the Qwen2.5-0.5B, -1.5B and -7B shapes: the plan counts their parameters on the meta
     device."""
-    from miniverl.bench.workload import qwen2_config, real_shape
+    from miniverl.models.random_init import qwen2_config, real_shape
 
     root = tmp_path_factory.mktemp("shapes")
     for name in SHAPES:

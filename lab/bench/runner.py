@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
-from miniverl.bench import invalidation, oracle
-from miniverl.bench.baselines import BASELINES
-from miniverl.bench.config import BackendPlan, BenchConfig
-from miniverl.bench.report import write_report
-from miniverl.bench.workload import (
+from lab.bench import invalidation, oracle
+from lab.bench.baselines import BASELINES
+from lab.bench.config import BackendPlan, BenchConfig
+from lab.bench.report import write_report
+from lab.bench.workload import (
     Cell,
-    build_random_model,
     cell_requests,
     expand_cells,
     lora_settings,
@@ -33,6 +32,7 @@ from miniverl.bench.workload import (
 )
 from miniverl.errors import ConfigError
 from miniverl.models.loading import torch_dtype
+from miniverl.models.random_init import build_random_model
 from miniverl.process import memory_report
 from miniverl.rollout import BACKENDS, Completion
 

@@ -6,7 +6,7 @@ rows of the 0.5B shape (2 KV heads of 64) one column of every row's keys and val
 and half-way through a 512-token call (~300 columns) the step reads ~3.8 GB of cache against ~1 GB of weights.
 Whether the kernel reads it near the card's bandwidth decides how far the long-call steps are from their floor:
 
-    python -m miniverl.bench.attention_sweep --out DIR [--rows 256,1024] [--columns 128,320,576]
+    python -m lab.bench.attention_sweep --out DIR [--rows 256,1024] [--columns 128,320,576]
         [--blocks 32,64,128] [--warps 2,4,8] [--stages 1,2,3]
 
 For each width W and column count C: one layer's `decode_kernels.decode_attention` (the q/k/v GEMM output of W rows,
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from miniverl.bench.gemm_sweep import sweep_record, time_call
-from miniverl.bench.workload import REAL_SHAPES
+from lab.bench.gemm_sweep import sweep_record, time_call
+from miniverl.models.random_init import REAL_SHAPES
 from miniverl.rollout import decode_kernels
 
 
@@ -106,7 +106,7 @@ def _ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m miniverl.bench.attention_sweep", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lab.bench.attention_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for attention_sweep.json")
     p.add_argument("--shape", default="qwen2.5-0.5b", help=f"one of {', '.join(REAL_SHAPES)}")
     p.add_argument("--rows", default="256,1024", help="decode widths, comma-separated")

@@ -10,7 +10,7 @@ import statistics
 
 import torch
 
-from miniverl.bench.config import InvalidationRules
+from lab.bench.config import InvalidationRules
 
 TIME_CAP = "time cap"
 OUT_OF_MEMORY = "out of memory"

@@ -1,4 +1,4 @@
-"""`python -m miniverl.bench +bench=rollout-runtime-v2`: run one preregistered benchmark (conf/bench/).
+"""`python -m lab.bench +bench=rollout-runtime-v2`: run one preregistered benchmark (conf/bench/).
 
 Side effects (config registration, model building, the GPU) start here, never at import of miniverl.
 """
@@ -10,21 +10,19 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from miniverl.bench.config import MAIN_NAME, register_configs
+from lab.bench.config import MAIN_NAME, register_configs
 
 register_configs()
 
 
 @hydra.main(config_path="../../conf", config_name=MAIN_NAME, version_base=None)
 def main(cfg: DictConfig) -> None:
-    from miniverl.bench.runner import run_bench
+    from lab.bench.runner import run_bench
 
     if OmegaConf.is_missing(cfg, "bench"):
-        print(
-            "miniverl.bench: pick a benchmark, e.g. +bench=rollout-runtime-v2 (files in conf/bench/)", file=sys.stderr
-        )
+        print("lab.bench: pick a benchmark, e.g. +bench=rollout-runtime-v2 (files in conf/bench/)", file=sys.stderr)
         sys.exit(2)
-    command = " ".join(["python -m miniverl.bench", *sys.argv[1:]])
+    command = " ".join(["python -m lab.bench", *sys.argv[1:]])
     json_path, md_path = run_bench(OmegaConf.to_object(cfg.bench), command, print)
     print(f"[bench] wrote {json_path} and {md_path}")
 
@@ -36,6 +34,6 @@ if __name__ == "__main__":
     try:  # a malformed override in one line with its fix, as main refuses it, not Hydra's parser trace
         sys.argv[1:] = checked_command_line(sys.argv[1:], None)
     except ConfigError as e:
-        print(f"miniverl.bench: error: {e}", file=sys.stderr)
+        print(f"lab.bench: error: {e}", file=sys.stderr)
         sys.exit(2)
     main()

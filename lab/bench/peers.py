@@ -1,6 +1,6 @@
 """Issue 34's peers harness: miniVERL against TRL and Unsloth at their fastest, in one sitting on one GPU.
 
-    python -m miniverl.bench.peers --student /tmp/m/student --teacher /tmp/m/teacher --out peers-out \
+    python -m lab.bench.peers --student /tmp/m/student --teacher /tmp/m/teacher --out peers-out \
         [--shapes 16x1x512,64x4x512] [--cells all | trl-distill-vllm,miniverl-gkd-16g,...] [--steps 5] \
         [--cell-timeout 540] [--unsloth-site /tmp/site-unsloth] [--gpu 0] [--cpu] [--prompt-len 3:8] [--stop-median 0]
 
@@ -73,16 +73,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from miniverl.bench.e2e_report import training_steps
-from miniverl.bench.random_stops import stop_set
+from lab.bench.e2e_report import training_steps
+from lab.bench.peer_prompts import DEFAULT_PROMPT_LEN, EVAL_PROMPTS, TASK, longest_prompt_tokens
+from lab.bench.random_stops import stop_set
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SHAPES = "16x1x512,64x4x512"  # the issue's shapes: the old comparison's and the recipe's
 WARMUP_STEPS = 1  # the first step compiles kernels, captures graphs and grows the allocator: not timed
 SMI_PERIOD_MS = 200
-EVAL_PROMPTS = 8  # miniVERL's held-out prompts for these runs; the peers draw the same training prompts
-TASK, TASK_MIN_LEN, TASK_MAX_LEN, DATA_SEED = "reverse", 3, 8, 0  # miniVERL's data defaults (config.py)
-DEFAULT_PROMPT_LEN = (TASK_MIN_LEN, TASK_MAX_LEN)  # --prompt-len's default: nothing passed, the cells of before
 # --stop-median's ids are stop_set(M, the student's vocabulary, STOP_SEED): seed 7 is the decode profile's and the
 # rollout runs' (stop_set(150, 151936, 7), 702 ids), so a realistic peers cell stops on the ids those runs measured
 STOP_SEED = 7
@@ -381,7 +379,7 @@ CELLS = {
 
 
 def parse_args(argv: list[str] | None = None) -> Plan:
-    ap = argparse.ArgumentParser(prog="python -m miniverl.bench.peers", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m lab.bench.peers", description=__doc__.splitlines()[0])
     ap.add_argument("--student", required=True, type=Path, help="student model directory (the 0.5B shape on the GPU)")
     ap.add_argument("--teacher", required=True, type=Path, help="teacher model directory (same tokenizer)")
     ap.add_argument("--out", required=True, type=Path, help="folder for the cells' JSON, logs and peers.md")
@@ -480,8 +478,6 @@ def _model_config(model: Path) -> dict:
 def _longest_prompt_tokens(student: Path, max_len: int) -> int:
     """The most tokens a prompt of at most `max_len` characters takes under the student's tokenizer (peer_prompts)."""
     from transformers import AutoTokenizer  # not at import time: the module stays light
-
-    from miniverl.bench.peer_prompts import longest_prompt_tokens
 
     return longest_prompt_tokens(max_len, AutoTokenizer.from_pretrained(student))
 
@@ -713,7 +709,7 @@ def report(plan: Plan, results: list[CellResult], argv: list[str]) -> str:
         [
             "# Peers harness results",
             "",
-            f"Command: `python -m miniverl.bench.peers {' '.join(argv)}`",
+            f"Command: `python -m lab.bench.peers {' '.join(argv)}`",
             f"Machine: {machine}; GPU index {plan.gpu}{' (CPU run)' if plan.cpu else ''}",
             f"Versions seen by the cells: {', '.join(versions) or '-'}",
             f"Steps per cell: {plan.steps} (the first {WARMUP_STEPS} untimed; medians of the rest)",

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: hf_cached's generate at RL sizes, timed whole and traced by torch.profiler.
 
-    python -m miniverl.bench.decode_profile --out DIR [--cells 64x4x512,256x4x512] [--prompt-len 16:64]
+    python -m lab.bench.decode_profile --out DIR [--cells 64x4x512,256x4x512] [--prompt-len 16:64]
         [--stop-median 0] [--profile-steps 64] [--backend hf_cached] [--backend-args JSON]
 
 Needs only torch, transformers and peft (no Hydra, no Ray), so it runs on the GPU machine as it is. For each cell
@@ -21,7 +21,7 @@ uniform next-token distribution) lengths are geometric with median ~M, capped by
 share of rows runs to the cap). The measured length distribution is reported with the cell.
 `--backend` is a rollout backend (`hf_cached`, `hf_reference`, `sglang`: its `--backend-args` are rollout.sglang keys
 and `gpu_share`, default half the GPU) or a peer the bench measures beside them
-(miniverl/bench/baselines.py: `raw_vllm`, `hf_generate`), built with `--backend-args` (a JSON object of keyword
+(lab/bench/baselines.py: `raw_vllm`, `hf_generate`), built with `--backend-args` (a JSON object of keyword
 arguments, e.g. raw vLLM's tuned settings `{"async_scheduling": true, "engine_process": "subprocess",
 "logprobs": false}`), so the peers run the same prompts, stop tokens and lengths. `--profile-steps 0` skips the
 trace (vLLM's engine subprocess runs its kernels where this process's profiler cannot see them).
@@ -48,10 +48,11 @@ from pathlib import Path
 
 import torch
 
-from miniverl.bench.config import AdapterSpec, ModelShape
-from miniverl.bench.random_stops import stop_set
-from miniverl.bench.workload import build_random_model, lora_settings, make_adapter, real_shape
+from lab.bench.config import AdapterSpec
+from lab.bench.random_stops import stop_set
+from lab.bench.workload import lora_settings, make_adapter
 from miniverl.errors import ConfigError
+from miniverl.models.random_init import ModelShape, build_random_model, real_shape
 from miniverl.process import memory_report
 from miniverl.rollout.sampling import SamplingParams, row_seeds
 
@@ -254,7 +255,7 @@ def judge_rows(oracle, prompts: list[list[int]], n: int, out: list, rows: int, s
     sampled tokens under the model's own law (samples from that law average minus its entropy, whichever backend
     drew them), where the backend reported log-probs the mean |reported - oracle|, and with stop tokens the stop
     hazard those rows showed beside the one the law gives their positions (`stop_mass_mean`)."""
-    from miniverl.bench.oracle import teacher_forced
+    from lab.bench.oracle import teacher_forced
 
     groups = max(1, math.ceil(rows / n))
     judged_rows = out[: groups * n]
@@ -271,7 +272,7 @@ def judge_rows(oracle, prompts: list[list[int]], n: int, out: list, rows: int, s
 def backend_class(args, cells, longest_prompt: int) -> tuple[type, dict]:
     """The class `--backend` names and its keyword arguments from `--backend-args` (raw vLLM and SGLang sized for the
     widest and longest cell), refused with the fix before any model is built."""
-    from miniverl.bench.baselines import BASELINES
+    from lab.bench.baselines import BASELINES
     from miniverl.rollout import BACKENDS
 
     try:

@@ -1,4 +1,4 @@
-"""What a peer's cell script (scripts/peers/*.py, run by miniverl.bench.peers) shares: the step timer it hands its
+"""What a peer's cell script (scripts/peers/*.py, run by lab.bench.peers) shares: the step timer it hands its
 trainer (and the generation inside each step), the trained tokens per step it reports, the stop ids it adds to the
 model's EOS, and its command line (the prompt, stop and attention options, parse, run, write the JSON).
 
@@ -13,7 +13,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from miniverl.bench.peers import DEFAULT_PROMPT_LEN, parse_prompt_len
+from lab.bench.peer_prompts import DEFAULT_PROMPT_LEN
+from lab.bench.peers import parse_prompt_len
 
 
 def step_timer(cuda: bool) -> tuple[Any, list[float], list[float]]:

@@ -5,7 +5,7 @@ printed against the peaks it measured (where <cell>_summary.json records it), an
 <cell>_host.csv holds the GPU's clocks and the host's load: a step time that drifts while the memory stays flat is
 told apart by them).
 
-    python -m miniverl.bench.e2e_report OUT_DIR      # every <cell>_metrics.jsonl in OUT_DIR -> a table
+    python -m lab.bench.e2e_report OUT_DIR      # every <cell>_metrics.jsonl in OUT_DIR -> a table
 
 A cell cut short (the device's time ran out under it: scripts/device_queue.sh) never copied its files into OUT_DIR;
 what the queue's collect packed of its run directory, OUT_DIR/../runs/<cell>/ (metrics.jsonl so far, plan.json), is
@@ -338,7 +338,7 @@ def plan_table(cells: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m miniverl.bench.e2e_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lab.bench.e2e_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="a folder of <cell>_metrics.jsonl (and <cell>_smi.csv) files")
     out_dir = parser.parse_args(argv).out_dir
     if not out_dir.is_dir():

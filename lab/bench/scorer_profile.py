@@ -15,7 +15,7 @@ plus the top kernels by time. On a GPU `--share-gib` caps the process as the rec
 (gkd_4080: 0.35 of a 16 GiB card less its CUDA context = 4.94 GiB) and the forwards are sized from it as the actor
 sizes them; `--max-tokens` sets them instead.
 
-    python -m miniverl.bench.scorer_profile --teacher DIR --out DIR [--rows 256] [--prompt-tokens 64]
+    python -m lab.bench.scorer_profile --teacher DIR --out DIR [--rows 256] [--prompt-tokens 64]
         [--response-tokens 512] [--prompt-min 0] [--response-median 0] [--topk 64] [--chunk 1024]
         [--share-gib 4.94] [--max-tokens 0] [--repeats 3]
 
@@ -42,7 +42,7 @@ TOP_KERNELS = 15
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m miniverl.bench.scorer_profile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lab.bench.scorer_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--teacher", required=True, help="the teacher's model directory (config.json + weights)")
     p.add_argument("--out", required=True, help="directory for scorer_profile.json")
     p.add_argument("--rows", type=int, default=256, help="rows of the step (prompts x samples)")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     import transformers
 
-    from miniverl.bench.learner import median_index, synthetic_batch, vary_lengths
+    from lab.bench.learner import median_index, synthetic_batch, vary_lengths
     from miniverl.models.packing import row_lengths
     from miniverl.observe.profile import profiling
     from miniverl.process import ProcessSettings
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     median = seconds[middle]
     tokens = scored[-1]
     result = {
-        "command": "python -m miniverl.bench.scorer_profile " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m lab.bench.scorer_profile " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,

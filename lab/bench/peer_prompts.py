@@ -1,4 +1,4 @@
-"""The prompts a peer of the harness (miniverl.bench.peers) trains on: miniVERL's own training stream.
+"""The prompts a peer of the harness (lab.bench.peers) trains on: miniVERL's own training stream.
 
 miniVERL's run of a harness cell draws step s's prompts with `training_examples` (built-in reverse task, data.seed 0,
 the held-out evaluation prompts excluded, strings of the harness's --prompt-len characters); a peer's script draws the
@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import random
 
-from miniverl.bench.peers import DATA_SEED, DEFAULT_PROMPT_LEN, EVAL_PROMPTS, TASK
-from miniverl.data.prompts import held_out_prompts, training_examples
 from miniverl.data.tasks import TASKS
+
+# The stream both sides draw from; the harness (peers.py) passes the same values to miniVERL's run of a cell.
+EVAL_PROMPTS = 8  # miniVERL's held-out prompts for these runs; the peers draw the same training prompts
+TASK, TASK_MIN_LEN, TASK_MAX_LEN, DATA_SEED = "reverse", 3, 8, 0  # miniVERL's data defaults (config.py)
+DEFAULT_PROMPT_LEN = (TASK_MIN_LEN, TASK_MAX_LEN)  # --prompt-len's default: nothing passed, the cells of before
 
 PLAIN_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a peer's chat rows as raw text
 FIRST_STEP = 0  # miniVERL draws its first training step's prompts at index 0 (step/cadence.py; logged as step 1)
@@ -21,6 +24,8 @@ FIRST_STEP = 0  # miniVERL draws its first training step's prompts at index 0 (s
 def step_examples(prompts: int, steps: int, lengths: tuple[int, int] = DEFAULT_PROMPT_LEN) -> list[tuple[str, str]]:
     """(prompt, answer) for `prompts` prompts of each of `steps` optimizer steps, step after step, the task's strings
     `lengths` (LO, HI) characters long: miniVERL's data.min_len / data.max_len, which bound its held-out prompts too."""
+    from miniverl.data.prompts import held_out_prompts, training_examples  # torch: not at import, peers.py stays light
+
     task = (TASK, *lengths, DATA_SEED)
     exclude = held_out_prompts(*task, EVAL_PROMPTS)
     return [

@@ -6,7 +6,7 @@ weights' bandwidth: gate/up 11.4 us a layer for 17.4 MB (1.5 TB/s), down 10.2 us
 N = 928) against the ~4.3 TB/s a device copy reaches (docs/benchmarks/decode-profile.md, "c: what is left"). This
 measures each GEMM by itself so a session with little device time learns which variant to build into the decode:
 
-    python -m miniverl.bench.gemm_sweep --out DIR [--shape qwen2.5-0.5b] [--rows 64,256,1024] [--rank 32]
+    python -m lab.bench.gemm_sweep --out DIR [--shape qwen2.5-0.5b] [--rows 64,256,1024] [--rank 32]
 
 Each GEMM is y = x W^T, x [M, K] and W [N, K] in bf16: hf_cached's fused weights (cached_decoder.py `_fuse`: the
 base's output rows, then the adapter's R rows of A), and the adapter's B products (x A^T)(s B)^T, K = R. Variants:
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from miniverl.bench.workload import REAL_SHAPES
+from miniverl.models.random_init import REAL_SHAPES
 
 VARIANTS = ("linear", "pad256", "kn", "inductor")
 PAD = 256
@@ -126,7 +126,7 @@ def sweep_record(module: str, argv: list[str] | None, device: str, **fields) -> 
     """A sweep's JSON record (this one's and bench/attention_sweep.py's): the command that ran it, the device and
     torch, then `fields`."""
     return {
-        "command": f"python -m miniverl.bench.{module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": f"python -m lab.bench.{module} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
         **fields,
@@ -134,7 +134,7 @@ def sweep_record(module: str, argv: list[str] | None, device: str, **fields) -> 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m miniverl.bench.gemm_sweep", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lab.bench.gemm_sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for gemm_sweep.json")
     p.add_argument("--shape", default="qwen2.5-0.5b", help=f"one of {', '.join(REAL_SHAPES)} (or 'tiny' for a test)")
     p.add_argument("--rows", default="64,256,1024", help="decode widths M, comma-separated")

@@ -8,20 +8,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-
-@dataclass
-class ModelShape:
-    """A random-init Qwen2 decoder built from a transformers Qwen2Config (no downloads)."""
-
-    hidden_size: int = MISSING
-    num_hidden_layers: int = MISSING
-    num_attention_heads: int = MISSING
-    num_key_value_heads: int = MISSING
-    intermediate_size: int = MISSING
-    vocab_size: int = MISSING
-    tie_word_embeddings: bool = MISSING
-    max_position_embeddings: int = MISSING
-    init_seed: int = MISSING
+from miniverl.models.random_init import ModelShape
 
 
 @dataclass
