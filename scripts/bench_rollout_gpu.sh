@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4's GPU measurements. Each argument is one step: `tests` (hf_cached's CUDA conformance tests) or a
-# bench name from conf/bench/. Everything lands in $OUT. Budget the device call: rollout-runtime-v3 takes
+# bench name from lab/conf/bench/. Everything lands in $OUT. Budget the device call: rollout-runtime-v3 takes
 # about 7 minutes on an H200, the tests under a minute, rollout-hf-cached-variants about one.
 #   bash scripts/bench_rollout_gpu.sh tests rollout-runtime-v3      (repo root, hydra importable)
 set -uo pipefail

@@ -2,14 +2,14 @@
 # Issue 8's GPU measurements, on the device machine from the project root after staging the vllm+ray+extras
 # bundle. Each argument is a step; results land in $OUT (flat names). Steps:
 #   tests          the vLLM backend's GPU tests (tests/rollout/test_vllm_gpu.py), one engine per pytest process
-#   bench-NAME     python -m lab.bench +bench=NAME (conf/bench/NAME.yaml)
+#   bench-NAME     python -m lab.bench +bench=NAME (lab/conf/bench/NAME.yaml)
 #   e2e-BACKEND    GKD through Ray at real sizes (random Qwen2.5-0.5B student, 1.5B teacher) with
 #                  rollout=BACKEND under 16 GB caps, $STEPS steps (default 48: with the conformance gate and the start and end evaluations, 51 refreshes);
 #                  nvidia-smi sampled every 200 ms, and the run's metrics.jsonl (gpu/device_used_gib per step)
 # Only 8 files come back from a device call's $OUT, and only what is there when the call ends: every step
 # writes straight into $OUT (e2e: log, metrics.jsonl, summary.json per backend; the log ends with the
 # nvidia-smi peak). Run two step lists at once on an x2 machine with GPU=0 / GPU=1 (one GPU each):
-#   GPU=0 bash scripts/gpu_vllm.sh tests bench-rollout-rl-sizes-hf & GPU=1 bash scripts/gpu_vllm.sh bench-rollout-rl-sizes-vllm
+#   GPU=0 bash scripts/gpu_vllm.sh tests bench-rollout-rl-sizes-hf-v4 & GPU=1 bash scripts/gpu_vllm.sh bench-rollout-rl-sizes-vllm
 set -uo pipefail
 out=${OUT:?set OUT}
 gpu=${GPU:-0}

@@ -1,4 +1,4 @@
-"""Preregistered benchmarks: `python -m lab.bench +bench=<name>` runs conf/bench/<name>.yaml.
+"""Preregistered benchmarks: `python -m lab.bench +bench=<name>` runs lab/conf/bench/<name>.yaml.
 
 A bench file fixes, before any run, the cells (backend x generation length x prompts x samples), the
 model shape, repeats and warm-up, and the rules that invalidate a cell. Every cell is reported: valid

@@ -1,4 +1,4 @@
-"""`python -m lab.bench +bench=rollout-runtime-v2`: run one preregistered benchmark (conf/bench/).
+"""`python -m lab.bench +bench=rollout-runtime-v3`: run one preregistered benchmark (lab/conf/bench/).
 
 Side effects (config registration, model building, the GPU) start here, never at import of miniverl.
 """
@@ -15,12 +15,12 @@ from lab.bench.config import MAIN_NAME, register_configs
 register_configs()
 
 
-@hydra.main(config_path="../../conf", config_name=MAIN_NAME, version_base=None)
+@hydra.main(config_path="../conf", config_name=MAIN_NAME, version_base=None)
 def main(cfg: DictConfig) -> None:
     from lab.bench.runner import run_bench
 
     if OmegaConf.is_missing(cfg, "bench"):
-        print("lab.bench: pick a benchmark, e.g. +bench=rollout-runtime-v2 (files in conf/bench/)", file=sys.stderr)
+        print("lab.bench: pick a benchmark, e.g. +bench=rollout-runtime-v3 (files in lab/conf/bench/)", file=sys.stderr)
         sys.exit(2)
     command = " ".join(["python -m lab.bench", *sys.argv[1:]])
     json_path, md_path = run_bench(OmegaConf.to_object(cfg.bench), command, print)

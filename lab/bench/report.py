@@ -135,7 +135,7 @@ def markdown(doc: dict) -> str:
         f"- Date: {doc['date_utc']}; total {doc['total_s']:.0f} s (model build {doc['model_build_s']:.1f} s)",
         f"- Machine: {gpu}; {m['cpu_count']} CPUs; {m['platform']}; Python {m['python']}",
         "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val is not None),
-        f"- Preregistration: `conf/bench/{doc['bench']}.yaml` (resolved config sha256 {doc['config_sha256'][:16]})",
+        f"- Preregistration: `lab/conf/bench/{doc['bench']}.yaml` (resolved config sha256 {doc['config_sha256'][:16]})",
         "",
         "| backend | tokens | prompts x n | status | tokens/s (median) | wall s (median) | spread | speedup |"
         " peak alloc / reserved GiB | device used GiB | oracle gap mean / p99 | same seqs as baseline | decode |",
