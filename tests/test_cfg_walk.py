@@ -1,4 +1,4 @@
-"""scripts/cfg_walk.py: following one parameter through the calls (issue 36 measures `cfg` from main.train with it).
+"""lab/cfg_walk.py: following one parameter through the calls (issue 36 measures `cfg` from main.train with it).
 
 Each test writes a small package `toy` to tmp_path and walks it; the last one only checks the walker still reads
 the real package (its limits are the owner's to set after the restructuring)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "lab"
 
 
 @pytest.fixture

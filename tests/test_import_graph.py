@@ -1,4 +1,4 @@
-"""The package's import graph (scripts/import_graph.py): no circle at import, and no module that imports a
+"""The package's import graph (lab/import_graph.py): no circle at import, and no module that imports a
 large part of the package (issue 16: run.py imported 33 of the 91 other modules and was a second controller)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ MAX_FAN_OUT_FRACTION = 0.25
 
 
 def graph_module():
-    return load_script("import_graph.py")
+    return load_script("lab/import_graph.py")
 
 
 def test_no_import_cycle_at_module_level():
@@ -127,7 +127,7 @@ def test_the_lazy_layer_check_catches_an_import_inside_a_function(tmp_path):
 
 
 def test_floors_stand_on_what_a_module_imports_and_a_circle_shares_one(tmp_path):
-    """scripts/cfg_walk.py's floors: 1 + the highest floor imported; through a re-export, the defining module's."""
+    """lab/cfg_walk.py's floors: 1 + the highest floor imported; through a re-export, the defining module's."""
     g = graph_module()
     root = tmp_path / "miniverl"
     root.mkdir()

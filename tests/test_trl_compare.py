@@ -1,4 +1,4 @@
-"""scripts/measurements/trl_gkd_compare.py: import-safe, refuses bad arguments before loading anything, and (where
+"""lab/measurements/trl_gkd_compare.py: import-safe, refuses bad arguments before loading anything, and (where
 TRL is installed, as in the device bundle) runs TRL's GKDTrainer on tiny models on the CPU."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.scripts_loader import load_script as load_path
 
 
 def load_script():
-    return load_path("measurements/trl_gkd_compare.py")
+    return load_path("lab/measurements/trl_gkd_compare.py")
 
 
 def test_importing_the_script_imports_no_trl():

@@ -7,11 +7,11 @@ told apart by them).
 
     python -m lab.bench.e2e_report OUT_DIR      # every <cell>_metrics.jsonl in OUT_DIR -> a table
 
-A cell cut short (the device's time ran out under it: scripts/device_queue.sh) never copied its files into OUT_DIR;
+A cell cut short (the device's time ran out under it: lab/device_queue.sh) never copied its files into OUT_DIR;
 what the queue's collect packed of its run directory, OUT_DIR/../runs/<cell>/ (metrics.jsonl so far, plan.json), is
 read instead, and the cell is marked "cut short".
 
-Used by scripts/gpu_qlora.sh (docs/benchmarks/qlora-4080.prereg.md fixes the cells and the thresholds).
+Used by lab/gpu_qlora.sh (docs/benchmarks/qlora-4080.prereg.md fixes the cells and the thresholds).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def plan_check(plan: dict, memory: dict, smi_peak_gib: float, process_mib: dict[
     return out
 
 
-# <cell>_host.csv (scripts/e2e_cell.sh), one line every 5 s: the time, the GPU's SM clock (MHz), its utilization (%),
+# <cell>_host.csv (lab/e2e_cell.sh), one line every 5 s: the time, the GPU's SM clock (MHz), its utilization (%),
 # power (W) and temperature (C), the host's 1-minute load average and its CPU count
 HOST_COLUMNS = ("unix_s", "sm_mhz", "gpu_util_pct", "power_w", "temp_c", "load1", "cpus")
 
@@ -251,7 +251,7 @@ def machine_table(cells: list[dict]) -> str:
 
 
 def run_dirs(out_dir: Path) -> Path:
-    """Where scripts/device_queue.sh's collect puts the run directories of the cells still running (tar's runs/)."""
+    """Where lab/device_queue.sh's collect puts the run directories of the cells still running (tar's runs/)."""
     return out_dir.parent / "runs"
 
 

@@ -1,4 +1,4 @@
-"""What a peer's cell script (scripts/peers/*.py, run by lab.bench.peers) shares: the step timer it hands its
+"""What a peer's cell script (lab/peers/*.py, run by lab.bench.peers) shares: the step timer it hands its
 trainer (and the generation inside each step), the trained tokens per step it reports, the stop ids it adds to the
 model's EOS, and its command line (the prompt, stop and attention options, parse, run, write the JSON).
 

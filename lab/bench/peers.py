@@ -41,7 +41,7 @@ The cells (facts read in the pinned wheels' source, TRL 1.16.0 / 1.15.0 and Unsl
   the [rows, T, V] logits never exist). `use_vllm=True, vllm_mode="colocate"` (the default mode),
   gradient_checkpointing (on by default), bf16; the whole step is one generation batch (`per_device_train_batch_size`
   x `gradient_accumulation_steps`). `use_liger_kernel` only patches the model's layers through transformers (no
-  trainer of TRL 1.16 uses a Liger distillation loss): set when liger_kernel imports (scripts/device/liger.txt).
+  trainer of TRL 1.16 uses a Liger distillation loss): set when liger_kernel imports (lab/device/liger.txt).
 - trl-distill-hf: the same with transformers' `generate` (what TRL does without vLLM).
 - trl-topk: not offered synchronously. TRL 1.16's teacher top-k (`teacher_top_k`, default 8, + a tail bucket) is in
   `experimental.async_distillation` / `experimental.server_distillation`, which score with vLLM *servers* over HTTP,
@@ -224,7 +224,7 @@ def _trl_command(vllm: bool) -> Callable[[Plan, Shape, Path], list[str]]:
     def command(plan: Plan, shape: Shape, out_json: Path) -> list[str]:
         args = [
             sys.executable,
-            str(ROOT / "scripts" / "peers" / "trl_distill.py"),
+            str(ROOT / "lab" / "peers" / "trl_distill.py"),
             *_models(plan),
             "--out",
             str(out_json),
@@ -245,7 +245,7 @@ def _trl_topk(plan: Plan, shape: Shape, out_json: Path) -> list[str]:
 
 def _unsloth(plan: Plan, shape: Shape, out_json: Path) -> list[str]:
     grouped = shape.grouped()
-    args = [sys.executable, str(ROOT / "scripts" / "peers" / "unsloth_grpo.py"), "--student", str(plan.student)]
+    args = [sys.executable, str(ROOT / "lab" / "peers" / "unsloth_grpo.py"), "--student", str(plan.student)]
     return [*args, "--out", str(out_json), *_shape_args(grouped), "--steps", str(plan.steps), *_peer_args(plan)]
 
 

@@ -120,7 +120,7 @@ def test_redrawn_rows_give_every_update_new_lengths_and_the_rate_is_the_updates_
 
 
 def test_the_bench_script_runs_a_redrawn_cell_and_refuses_one_without_varied_rows(tmp_path):
-    """scripts/bench_learner.py on the CPU at the tiny shape: a redraw cell is timed; a redraw cell of fixed rows is
+    """lab/bench_learner.py on the CPU at the tiny shape: a redraw cell is timed; a redraw cell of fixed rows is
     written as failed with the reason, and the run goes on."""
     import json
     import subprocess
@@ -142,7 +142,7 @@ def test_the_bench_script_runs_a_redrawn_cell_and_refuses_one_without_varied_row
     out = tmp_path / "out.jsonl"
     args = ["--cells", str(tmp_path / "cells.json"), "--out", str(out), "--shape", "tiny"]
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_learner.py", *args, "--model-dir", str(tmp_path / "models")],
+        [sys.executable, "lab/bench_learner.py", *args, "--model-dir", str(tmp_path / "models")],
         capture_output=True,
         text=True,
         timeout=600,

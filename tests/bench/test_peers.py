@@ -27,7 +27,7 @@ HEAVY = ("trl", "unsloth", "vllm", "datasets")
 def test_importing_the_harness_and_its_cell_scripts_imports_no_peer():
     code = (
         "import runpy, sys; import lab.bench.peers, lab.bench.peer_prompts\n"
-        "for s in ('trl_distill', 'unsloth_grpo'): runpy.run_path(f'scripts/peers/{s}.py', run_name='x')\n"
+        "for s in ('trl_distill', 'unsloth_grpo'): runpy.run_path(f'lab/peers/{s}.py', run_name='x')\n"
         f"print([m for m in {HEAVY!r} if m in sys.modules])"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -150,7 +150,7 @@ def test_a_miniverl_cell_runs_on_the_cpu(student_dir, teacher_dir, tmp_path):
 
 
 def test_a_cell_scripts_timer_times_each_step_and_its_tokens_skip_the_first_steps_lengths():
-    """lab/bench/peer_cell.py, shared by scripts/peers/*.py: the callback a peer's trainer calls."""
+    """lab/bench/peer_cell.py, shared by lab/peers/*.py: the callback a peer's trainer calls."""
     from lab.bench.peer_cell import step_timer, trained_tokens_per_step
 
     timer, seconds, lengths = step_timer(cuda=False)
@@ -303,7 +303,7 @@ PROMPT_OPTIONS = ("--prompt-len", "--stop-ids", "data.min_len", "data.max_len", 
 
 def scripts() -> dict[str, dict]:
     """The peers' cell scripts' functions (their imports are light: see the first test)."""
-    return {s: runpy.run_path(str(ROOT / "scripts" / "peers" / f"{s}.py"), run_name="x") for s in SCRIPTS}
+    return {s: runpy.run_path(str(ROOT / "lab" / "peers" / f"{s}.py"), run_name="x") for s in SCRIPTS}
 
 
 SCRIPTS = ("trl_distill", "unsloth_grpo")
@@ -331,7 +331,7 @@ def test_the_default_options_leave_every_cells_command_line_as_it_was(student_di
     hf = peers.CELLS["trl-distill-hf"].command(plan, shape, out)
     assert hf == [
         sys.executable,
-        str(ROOT / "scripts" / "peers" / "trl_distill.py"),
+        str(ROOT / "lab" / "peers" / "trl_distill.py"),
         *("--student", str(student_dir), "--teacher", str(teacher_dir), "--out", str(out)),
         *("--prompts", "2", "--samples", "2", "--max-new-tokens", "8", "--steps", "5", "--beta", "0.5", "--cpu"),
     ]

@@ -1,4 +1,4 @@
-"""NF4 on a real GPU (skipped without CUDA and bitsandbytes; run by scripts/gpu_qlora.sh tests): the 4-bit
+"""NF4 on a real GPU (skipped without CUDA and bitsandbytes; run by lab/gpu_qlora.sh tests): the 4-bit
 base loads double-quantized with the LM head left alone, the chunked learner path matches the direct one
 on it, hf_reference serves the learner's own base, and vLLM's bitsandbytes engine is within the gate."""
 

@@ -1,4 +1,4 @@
-"""scripts/device_queue.sh: the device session's GPU work as one queue that outlasts a device call. Run here with
+"""lab/device_queue.sh: the device session's GPU work as one queue that outlasts a device call. Run here with
 plain shell commands in place of GPU cells (bash only: no GPU, no Ray)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "device_queue.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "lab" / "device_queue.sh"
 
 
 def run(args: list[str], cwd: Path, root: Path, out: Path) -> subprocess.CompletedProcess:

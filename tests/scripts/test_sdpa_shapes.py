@@ -1,4 +1,4 @@
-"""scripts/measurements/sdpa_shapes.py: its CPU smoke run writes both variants; without a GPU it refuses, naming the
+"""lab/measurements/sdpa_shapes.py: its CPU smoke run writes both variants; without a GPU it refuses, naming the
 fix; bad counts are refused before anything runs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.scripts_loader import load_script
 
 
 def _module():
-    return load_script("measurements/sdpa_shapes.py")
+    return load_script("lab/measurements/sdpa_shapes.py")
 
 
 def test_the_cpu_smoke_run_times_first_and_repeated_shapes_for_both_variants(tmp_path):
