@@ -2,7 +2,7 @@
 # Times what the README's first command does on this machine (issue 2 targets, 2 CPU cores):
 #   1. building the embedded models into an empty cache (target: <= 3 minutes),
 #   2. the default run, `python -m miniverl.main +experiment=<name>`, with those models cached (target: <= 5 minutes).
-# Writes docs/benchmarks/default-run-cpu-<name>.json. Usage: bash lab/bench_default_cpu.sh [gkd|pg_k1]
+# Writes lab/results/default-run-cpu-<name>.json. Usage: bash lab/bench_default_cpu.sh [gkd|pg_k1]
 set -euo pipefail
 name=${1:-gkd}
 cache=$(mktemp -d)
@@ -28,7 +28,7 @@ out = {
     "default_run_seconds": round(float(done) - float(built), 1),
     "summary": {k: v for k, v in summary.items() if k not in ("memory", "checkpoint", "metrics_file")},
 }
-path = f"docs/benchmarks/default-run-cpu-{name}.json"
+path = f"lab/results/default-run-cpu-{name}.json"
 json.dump(out, open(path, "w"), indent=2)
 print(json.dumps(out, indent=2))
 PY

@@ -5,7 +5,7 @@
 # default) the build of the default task's two models from scratch (`scripts/build_models.py --fresh`) under the
 # same load.
 #   bash lab/bench_first_run_cpu.sh [NAME=gkd] [LOAD=0] [EXTRA_OVERRIDES...]
-# Writes docs/benchmarks/first-run-cpu/NAME-load<LOAD>[-TAG].json (TAG=... in the environment names a variant) and
+# Writes lab/results/first-run-cpu/NAME-load<LOAD>[-TAG].json (TAG=... in the environment names a variant) and
 # prints it. The load: LOAD copies of `python3 -c "while True: pass"` (each keeps one core busy), started before and
 # killed after; the JSON records the 1-minute load average sampled every 5 s while the run went.
 set -euo pipefail
@@ -28,7 +28,7 @@ ran=$(date +%s.%N)
 [ "${BUILD:-1}" = 0 ] || PYTHONPATH=. python3 scripts/build_models.py --fresh --cache-dir "$work/scratch" > "$work/build.log" 2>&1
 built=$(date +%s.%N)
 cd - > /dev/null
-mkdir -p docs/benchmarks/first-run-cpu
+mkdir -p lab/results/first-run-cpu
 python3 - "$start" "$ran" "$built" "$work" "$name" "$load" "${TAG:-}" "$*" <<'PY'
 import datetime, json, os, platform, statistics, subprocess, sys
 import torch, transformers, ray
@@ -52,7 +52,7 @@ out = {
     "summary": {k: summary.get(k) for k in ("status", "steps", "wall_seconds", "start_reverse_kl", "end_reverse_kl",
                                             "start_accuracy", "end_accuracy")},
 }
-path = f"docs/benchmarks/first-run-cpu/{name}-load{load}{'-' + tag if tag else ''}.json"
+path = f"lab/results/first-run-cpu/{name}-load{load}{'-' + tag if tag else ''}.json"
 rows = [json.loads(line) for line in open(os.path.join(work, "run", "metrics.jsonl"))]
 keys = ("time/step", "time/generate", "time/score", "time/update", "time/refresh")
 out["median_seconds_per_step"] = {k: statistics.median_high(r[k] for r in rows if k in r)

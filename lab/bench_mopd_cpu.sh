@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-teacher distillation on the CPU (issue 18): +experiment=mopd, its single-teacher baseline mopd_single, and
 # the single-task default gkd, one after the other with the built-in models in the default cache (built on first
-# use: the build time then counts in the first run's wall time). Writes docs/benchmarks/mopd-cpu.json.
+# use: the build time then counts in the first run's wall time). Writes lab/results/mopd-cpu.json.
 # Usage: bash lab/bench_mopd_cpu.sh [experiment ...]   (default: mopd mopd_single gkd)
 set -euo pipefail
 names=("$@"); [ ${#names[@]} -gt 0 ] || names=(mopd mopd_single gkd)
@@ -16,7 +16,7 @@ python3 - "$root" "${names[@]}" <<'PY'
 import json, os, platform, statistics, sys
 import torch, transformers, ray
 root, names = sys.argv[1], sys.argv[2:]
-path = "docs/benchmarks/mopd-cpu.json"
+path = "lab/results/mopd-cpu.json"
 out = json.load(open(path)) if os.path.exists(path) else {"runs": {}}
 out.update({
     "date": __import__("datetime").date.today().isoformat(),

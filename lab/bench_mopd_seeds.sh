@@ -2,8 +2,8 @@
 # Multi-teacher distillation over seeds on the CPU (issue 35): +experiment=mopd once per seed (data.seed, rollout.seed
 # and model.lora.init_seed set to it: other prompts, other held-out prompts, other samples, another adapter init),
 # then each task's start -> end greedy accuracy and reverse KL to its own teacher, the mean gain over seeds and its
-# standard error. Writes docs/benchmarks/mopd-cpu-seeds.json.
-# Usage: bash lab/bench_mopd_seeds.sh [seed ...]   (default: 1 2 3; seed 0 is docs/benchmarks/mopd-cpu.md's run)
+# standard error. Writes lab/results/mopd-cpu-seeds.json.
+# Usage: bash lab/bench_mopd_seeds.sh [seed ...]   (default: 1 2 3; seed 0 is lab/results/mopd-cpu.md's run)
 # The baselines: LABEL=<name> RUN="<experiment and overrides>" runs those instead and writes mopd-cpu-seeds-<name>.json
 # (docs/multi_teacher.md gives the commands).
 set -euo pipefail
@@ -39,7 +39,7 @@ for task in next(iter(runs.values())):
         "accuracy_gains": gains, "mean_gain": statistics.mean(gains), "standard_error": se,
         "rises_on_every_seed": all(g > 0 for g in gains), "reverse_kl_changes": kl,
     }
-path = "docs/benchmarks/mopd-cpu-seeds.json" if label == "mopd" else f"docs/benchmarks/mopd-cpu-seeds-{label}.json"
+path = "lab/results/mopd-cpu-seeds.json" if label == "mopd" else f"lab/results/mopd-cpu-seeds-{label}.json"
 json.dump(out, open(path, "w"), indent=2)
 print(json.dumps(out["tasks"], indent=2))
 PY

@@ -2,7 +2,7 @@
 # Strict sync against one-step-stale rollouts on the CPU (issue 19's CPU target): the default GKD run,
 #   python -m miniverl.main +experiment=gkd trainer.staleness=0|1
 # same seeds, one after the other (never in parallel: they share the machine's cores), with the built-in
-# models built once into a shared cache first. Writes docs/benchmarks/staleness-cpu.json (the .md is
+# models built once into a shared cache first. Writes lab/results/staleness-cpu.json (the .md is
 # written by hand from it). Usage: bash lab/bench_staleness_cpu.sh [extra overrides...]
 set -euo pipefail
 cache=${MINIVERL_BENCH_CACHE:-$(mktemp -d)}

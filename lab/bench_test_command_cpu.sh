@@ -2,7 +2,7 @@
 # Times the README's second command as a newcomer meets it (issue 38): `pip install -e ".[dev]" && pytest` in a fresh
 # clone and a fresh virtualenv (what pip resolves today), beside LOAD busy processes standing in for other work.
 #   bash lab/bench_test_command_cpu.sh [LOAD=0]
-# Writes docs/benchmarks/first-run-cpu/tests-load<LOAD>[-TAG].json (the install and test seconds, pytest's last line,
+# Writes lab/results/first-run-cpu/tests-load<LOAD>[-TAG].json (the install and test seconds, pytest's last line,
 # the resolved versions, the 1-minute load average sampled every 5 s) and prints it. The verl-backed bridge tests use
 # the verl virtualenv that `.ci/run` builds (scripts/make_verl_venv.sh) when this machine has one, else they skip.
 set -euo pipefail
@@ -28,7 +28,7 @@ set -e
 done_=$(date +%s.%N)
 versions=$("$work/venv/bin/python" -c "import torch, transformers, peft, ray, pytest; print(torch.__version__, transformers.__version__, peft.__version__, ray.__version__, pytest.__version__)")
 cd - > /dev/null
-mkdir -p docs/benchmarks/first-run-cpu
+mkdir -p lab/results/first-run-cpu
 python3 - "$start" "$installed" "$done_" "$rc" "$work" "$load" "$commit" "$versions" "${TAG:-}" <<'PY'
 import datetime, json, os, platform, sys
 start, installed, done, rc, work, load, commit, versions, tag = sys.argv[1:]
@@ -48,7 +48,7 @@ out = {
     "pytest_last_line": tail[-1] if tail else "",
     "failures": [line for line in tail if line.startswith("FAILED") or line.startswith("ERROR")],
 }
-path = f"docs/benchmarks/first-run-cpu/tests-load{load}{'-' + tag if tag else ''}.json"
+path = f"lab/results/first-run-cpu/tests-load{load}{'-' + tag if tag else ''}.json"
 json.dump(out, open(path, "w"), indent=2)
 print(json.dumps(out, indent=2))
 PY

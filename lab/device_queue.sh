@@ -13,7 +13,7 @@
 # from a private copy of the tree ($QUEUE_ROOT/tree): later device calls re-copy the working tree, and must not
 # change the code under a running cell. Each command's start, exit status and time go to res/queue.log, which
 # ends with ALL_DONE. A failing command does not stop the queue. Session 8 ran its whole GPU plan this way
-# (docs/benchmarks/staleness-gpu/s8/queue.log). $QUEUE_ROOT defaults to /tmp/queue. `start` (and `check`) refuse a
+# (lab/results/staleness-gpu/s8/queue.log). $QUEUE_ROOT defaults to /tmp/queue. `start` (and `check`) refuse a
 # file with a line bash cannot read, or one that sets PYTHONPATH without keeping $PYTHONPATH (the staged bundles'
 # site), before anything runs.
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's GPU half: several NF4 teachers on one 16 GB card (docs/benchmarks/mopd-gpu.prereg.md), on the device
+# Issue 18's GPU half: several NF4 teachers on one 16 GB card (lab/results/mopd-gpu.prereg.md), on the device
 # machine from the project root after staging the ray + extras bundle (bitsandbytes for NF4). Each argument is a
 # cell; results land in $OUT (flat names). One device call allows 10 minutes: run one or two cells per call.
 #   single-bf16   one bf16 1.5B-shape teacher scores every row (the measured gkd_4080 layout, micro-batch 4)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9's GPU half: the preregistered 16 GB workload (docs/benchmarks/qlora-4080.prereg.md), on the device
+# Issue 9's GPU half: the preregistered 16 GB workload (lab/results/qlora-4080.prereg.md), on the device
 # machine from the project root after staging the vllm + ray + extras + trl bundles. Each argument is a step;
 # results land in $OUT (flat names). One device call allows 10 minutes: run one or two steps per call.
 #   tests               the GPU tests of issue 9 (tests/models/test_nf4_gpu.py: double quantization, chunked = direct

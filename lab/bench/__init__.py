@@ -8,5 +8,5 @@ with its numbers, invalid with its reasons, or not run with why; none is dropped
     runner.py        one backend at a time: warm-up, timed repeats, memory, time cap, OOM
     oracle.py        teacher-forced log-probs of each cell's samples under the oracle
     invalidation.py  the rules, as plain functions
-    report.py        JSON + markdown under docs/benchmarks/
+    report.py        JSON + markdown under lab/results/
 """

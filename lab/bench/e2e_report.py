@@ -11,7 +11,7 @@ A cell cut short (the device's time ran out under it: lab/device_queue.sh) never
 what the queue's collect packed of its run directory, OUT_DIR/../runs/<cell>/ (metrics.jsonl so far, plan.json), is
 read instead, and the cell is marked "cut short".
 
-Used by lab/gpu_qlora.sh (docs/benchmarks/qlora-4080.prereg.md fixes the cells and the thresholds).
+Used by lab/gpu_qlora.sh (lab/results/qlora-4080.prereg.md fixes the cells and the thresholds).
 """
 
 from __future__ import annotations

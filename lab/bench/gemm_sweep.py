@@ -3,7 +3,7 @@ cuBLAS choice the decode makes now (issue 32).
 
 At 256 rows the 0.5B shape's decode step is 2.07 ms of GPU time, 1.25 ms of it GEMMs, and they run far from the
 weights' bandwidth: gate/up 11.4 us a layer for 17.4 MB (1.5 TB/s), down 10.2 us for 8.7 MB (0.9 TB/s: K = 4,864,
-N = 928) against the ~4.3 TB/s a device copy reaches (docs/benchmarks/decode-profile.md, "c: what is left"). This
+N = 928) against the ~4.3 TB/s a device copy reaches (lab/results/decode-profile.md, "c: what is left"). This
 measures each GEMM by itself so a session with little device time learns which variant to build into the decode:
 
     python -m lab.bench.gemm_sweep --out DIR [--shape qwen2.5-0.5b] [--rows 64,256,1024] [--rank 32]

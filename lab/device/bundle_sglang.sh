@@ -2,7 +2,7 @@
 # Builds the sglang bundle (lab/device/sglang.txt) in 2 parts instead of 5: the workplace's bundle.sh run
 # from a temporary copy that also drops the sgl_kernel libraries an H200 never loads with
 # attention_backend=triton (FlashAttention-3's flash_ops, sm100, flashmla, infllm;
-# docs/benchmarks/sglang-feasibility.md says why each is unused). From the project root:
+# lab/results/sglang-feasibility.md says why each is unused). From the project root:
 #
 #   bash lab/device/bundle_sglang.sh     # -> .devbundle/sglang.tar.xz.00, .01 (+ meta), 4-9 minutes
 #

@@ -1,6 +1,6 @@
 """Measure how far each HF rollout backend's probe log-probs sit from the learner's on the same weights.
 
-    python lab/measurements/measure_probe_gaps.py [--out docs/benchmarks/probe-tolerance-cpu.json]
+    python lab/measurements/measure_probe_gaps.py [--out lab/results/probe-tolerance-cpu.json]
 
 For the built-in student, a tiny trained model and a random-init model, with several random LoRA adapters,
 the learner (peft forward) and each backend (hf_reference: the peft model; hf_cached: its merged serving

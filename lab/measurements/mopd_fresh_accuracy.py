@@ -4,7 +4,7 @@
 
 A run's evaluation holds 64-256 prompts per task; this draws 1024 per task (a seed of their own, so they are
 not the held-out set) and splits sorting by whether the answer repeats a letter, the case that the diagnosis in
-docs/benchmarks/mopd-cpu.md found unlearned. The base student is the first line.
+lab/results/mopd-cpu.md found unlearned. The base student is the first line.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fit planner against MOPD run 2's measured peaks (docs/benchmarks/mopd-gpu/run2, session 38, issue 35).
+"""The fit planner against MOPD run 2's measured peaks (lab/results/mopd-gpu/run2, session 38, issue 35).
 
 Those cells ran before runs recorded their plan in summary.json, so each cell's plan is recomputed here from the
 overrides lab/gpu_mopd.sh and lab/e2e_cell.sh gave it (the shares it printed are checked against the ones
@@ -7,7 +7,7 @@ plan_check. A second plan per cell keeps the run's shares and sizes but takes da
 prompt the run drew: the plan's own model at the rows that ran, apart from its worst case (every prompt 320 tokens).
 
     python scripts/make_random_model.py --shape qwen2.5-0.5b --out /tmp/m/student   # (and qwen2.5-1.5b teacher_a)
-    PYTHONPATH=. python lab/measurements/mopd_plan_check.py docs/benchmarks/mopd-gpu/run2 /tmp/m
+    PYTHONPATH=. python lab/measurements/mopd_plan_check.py lab/results/mopd-gpu/run2 /tmp/m
 
 MODELS needs student/, teacher_a/ to teacher_d/ (one model linked four times will do: only the shapes count) and the
 four-source prompt file four_sources.jsonl that lab/gpu_mopd.sh writes (its eval split sizes the rollout's

@@ -15,7 +15,7 @@ stale sampler was caught where the honest run said the test could see it.
 Writes one JSON (--out) and prints a line per cell. In-process (no Ray): the learner, rollout and scorer are the
 actors' classes called directly, as tests/step/test_sync.py does.
 
-    PYTHONPATH=. python lab/measurements/sampler_gap_faults.py --out docs/benchmarks/sampler-gap/cpu-bf16.json \
+    PYTHONPATH=. python lab/measurements/sampler_gap_faults.py --out lab/results/sampler-gap/cpu-bf16.json \
         --dtypes bfloat16
 """
 

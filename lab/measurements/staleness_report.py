@@ -1,5 +1,5 @@
 """Summarize a strict and a one-step-stale run (lab/bench_staleness_cpu.sh) into
-docs/benchmarks/staleness-cpu.json: eval reverse KL and accuracy, s/step, overlap, lag and ratio statistics.
+lab/results/staleness-cpu.json: eval reverse KL and accuracy, s/step, overlap, lag and ratio statistics.
 MINIVERL_LOAD_LOG names an optional file of `epoch load1 load5 load15` lines sampled during the runs (the
 machine is shared: the mean load says how much of the wall time was someone else's). MINIVERL_STALENESS_JSON
 names another output file (a second seed's pair, say). Each run also reports what must be the same in both:
@@ -101,7 +101,7 @@ def main(root: str, extra: str) -> None:
         )
         and list(strict["eval"]) == list(stale["eval"]),
     }
-    path = Path(os.environ.get("MINIVERL_STALENESS_JSON", "docs/benchmarks/staleness-cpu.json"))
+    path = Path(os.environ.get("MINIVERL_STALENESS_JSON", "lab/results/staleness-cpu.json"))
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 

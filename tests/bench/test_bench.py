@@ -1,5 +1,5 @@
 """The benchmark harness: preregistered files compose, rules fire, every cell is reported. Speed is not
-under test here (CPU, tiny shape); docs/benchmarks/ holds the GPU results."""
+under test here (CPU, tiny shape); lab/results/ holds the GPU results."""
 
 from __future__ import annotations
 
