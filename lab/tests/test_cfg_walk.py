@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "lab"
+SCRIPTS = Path(__file__).resolve().parents[1]  # lab/, where cfg_walk.py and its siblings are
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from lab.bench import peer_prompts, peers
 from lab.bench.peer_prompts import step_examples, step_prompts
 from miniverl.data.prompts import held_out_prompts
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HEAVY = ("trl", "unsloth", "vllm", "datasets")
 
 

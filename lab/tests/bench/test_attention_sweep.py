@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="the kernel is Triton; the package ships wi
 
 from lab.bench import attention_sweep
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_every_setting_computes_the_decodes_own_attention_under_the_interpreter(tmp_path):

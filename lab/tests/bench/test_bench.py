@@ -21,7 +21,7 @@ from lab.bench.runner import CellResult
 from lab.bench.workload import cell_requests, expand_cells, make_adapter
 from miniverl.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RULES = InvalidationRules(
     logprob_gap_mean_max=0.05, logprob_gap_outlier=0.6931, logprob_gap_outlier_frac_max=0.001, spread_max=0.10
 )
@@ -187,7 +187,7 @@ def test_every_vllm_plan_of_a_committed_bench_builds_its_engine_settings(name):
     from lab.bench.runner import constructor_options
     from miniverl.rollout.vllm_settings import VllmSettings
 
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "lab" / "conf" / "bench" / f"{name}.yaml")
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[3] / "lab" / "conf" / "bench" / f"{name}.yaml")
     plans = [BackendPlan(**p) for p in cfg.backends.values() if p.backend in ("vllm", "raw_vllm")]
     assert plans
     for plan in plans:
@@ -224,7 +224,7 @@ def test_an_sglang_plan_is_sized_for_the_bench_and_its_attributes_checked_as_rol
     from lab.bench.runner import constructor_options
     from miniverl.rollout.sglang import SglangSettings
 
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "lab" / "conf" / "bench" / "rollout-smoke.yaml")
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[3] / "lab" / "conf" / "bench" / "rollout-smoke.yaml")
     plan = BackendPlan("sglang", 1, 0, None, 60.0, attributes={"mem_fraction_static": 0.3})
     options, attributes = constructor_options(cfg, plan)
     assert attributes == {}
