@@ -53,12 +53,12 @@ class ProcessSettings:
 
 # What every actor process holds on the GPU outside torch's allocator (its CUDA context, cuBLAS and NCCL
 # handles): measured on the H200 as nvidia-smi's whole-device peak (15,666 MiB) less the three actors'
-# torch-reserved peaks (13,650 MiB), per actor (torch 2.11, CUDA 13; docs/benchmarks/qlora-4080.md).
+# torch-reserved peaks (13,650 MiB), per actor (torch 2.11, CUDA 13; lab/results/qlora-4080.md).
 CUDA_CONTEXT_GIB = 0.66
 # The same for the one process of resources.colocate=true (three roles on three threads and streams, an NF4 teacher's
 # bitsandbytes kernels): 0.97 GiB measured on the H200 as nvidia-smi's whole-device peak less the process's
 # torch-reserved peak, eager (11,783 - 10,790 MiB) and with compiled layers (12,603 - 11,610 MiB) alike
-# (docs/benchmarks/qlora-4080.md runs 8 and 9). With 0.66 here the 12 GiB layout's process was capped at 11.34 GiB
+# (lab/results/qlora-4080.md runs 8 and 9). With 0.66 here the 12 GiB layout's process was capped at 11.34 GiB
 # and the device peaked at 12.3 GiB.
 COLOCATED_CONTEXT_GIB = 1.0
 
@@ -144,7 +144,7 @@ def set_attention_backends(cudnn: bool) -> None:
     execution plan for every new (rows, heads, length) shape it sees, tens of milliseconds or more each (torch's
     TORCH_CUDNN_SDPA_AVOID_RECOMPILE names that cost; with compiled layers it fails on torch 2.11). The learner's
     micro-batches and the teacher's forwards of rows that stop at different lengths are new shapes every step: in
-    peers run 10 (docs/benchmarks/peers.md) a new shape's first call took 130 ms against 1 ms repeated, and the
+    peers run 10 (lab/results/peers.md) a new shape's first call took 130 ms against 1 ms repeated, and the
     realistic 4080 step 6.60 s with cuDNN allowed against 4.12 s without (update 3.35 -> 1.76 s, scoring 1.85 ->
     1.15 s). Flash attention has no per-shape plan and cost nothing measurable where shapes repeat. Every actor of a
     run sets the same (hf_cached's own attention is not SDPA).

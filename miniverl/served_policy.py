@@ -24,7 +24,7 @@ PROBE_SEED = 20_260_829  # fixed: the probe is a property of the run, never of a
 
 # Max |served - learner| log-prob (nats) over the probe, same weights, fp32 on the CPU (hf_reference and
 # hf_cached against the learner's peft forward; the built-in student, a tiny trained and a tiny random
-# model; three random adapters each): at most 8.6e-6 (docs/benchmarks/probe-tolerance-cpu.md). 1e-3
+# model; three random adapters each): at most 8.6e-6 (lab/results/probe-tolerance-cpu.md). 1e-3
 # leaves two orders of magnitude for other CPUs and BLAS builds and sits far below what one optimizer
 # step moves the probe in the default run (median 0.71, min 0.28 nats over 40 steps), so a replica that
 # missed a single refresh is caught.

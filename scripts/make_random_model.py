@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from miniverl.bench.workload import QWEN_VOCAB, REAL_SHAPES, build_random_model, real_shape
+from miniverl.models.random_init import QWEN_VOCAB, REAL_SHAPES, build_random_model, real_shape
 from miniverl.models.tokenizer import save_char_tokenizer
 
 MAX_POSITIONS = 4096

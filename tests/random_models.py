@@ -6,8 +6,7 @@ from pathlib import Path
 
 import torch
 
-from miniverl.bench.config import ModelShape
-from miniverl.bench.workload import build_random_model
+from miniverl.models.random_init import ModelShape, build_random_model
 
 
 def save_random_qwen2(path: Path, hidden_size: int, intermediate_size: int, vocab_size: int) -> Path:

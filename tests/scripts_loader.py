@@ -1,4 +1,4 @@
-"""The project's scripts (scripts/, not a package) imported by path, for the tests that call their functions."""
+"""The project's scripts (scripts/ and lab/, not packages) imported by path, for the tests that call their functions."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(relative: str):
-    """scripts/<relative> as a fresh module named after its file, registered in sys.modules while it runs (a script's
-    dataclasses look their module up there)."""
-    path = ROOT / "scripts" / relative
+    """The script at `relative` (from the project root, e.g. "lab/import_graph.py") as a fresh module named after its
+    file, registered in sys.modules while it runs (a script's dataclasses look their module up there)."""
+    path = ROOT / relative
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -255,7 +255,7 @@ def test_the_12_gib_recipe_is_the_measured_run_11_layout(tmp_path):
     the command), nothing else."""
     train = tmp_path / "train.parquet"
     train.write_bytes(b"")
-    queue = (CONF.parent / "scripts" / "queues" / "qlora-run11.txt").read_text()
+    queue = (CONF.parent / "lab" / "queues" / "qlora-run11.txt").read_text()
     run11 = re.search(r'TAG=12g-a-compiled-cap OVERRIDES="([^"]+)"', queue).group(1).split()
     data = f"data.train_files=[{train}]"
     recipe = load("+experiment=gkd_4080_12g", data)

@@ -11,4 +11,5 @@ python3 -m miniverl.main +experiment=smollm2_addition "trainer.total_steps=$step
   data.eval_prompts=100 tracking=disabled resources.emulate_gpu_gib=16 "hydra.run.dir=$out/alone/run" \
   > "$out/alone/run.log" 2>&1
 kill $smi
+rm -rf "$out/alone/run/checkpoints"  # collect returns at most 16 MB
 echo "whole-card peak: $(sort -t, -k2 -n "$out/alone/nvidia-smi.csv" | tail -1 | cut -d, -f2) MiB"

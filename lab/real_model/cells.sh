@@ -26,6 +26,7 @@ for cell in gkd pg_k1 grpo control; do
   sleep 5  # Ray instances started at the same instant have timed out on a loaded machine
 done
 wait
+rm -rf "$out"/runs/*-s"$seed"/checkpoints  # hundreds of MB a run: collect returns at most 16 MB
 for cell in gkd pg_k1 grpo control; do
   echo "$cell-s$seed: $(grep -ao '"status": "[a-z]*"' "$out/runs/$cell-s$seed/summary.json" 2>/dev/null || echo no summary)"
 done

@@ -1,7 +1,7 @@
 """resources.colocate: the rollout replica, the scorer and the learner of one GPU in ONE actor process.
 
 Separate actor processes share a GPU by time-slicing: their kernels never run at once, so overlapping the next
-rollout with the update (trainer.staleness=1) bought 0.97x on an H200 (docs/benchmarks/staleness-gpu.md). In one
+rollout with the update (trainer.staleness=1) bought 0.97x on an H200 (lab/results/staleness-gpu.md). In one
 process each role computes on its own CUDA stream and Ray runs each role's calls on its own thread (one
 concurrency group per role), so a rollout's decode kernels can run beside the learner's update; and the process
 pays one CUDA context instead of three.
@@ -9,7 +9,7 @@ pays one CUDA context instead of three.
 The controller is unchanged: each role is handed a RoleHandle, which turns `handle.method` into the colocated
 actor's `role__method`, so submit/call/fetch (cluster/actors.py) work as with three actors.
 
-Measured on an H200 at the 4080 recipe (docs/benchmarks/staleness-gpu.md, session 8): strict, 7.14 s per step
+Measured on an H200 at the 4080 recipe (lab/results/staleness-gpu.md, session 8): strict, 7.14 s per step
 against 7.66 with separate actors and a whole-GPU peak 1.1 GiB lower; with trainer.staleness=1, 5.68 s (1.35x the
 separate strict run; 0.97x with separate processes). Its costs: the roles share the SMs and one Python interpreter
 (the learner's update is partly CPU-bound, and beside the rollout's decode loop it went 2.44 -> 4.00 s;

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from miniverl.objectives.interface import Objective
 
 # Ray starts its workers at niceness 15, so every actor of a run yields the cores to any ordinary process: beside two
-# busy processes on 2 cores the default run had written no step after 7 minutes (docs/benchmarks/default-run-cpu.md).
+# busy processes on 2 cores the default run had written no step after 7 minutes (lab/results/default-run-cpu.md).
 # The actors are the run's work, not background chores: they start at the driver's priority. (A cluster this run
 # joins, resources.ray_address, keeps its own setting.)
 WORKER_NICENESS = 0
@@ -49,9 +49,9 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
 def actor_threads(torch_threads: int, cores: int) -> int:
     """Torch threads per actor: an explicit resources.torch_threads, else (0, the default) half the cores, at least
     one. All-core pools fight whatever else computes: with trainer.staleness=1 two all-core pools on 2 CPU cores made
-    a stale step 4.5x slower than strict sync, one thread each 1.39x faster (docs/benchmarks/staleness-cpu.md); in
+    a stale step 4.5x slower than strict sync, one thread each 1.39x faster (lab/results/staleness-cpu.md); in
     strict sync beside two busy processes on 2 cores the default run took 1.84 s a step with two threads per actor
-    and 0.82 s with one, at 8% of cost on idle cores (docs/benchmarks/default-run-cpu.md)."""
+    and 0.82 s with one, at 8% of cost on idle cores (lab/results/default-run-cpu.md)."""
     return torch_threads or max(1, cores // 2)
 
 

@@ -15,7 +15,7 @@ SGLANG_ATTENTION = ("triton", "flashinfer", "fa3")  # rollout.sglang.attention_b
 
 @dataclass
 class VllmRolloutConfig:
-    """rollout=vllm only (miniverl/rollout/vllm.py); docs/benchmarks/rollout-rl-sizes.md measured the choices."""
+    """rollout=vllm only (miniverl/rollout/vllm.py); lab/results/rollout-rl-sizes.md measured the choices."""
 
     refresh: str = "adapter"  # adapter: a new LoRA request per version | merged: adapter merged into the base in place
     enforce_eager: bool = False  # True turns CUDA graphs off (engine start ~30 s instead of ~90 s)
@@ -75,10 +75,10 @@ class VllmRolloutConfig:
 @dataclass
 class SglangRolloutConfig:
     """rollout=sglang only (miniverl/rollout/sglang.py; sglang 0.5.17; its GPU tests pass and it runs the 4080 recipe
-    end to end on an H100: docs/benchmarks/sglang-gpu/run3.md). No sampler choice: row seeds need SGLang's
+    end to end on an H100: lab/results/sglang-gpu/run3.md). No sampler choice: row seeds need SGLang's
     deterministic inference, which samples with its pytorch sampler (about 4x below hf_cached's tokens/s)."""
 
-    # triton: the device bundle leaves out FlashAttention-3's 1.1 GB library (docs/benchmarks/sglang-feasibility.md);
+    # triton: the device bundle leaves out FlashAttention-3's 1.1 GB library (lab/results/sglang-feasibility.md);
     # fa3 is SGLang's Hopper default where that library is installed; flashinfer compiles its kernels on first use
     attention_backend: str = "triton"
     # null (the default): the KV pool is sized from the rollout actor's share (its emulated cap on a capped card)

@@ -32,7 +32,7 @@ from miniverl.data.tasks import Example, draw_examples, task_names
 BUILD_RECIPE_VERSION = 2  # bump when the training code changes what it produces (2: early stop, fp16 storage)
 MAX_POSITIONS = 64  # longest prompt + answer of the built-in tasks is far below this
 # One thread: a step of these tiny models is 0.18 s with 1 thread and 0.16 s with 2 on idle cores, but 0.31 s
-# against 0.79 s beside two busy processes (OpenMP threads wait on each other; docs/benchmarks/default-run-cpu.md).
+# against 0.79 s beside two busy processes (OpenMP threads wait on each other; lab/results/default-run-cpu.md).
 BUILD_THREADS = 1
 STORAGE_DTYPE = torch.float16  # weights are rounded to it before the accuracy is measured and the model is saved
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"

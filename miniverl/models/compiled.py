@@ -2,7 +2,7 @@
 
 The learner's update is bound by its kernel launches and Python, not by the GPU's arithmetic: about 300 kernels per
 decoder layer and micro-batch, 0.3 s per micro-batch at 8.7k and 17.3k tokens alike on an H200
-(docs/benchmarks/learner-throughput.md, qlora-4080.md run 8). Inductor fuses a layer's elementwise work (the norms,
+(lab/results/learner-throughput.md, qlora-4080.md run 8). Inductor fuses a layer's elementwise work (the norms,
 the rotary embedding, SiLU, the LoRA sums) into a few kernels and runs the rest from generated code. On the CPU, at
 a tiny shape, a layer's launching ops per micro-batch (forward, recomputation, backward) fell from 244 to 117; the
 matmuls (about 75) stay. On an H200 (torch 2.11) it pays: 66.1k trained tokens/s against eager's 39.4k in the same

@@ -140,7 +140,7 @@ def _closed_form(hidden, weight, bias, ids, chunk_tokens, loss_fn, support: Supp
 
     The head runs three times per position instead of two, which costs far less than the Python and the small
     kernels of the objective run once per chunk: the first GPU profile of the Triton passes (2026-12-02,
-    docs/benchmarks/learner-throughput.md) had 2.1 s of GPU time in a 4.7 s update, the rest per-chunk overhead.
+    lab/results/learner-throughput.md) had 2.1 s of GPU time in a 4.7 s update, the rest per-chunk overhead.
     Shapes: hidden [N, H], ids [N] -> (scalar, [N], [N] or None, [N, H])."""
     n = hidden.shape[0]
     f32 = {"dtype": torch.float32, "device": hidden.device}

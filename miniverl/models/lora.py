@@ -98,7 +98,7 @@ def lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scal
 
     peft's own arithmetic casts x up to the adapter's fp32 instead: on a bf16 base that made the learner's LoRA
     matmuls fp32 GEMMs and added an fp32 copy of every adapted projection's input and output, forward and
-    backward (0.8 s of fp32 GEMMs and 1.0 s of casts in a 5.1 s update: docs/benchmarks/learner-throughput.md).
+    backward (0.8 s of fp32 GEMMs and 1.0 s of casts in a 5.1 s update: lab/results/learner-throughput.md).
     vLLM serves bf16(s B) too. Shapes: x [..., E], lora_a [r, E], lora_b [O, r] -> [..., O] in x's dtype.
     """
     return F.linear(F.linear(x, lora_a.to(x.dtype)), (lora_b * scaling).to(x.dtype))
@@ -167,7 +167,7 @@ class RoundedAdapter:
     and backward (with gradient checkpointing each micro-batch's forward runs twice). At the 0.5B shape, r32 on
     every linear layer and 7 micro-batches an update, that is about 4k dtype copies, 2k multiplications and 3k
     backward nodes of an update's 48k kernel launches, counted from the shapes (the learner bench's profile, diag11,
-    docs/benchmarks/learner-throughput.md: the update is partly CPU-bound). The rounded copies are leaves, so a
+    lab/results/learner-throughput.md: the update is partly CPU-bound). The rounded copies are leaves, so a
     backward leaves their gradients in bf16; `collect()` after each backward adds them to the fp32 masters'
     gradients exactly as autograd did through the cast (float(g), times s for B: the same roundings, bit for bit),
     through flat buffers with a few kernels. Only for a scope in which the masters do not change (one optimizer

@@ -16,12 +16,12 @@ ID_BYTES = 4  # teacher_topk_ids travel as int32 (the scorer casts torch.topk's 
 # Vocabulary-sized fp32 buffers alive at once while the fused LM-head loss works on one chunk (upcast logits,
 # log-softmax and logsumexp inputs, the top-K support arithmetic, the chunk's own backward): measured on the
 # H200 at 5.9 for GKD top-64 (0.5B shape, 1,024-token chunks: 3.7 GB above the model, adapter, optimizer and
-# checkpoints; docs/benchmarks/learner-throughput.md), rounded up. The earlier chunked path kept about nine.
+# checkpoints; lab/results/learner-throughput.md), rounded up. The earlier chunked path kept about nine.
 FUSED_CHUNK_FP32_COPIES = 6
 # One [c, V] entry of an LM-head chunk on the closed-form path (GKD top-K at loss temperature 1, PG-k1) with the
 # Triton passes: the bf16 logits, overwritten in place by their gradient (2 bytes), doubled for the GEMM's output
 # while the previous chunk's buffer is being freed. Measured: 512- and 1,024-token chunks peak the same
-# (docs/benchmarks/learner-throughput.md, diag10), so this is an upper bound the measurements do not pin down.
+# (lab/results/learner-throughput.md, diag10), so this is an upper bound the measurements do not pin down.
 CLOSED_FORM_CHUNK_BYTES_PER_ENTRY = 4
 
 

@@ -8,7 +8,7 @@ The learner's peak is whichever of its two phases is larger (gradient checkpoint
   (attention and MLP intermediates, the LoRA terms in the base's dtype).
 Both sit on the fixed part: weights, the adapter with its gradient and two AdamW moments, and a little runtime.
 Measured on the H200 (0.5B shape, LoRA r32 on every linear layer, GKD top-64, 640-token rows, 2026-12-02,
-bf16 LoRA arithmetic and the Triton passes; docs/benchmarks/learner-throughput.md, diag10): 3.02 GiB at 16,384
+bf16 LoRA arithmetic and the Triton passes; lab/results/learner-throughput.md, diag10): 3.02 GiB at 16,384
 tokens and 4.86 GiB at 32,768, with 512- and 1,024-token chunks alike (the backward phase is the peak), a slope
 of 120 KB per token (43 KB of checkpoints, so one layer's recomputed activations take 77 KB: 13.4 bytes per unit
 of hidden + intermediate size) and an intercept equal to weights + adapter state. (The fp32 LoRA arithmetic it
@@ -32,7 +32,7 @@ LAYER_ACTIVATION_BYTES_PER_WIDTH = 13.4
 # What compiled layers add to it: Inductor's partition saves other intermediates than eager's autograd. One H200
 # measurement (0.5B shape, 17,751 tokens: +0.42 GiB, 25 KB a token over 896 + 4,864 of width); counted per token, so
 # larger micro-batches get the larger margin. Without it the gkd_4080 learner (4.1 GiB share) planned 17,322-token
-# micro-batches and its first compiled update went out of memory every time (docs/benchmarks/peers.md run 2).
+# micro-batches and its first compiled update went out of memory every time (lab/results/peers.md run 2).
 COMPILED_LAYER_EXTRA_BYTES_PER_WIDTH = 4.4
 # Beyond weights and adapter state (cuBLAS workspaces, small tensors): the measured intercept was within 1 MB of
 # weights + adapter state; this keeps a margin for what a longer run allocates besides.
@@ -45,7 +45,7 @@ ADAPTER_STATE_BYTES = 20
 # Allocator fragmentation, the CUDA caching allocator's rounding and small tensors: a share of the budget
 # kept free. 15% was enough in the bench (reserved 10% above allocated at 32,768 tokens) but not in the 4080
 # recipe, whose learner runs probes and evaluation between updates: its first update went out of memory with
-# 0.76 GiB (18% of its 4.14 GiB share) reserved in holes (docs/benchmarks/qlora-4080.md, run 5). 20% with the
+# 0.76 GiB (18% of its 4.14 GiB share) reserved in holes (lab/results/qlora-4080.md, run 5). 20% with the
 # learner's shrink-and-redo on an out-of-memory update (workers/learner.py redoes it, workers/token_budget.py
 # shrink_after_oom sizes it) as the backstop.
 SLACK_FRACTION = 0.20
@@ -106,7 +106,7 @@ def scorer_chunk_entry_bytes(support_k: int | None, loss_temperature: float, voc
     1: counted like the learner's closed-form chunk. A full support, another temperature or the torch fallback
     make fp32 copies of it. Counting fp32 copies for the model-dtype path too left the 4080 recipe's teacher
     no room at 1,024-token chunks: it scored one row per forward, 8.5 s a step where 4,388-token forwards had
-    taken 2.1 (docs/benchmarks/qlora-4080.md, runs 4 and 6)."""
+    taken 2.1 (lab/results/qlora-4080.md, runs 4 and 6)."""
     in_model_dtype = support_k is None or (0 < support_k < vocab and loss_temperature == 1.0)
     if in_model_dtype and kernels:
         return CLOSED_FORM_CHUNK_BYTES_PER_ENTRY
@@ -132,7 +132,7 @@ def scorer_peak_bytes(shape: LearnerShape, tokens: int, chunk_tokens: int, entry
 
 def _scorer_costs(shape: LearnerShape, share_bytes: int, chunk_tokens: int, entry_bytes: int):
     """(bytes the share leaves beside the weights, bytes per token of a forward, bytes of one LM-head chunk)."""
-    # Weights only: in the recipe's end-to-end run (docs/benchmarks/qlora-4080.md) the 1.5B teacher peaked at
+    # Weights only: in the recipe's end-to-end run (lab/results/qlora-4080.md) the 1.5B teacher peaked at
     # 3.52 GiB with 4,388-token forwards and 256-token fp32 chunks, which weights + this per-token model + one
     # chunk give within 2% without the learner's runtime intercept (no backward, no optimizer).
     usable = share_bytes * (1 - SLACK_FRACTION) - shape.weight_bytes

@@ -7,7 +7,7 @@
 Everything else the loss reads of a position's logits is a gather of K + 1 columns, so with these two a chunk
 costs about three passes over bf16 logits (write by the head's GEMM, read for the row sums, read and write for
 the gradient) instead of the eager path's fp32 copy, two logsumexps and three in-place fp32 passes (about 50
-bytes per vocabulary entry; docs/benchmarks/learner-throughput.md measured the eager passes at about a third of
+bytes per vocabulary entry; lab/results/learner-throughput.md measured the eager passes at about a third of
 the update). On CUDA they are Triton kernels; elsewhere (the CPU, or Triton missing) the same functions in
 torch. `TRITON_INTERPRET=1` runs the kernels on the CPU, which is how the tests compare the two.
 

@@ -22,8 +22,8 @@ TIS_MAX_OUTSIDE_FRAC = 0.05
 # sampling settings). A step of N sampled tokens may reach a mean |gap| of STEP_MEAN_MULTIPLE x the gate's mean
 # plus STEP_SPREAD_Z standard errors of the gate's per-token spread (its std or p99, the larger, / sqrt(N): a step
 # of 16 tokens is one rare token from its mean, a step of 100k is not), and hold at most STEP_TAIL_SHARE of its
-# tokens (plus STEP_SPREAD_Z binomial errors) beyond STEP_TAIL_MULTIPLE x the gate's p99. Measured (docs/benchmarks/
-# sampler-gap/, scripts/measurements/sampler_gap_faults.py): 0 false alarms in 1,000 honest CPU steps (hf_reference and
+# tokens (plus STEP_SPREAD_Z binomial errors) beyond STEP_TAIL_MULTIPLE x the gate's p99. Measured (lab/results/
+# sampler-gap/, lab/measurements/sampler_gap_faults.py): 0 false alarms in 1,000 honest CPU steps (hf_reference and
 # hf_cached, bf16; 1,000 more each beside the version test, objectives/sampler_check.py) and on the H200 (4080
 # recipe, a step's mean at most 1.0x the gate's). The floors keep an fp32 run (gaps of 1e-7 nats) from flagging
 # rounding; the objective's own bound stays the ceiling.

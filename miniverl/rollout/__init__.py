@@ -69,7 +69,7 @@ ENGINES = {
     "sglang": (
         "sglang",
         "SGLang is not installed; install sglang 0.5.17 (built for torch 2.11 + CUDA 13:"
-        " docs/benchmarks/sglang-feasibility.md), or use rollout=hf_cached or rollout=vllm",
+        " lab/results/sglang-feasibility.md), or use rollout=hf_cached or rollout=vllm",
     ),
 }
 

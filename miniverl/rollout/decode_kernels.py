@@ -1,7 +1,7 @@
 """hf_cached's decode step on CUDA as twelve launches a layer: the four projection GEMM pairs and these three Triton
 kernels, each doing what the eager path spreads over many launches.
 
-Profiled on an H200 at 256 rows x 24 layers (docs/benchmarks/decode-profile.md), the eager step launched about
+Profiled on an H200 at 256 rows x 24 layers (lab/results/decode-profile.md), the eager step launched about
 1,200 kernels and the GPU, not the host, set its pace: small elementwise kernels (norm casts, rotary halves,
 strided LoRA sums, SiLU) and the attention's ten launches a layer, whose score GEMM read every cache column of
 every row, masked or not. Here:
@@ -90,7 +90,7 @@ def decode_attention(
     query heads, then Hkv key heads, then Hkv value heads), q and k rotated by cos/sin, k and v written into the
     cache at `column` for the W rows, then each row's queries attend over its columns [first_column, column].
     `block` (cache columns per iteration, a power of two >= 16) and `launch` (Triton's num_warps / num_stages) are
-    what miniverl/bench/attention_sweep.py varies; the decode runs the defaults.
+    what lab/bench/attention_sweep.py varies; the decode runs the defaults.
 
     Shapes: y [W, >= (H + 2 Hkv) D], t [W, (H + 2 Hkv) D] or None, cos/sin [W, D], keys/values [R >= W, Hkv, L,
     D] contiguous, column [1] long, first_column [R] long -> [W, H * D] in y's dtype.
@@ -153,7 +153,7 @@ def hash_uniforms(
     """rollout/sampling.py's counter_uniforms as one kernel (the same integer hash, so the same numbers), or None
     where it does not run (not CUDA nor Triton's interpreter, or no triton): the caller's torch ops then. In torch the
     hash is about fifty launches of a few int64 ops each, 56 us of a 2.07 ms decode step at 256 rows
-    (docs/benchmarks/decode-profile.md, run 1's trace).
+    (lab/results/decode-profile.md, run 1's trace).
 
     Shapes: seeds [B] int64 >= 0, step [] / [1] int64 tensor or int -> [B] float32."""
     if not _runs_on(seeds) or seeds.numel() == 0:

@@ -11,7 +11,7 @@ the same tokens. What changes is the work per token:
   and the writes of the sampled token and its log-prob into the output buffers. The host does not wait for a
   step: it replays graphs back to back and reads how many rows are still live only every DONE_CHECK_STEPS
   steps, and the outputs once, at the end (at rollout batch sizes launches and host syncs, not arithmetic,
-  bounded the eager step and the step that synced to sample: docs/benchmarks/decode-profile.md);
+  bounded the eager step and the step that synced to sample: lab/results/decode-profile.md);
 - finished rows stay in their slots, writing nowhere, until the live rows fit a graph of half the width:
   then they are compacted out (at most log2(rows) times a call; eagerly, on the CPU, at every finish).
 """
@@ -46,8 +46,8 @@ PLAIN = SamplingParams(n=1, max_new_tokens=1)  # the graphs the probe replays be
 # Padded prompt tokens per prefill pass of generate. The prefill's activations live beside the whole step's decode
 # cache, and once freed their blocks stay reserved by torch's allocator, which the share's cap counts: in one pass,
 # 64 prompts of 320 tokens held about 1.7 GiB at the 0.5B shape and left 1.35 GiB reserved, both a third of the 4080
-# recipe's rollout share (docs/benchmarks/fit-planner.md). At 8k tokens a pass that recipe still ran out of its share
-# at 322-token prompts (docs/benchmarks/peers.md run 6); 4k tokens a pass hold half of that, and a pass of 4k tokens
+# recipe's rollout share (lab/results/fit-planner.md). At 8k tokens a pass that recipe still ran out of its share
+# at 322-token prompts (lab/results/peers.md run 6); 4k tokens a pass hold half of that, and a pass of 4k tokens
 # is still a large batch of GEMMs (by FLOPs the whole prefill is a few percent of a 512-token generate call). A
 # pass that runs out of memory anyway is redone in passes of half as many prompts (the smaller size kept after).
 PREFILL_TOKENS = 4096
@@ -297,7 +297,7 @@ class HFCachedBackend:
         """Capture one step; if that runs out of GPU memory, give the allocator's cache back and capture once more.
         Inside a capture the allocator cannot free its cached blocks to make room, so blocks left reserved by the
         prefill passes and the warm-up's stream can fail a capture that fits once they are freed (the 4080 recipe
-        at 322-token prompts: 32 MiB refused with 177 MiB reserved unused, docs/benchmarks/peers.md run 7)."""
+        at 322-token prompts: 32 MiB refused with 177 MiB reserved unused, lab/results/peers.md run 7)."""
         try:
             return self._capture(width, params)
         except torch.OutOfMemoryError as e:

@@ -1,12 +1,12 @@
 """The SGLang rollout backend: SGLang's Engine inside the rollout actor, token ids in and out (issue 37).
 
 Written against sglang 0.5.17, the newest release whose pins match the GPU machine's torch 2.11
-(docs/benchmarks/sglang-feasibility.md), from its source. On the H200 (run 1, docs/benchmarks/sglang-gpu/run1.md) its
+(lab/results/sglang-feasibility.md), from its source. On the H200 (run 1, lab/results/sglang-gpu/run1.md) its
 engine imports and starts only with the registration shim below, and honours `sampling_seed` only with deterministic
 inference on. On an H100 its GPU tests pass (runs 3 and 5: the oracle, row seeds, the probe after every refresh, a stale
 replica caught), it samples the policy's law 2.5-3.3x slower than hf_cached with realistic prompts (about as fast as
 tuned vLLM at 256 x 4) and runs the 4080 recipe end to end (52 refreshes at 14.55 GiB, gate passed:
-docs/benchmarks/sglang-gpu/run4.md, run5.md). What it relies on:
+lab/results/sglang-gpu/run4.md, run5.md). What it relies on:
 - `Engine(skip_tokenizer_init=True)`: token ids in (`input_ids`), token ids out (`output_ids`), stopping on
   `stop_token_ids` only;
 - `SGLANG_RETURN_ORIGINAL_LOGPROB=1` (set before SGLang is imported): `return_logprob=True` gives each sampled
@@ -50,7 +50,7 @@ from miniverl.rollout.sampling import SamplingParams
 from miniverl.served_policy import probe_tolerance
 
 # What the engine's scheduler process holds in torch's allocator beside its static fraction (weights, LoRA pool and KV
-# pool), from sglang 0.5.17's source and run 3's per-process trace (docs/benchmarks/sglang-gpu/run3.md, H100, the
+# pool), from sglang 0.5.17's source and run 3's per-process trace (lab/results/sglang-gpu/run3.md, H100, the
 # 0.5B-shaped student, 256 rows, a 2,048-token prefill chunk):
 # - SGLANG_GRAPHS_GIB: decode and prefill CUDA graphs and the buffers made at start: the process read 4,754 MiB once
 #   started, less one CUDA context (0.66 GiB), the shared [rows, V] fp32 output buffer (0.14 GiB) and the static
@@ -118,7 +118,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, large
 
 
 def bench_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
-    """A bench's engine (miniverl.bench, decode_profile): sized for its widest call and longest row, half the GPU and
+    """A bench's engine (lab.bench, decode_profile): sized for its widest call and longest row, half the GPU and
     rollout.sglang's defaults unless `attributes` (rollout.sglang keys, or gpu_share) say otherwise, checked as
     validate checks rollout.sglang."""
     a = {"gpu_share": 0.5} | dict(attributes)

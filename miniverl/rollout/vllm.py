@@ -107,7 +107,7 @@ class VllmBackend:
         self.scale = lora.alpha / lora.rank  # peft's plain-LoRA scaling, which vLLM applies too
         # miniverl/served_policy.py's bound for the dtype. Measured for this engine: bf16 vLLM against bf16
         # HF of the same weights and adapter, at most 0.098 nats over ~1M sampled tokens
-        # (docs/benchmarks/rollout-rl-sizes.md).
+        # (lab/results/rollout-rl-sizes.md).
         self.probe_tolerance = probe_tolerance(dtype)
         self.version = 0
         self.request = None  # the LoRARequest now served (adapter mode)

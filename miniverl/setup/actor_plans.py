@@ -30,7 +30,7 @@ from miniverl.models.memory import human, kv_bytes_per_token
 # the prefill): per row the sampler's fp32 [V] logits (ROLLOUT_LOGIT_COPIES of them), per prompt the prefill's
 # transient activations (each prompt token's MLP and hidden-size intermediates, PREFILL_TOKEN_BYTES_PER_*; each
 # prompt's fp32 attention scores and mask, PREFILL_SCORE_COPIES of [heads + 1, P, P]) and ROLLOUT_FIXED_BYTES.
-# Fitted on the H200 to five hf_cached cells of the 0.5B shape (docs/benchmarks/fit-planner.md: 128-512 rows,
+# Fitted on the H200 to five hf_cached cells of the 0.5B shape (lab/results/fit-planner.md: 128-512 rows,
 # 64-600-token prompts, 512 and 1,024 new tokens; each within 0.5%), measured when hf_cached ran every prompt through
 # one prefill pass; it now runs passes of PREFILL_TOKENS (rollout/hf_cached.py), which the plan counts, unmeasured.
 # Two earlier models missed shapes they were not fitted to by up to 21% and 9%, so this one is reported as an
@@ -48,13 +48,13 @@ ROLLOUT_FIXED_BYTES = int(0.30 * 2**30)
 # What the cap limits is what torch's caching allocator reserves, not what is allocated: the prefill's freed blocks
 # stay reserved beside the decode's tensors, which are of other sizes. Reserved peak = allocated peak + the prefill
 # once more: the plan is never under the reserved peak of the eight H200 cells with both numbers, at most 5.7% over
-# (one pass and passes; docs/benchmarks/fit-planner.md "The allocator's reserve"). Without it the 4080 recipe's
+# (one pass and passes; lab/results/fit-planner.md "The allocator's reserve"). Without it the 4080 recipe's
 # rollout planned 4.7 GiB of its 4.9 GiB share at 322-token prompts and ran out of memory in its first prefill
 # (peers.md run 6).
 PREFILL_RESERVED_COPIES = 1.0
 # What nvidia-smi sees of the learner and the scorer is what their caching allocators reserve, not their allocated peak
 # (the model above each actor's line): freed blocks of other sizes (micro-batches and forwards of varying length, the
-# compiled learner's activations) stay reserved. Session 38's seven MOPD cells on an H100 (docs/benchmarks/mopd-gpu.md
+# compiled learner's activations) stay reserved. Session 38's seven MOPD cells on an H100 (lab/results/mopd-gpu.md
 # run 2) reserved 0.24-0.35 x (allocated peak - weights) more in the learner and 0.25-0.53 x in the scorer; the whole
 # card's estimate counts 0.3 x, never past the actor's share (the cap limits reserved memory). Fitted to those seven
 # cells: at the prompts they drew it puts the card within 2.1% of nvidia-smi in six (the seventh is the scorer's
@@ -103,7 +103,7 @@ def step_rows(cfg: MiniVerlConfig) -> int:
 
 
 # The micro-batch past which a larger one buys the learner little (from 16k to 32k tokens it trained only 4% more
-# tokens/s: docs/benchmarks/learner-throughput.md diag2); setup/layout.py sizes the learner's share and chooses
+# tokens/s: lab/results/learner-throughput.md diag2); setup/layout.py sizes the learner's share and chooses
 # gradient checkpointing to reach it.
 CHECKPOINT_FREE_TOKENS = 16384
 

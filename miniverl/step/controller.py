@@ -163,7 +163,7 @@ class StrictSyncController:
     def score_behind(self, flight: InFlight) -> InFlight:
         """`flight` with its teacher scores submitted behind it: the scorer takes the rollout by reference and
         starts when it ends, so one behind (trainer.staleness=1) the next step's scoring runs beside this step's
-        update as its rollout does, instead of after it (the one-behind runs of docs/benchmarks/decode-profile.md
+        update as its rollout does, instead of after it (the one-behind runs of lab/results/decode-profile.md
         spent score + update in series: 1.54 + 3.19 s of a 4.85 s step). The teacher's scores do not depend on
         the policy, so scoring early changes no number. One scorer and one replica's whole batch only (whole_batch)."""
         source = self.whole_batch(flight)

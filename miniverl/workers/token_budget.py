@@ -67,7 +67,7 @@ def shrink_after_oom(tokens: int, world_size: int, longest_row: int, error: str,
     dropped): OOM_SHRINK of it, for this and every later step, said so, with the cache given back. The memory
     model sizes the budget from measured peaks, but the caching allocator's fragmentation depends on what ran
     before (the 4080 recipe's first update went out of memory at 3.3 GiB allocated with 0.76 GiB reserved in
-    holes, docs/benchmarks/qlora-4080.md). Raises MiniVerlError (quoting CUDA's `error`) when the budget cannot
+    holes, lab/results/qlora-4080.md). Raises MiniVerlError (quoting CUDA's `error`) when the budget cannot
     shrink: fixed rows (no token budget), several ranks (the others would wait in the gradient sum), or below
     the batch's `longest_row`."""
     smaller = int(tokens * OOM_SHRINK)

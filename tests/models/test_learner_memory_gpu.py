@@ -1,7 +1,7 @@
 """The learner's peak memory at the real vocabulary size (151,936), on a GPU: a tiny decoder with Qwen2.5's
 vocabulary, 8 rows x 512 response tokens in one micro-batch, GKD top-64 loss + backward through the fused LM
 head, all 4,096 tokens' logits at once against 64-token chunks.
-Skipped without CUDA; run by scripts/gpu_qlora.sh tests."""
+Skipped without CUDA; run by lab/gpu_qlora.sh tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""NF4 on a real GPU (skipped without CUDA and bitsandbytes; run by scripts/gpu_qlora.sh tests): the 4-bit
+"""NF4 on a real GPU (skipped without CUDA and bitsandbytes; run by lab/gpu_qlora.sh tests): the 4-bit
 base loads double-quantized with the LM head left alone, the chunked learner path matches the direct one
 on it, hf_reference serves the learner's own base, and vLLM's bitsandbytes engine is within the gate."""
 
@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from miniverl.bench.e2e_report import GATE_MAX_GAP_MEAN
+from lab.bench.e2e_report import GATE_MAX_GAP_MEAN
 from miniverl.models.lora import LoraSettings, build_lora_model
 from miniverl.rollout.hf_reference import HFReferenceBackend
 from miniverl.rollout.sampling import SamplingParams, row_seeds
@@ -85,7 +85,7 @@ def test_chunked_path_matches_direct_on_nf4(model_dir):
 
 
 def test_hf_reference_and_vllm_serve_the_learners_nf4_base(model_dir):
-    from miniverl.bench.oracle import logprob_gaps
+    from lab.bench.oracle import logprob_gaps
     from tests.rollout.test_vllm_gpu import STOPS, adapter, prompts, settings
 
     learner_side = HFReferenceBackend(str(model_dir), LORA, torch.bfloat16, "cuda", "nf4")

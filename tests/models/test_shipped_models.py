@@ -43,7 +43,7 @@ BUILT_FILES = sorted(
 
 
 def build_script():
-    return load_script("build_models.py")
+    return load_script("scripts/build_models.py")
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ TEACHER = LearnerShape(
 )
 def test_model_matches_the_measured_peaks_from_above_or_within_4_percent(tokens, chunk, measured_gib):
     """Peaks measured on the H200 with the bf16 LoRA arithmetic and the Triton passes (2026-12-02,
-    docs/benchmarks/learner-throughput.md: diag10, confirm3, confirm4 and diag9's first cell; torch's
+    lab/results/learner-throughput.md: diag10, confirm3, confirm4 and diag9's first cell; torch's
     max_memory_allocated): the model may overestimate (safe) but never underestimate by more than 4%."""
     modelled = learner_peak_bytes(STUDENT, tokens, chunk, checkpointing=True, closed_form=True) / GIB
     assert modelled >= measured_gib * 0.96
@@ -50,7 +50,7 @@ def test_model_matches_the_measured_peaks_from_above_or_within_4_percent(tokens,
 
 
 def test_compiled_layers_are_modelled_at_their_measured_peak_and_get_shorter_micro_batches():
-    """diag13a (docs/benchmarks/learner-throughput.md, H200): at 17,751-token micro-batches the compiled layers
+    """diag13a (lab/results/learner-throughput.md, H200): at 17,751-token micro-batches the compiled layers
     peaked at 3.71 GiB allocated where eager ones peaked at 3.29. At the 4080 recipe's learner share (4.14 GiB after
     its context) the eager model's 17,322 tokens went out of memory in the first compiled update of every GPU run
     (peers.md run 2, decode-profile.md runs 3 and 8) and 12,991 ran."""
@@ -116,7 +116,7 @@ def test_an_explicit_budget_over_the_share_is_refused_with_the_one_that_fits():
     [(64, 8_080, 3.813), (64, 32_768, 5.364), (None, 8_080, 3.718)],
 )
 def test_the_scorer_model_is_within_7_percent_above_the_run_9_bench(support_k, tokens, measured_gib):
-    """The scorer alone on an H100 (docs/benchmarks/decode-profile.md run 9, `python -m miniverl.bench.scorer_profile`:
+    """The scorer alone on an H100 (lab/results/decode-profile.md run 9, `python -m lab.bench.scorer_profile`:
     the 1.5B-shape bf16 teacher, 1,024-token chunks, torch's max_memory_allocated): the model overestimates by 2.0%,
     3.7% (top-64) and 6.3% (no support), never under."""
     teacher = dataclasses.replace(TEACHER, weight_bytes=3_087_428_608)  # the 1.5B shape's bf16 weights
@@ -149,7 +149,7 @@ def test_a_scoring_chunk_is_counted_in_the_dtype_its_path_keeps(support_k, tempe
 
 
 def test_the_4080_recipes_teacher_fits_its_share_at_1024_token_chunks_only_when_counted_in_bf16():
-    """Run 6 (docs/benchmarks/qlora-4080.md): the 1.5B teacher's 0.35 share of 16 GiB less its context, 1,024-token
+    """Run 6 (lab/results/qlora-4080.md): the 1.5B teacher's 0.35 share of 16 GiB less its context, 1,024-token
     chunks, GKD top-64. Counted as fp32 copies nothing fit and the scorer fell back to one row per forward
     (8.5 s of scoring a step); counted as the bf16 logits it keeps, it plans forwards well above the 4,388 tokens
     it ran at before, and the fp32 count is now refused instead of crawling."""

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from miniverl.bench.learner import objective_for, ready_for_update, synthetic_batch, synthetic_scores
+from lab.bench.learner import objective_for, ready_for_update, synthetic_batch, synthetic_scores
 from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings
 from miniverl.observe.profile import CallProfile, profile_request

@@ -1,6 +1,6 @@
 """The SGLang backend on a real GPU with the real engine (issue 37): samples, stops and log-probs against the HF
 oracle, row seeds, the probe after every refresh, and strict sync catching a replica that keeps serving an old
-adapter. Skipped without CUDA or sglang (0.5.17 is the release written against: docs/benchmarks/sglang-feasibility.md).
+adapter. Skipped without CUDA or sglang (0.5.17 is the release written against: lab/results/sglang-feasibility.md).
 """
 
 from __future__ import annotations

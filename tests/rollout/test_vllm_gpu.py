@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from miniverl.bench.oracle import logprob_gaps
+from lab.bench.oracle import logprob_gaps
 from miniverl.models.lora import LoraSettings
 from miniverl.rollout.hf_reference import HFReferenceBackend
 from miniverl.rollout.sampling import SamplingParams, row_seeds

@@ -21,14 +21,14 @@ from miniverl.setup.fit import card_bytes, plan_fit
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
-SHAPES = ("0.5b", "1.5b", "7b")  # bench/workload.py REAL_SHAPES, the random models the GPU runs are measured on
+SHAPES = ("0.5b", "1.5b", "7b")  # models/random_init.py REAL_SHAPES, the random models the GPU runs are measured on
 
 
 @pytest.fixture(scope="module")
 def qwen_configs(tmp_path_factory) -> dict[str, Path]:
     """config.json alone of the Qwen2.5-0.5B, -1.5B and -7B shapes: the plan counts their parameters on the meta
     device."""
-    from miniverl.bench.workload import qwen2_config, real_shape
+    from miniverl.models.random_init import qwen2_config, real_shape
 
     root = tmp_path_factory.mktemp("shapes")
     for name in SHAPES:
@@ -70,19 +70,19 @@ def test_the_4080_recipe_plans_the_learners_measured_micro_batch_and_fits(qwen_c
     learner, scorer, rollout = p.actors
     assert learner.share_bytes == int(0.3 * 16 * GIB - 0.66 * GIB)
     assert "micro-batches of up to 17,322 tokens" in learner.choice  # what the learner's own fit_tokens gives
-    # Measured on the H200 (docs/benchmarks/qlora-4080.md run 7, allocated): learner 3.29, scorer 3.65
+    # Measured on the H200 (lab/results/qlora-4080.md run 7, allocated): learner 3.29, scorer 3.65
     assert learner.peak_bytes / GIB == pytest.approx(3.29, rel=0.05)
     # and reserved, the cells the allocator's reserve (fitted in session 38 on other cells) was not fitted to:
     # learner 4.02, scorer 3.98
     assert learner.reserved_bytes / GIB == pytest.approx(4.02, rel=0.05)
     assert scorer.reserved_bytes / GIB == pytest.approx(3.98, rel=0.08)
     # compiled by default there (a Qwen2 student on a GPU): more activations a token, so shorter micro-batches; at
-    # 17,322 its first update went out of memory on every GPU run (docs/benchmarks/peers.md run 2)
+    # 17,322 its first update went out of memory on every GPU run (lab/results/peers.md run 2)
     compiled = plan(recipe(), qwen_configs)
     assert compiled.layout["trainer.compile_layers"] is True
     assert "micro-batches of up to 14,305 tokens" in compiled.actors[0].choice
     assert scorer.peak_bytes / GIB == pytest.approx(3.65, rel=0.15)
-    # hf_cached measured on the H200 (docs/benchmarks/fit-planner.md, decode_profile): the plan is the reserved peak
+    # hf_cached measured on the H200 (lab/results/fit-planner.md, decode_profile): the plan is the reserved peak
     # (what the cap limits), the allocated model fitted to these cells plus the prefill its freed blocks keep reserved;
     # never under the measured reserved peak, at most 5.7% over it
     cells = (
@@ -462,7 +462,7 @@ def test_the_command_exits_1_with_the_plan_when_it_does_not_fit():
 
 def test_the_rollouts_prefill_in_passes_brings_the_4080_recipe_inside_its_share(qwen_configs, monkeypatch):
     """hf_cached's prefill in passes of PREFILL_TOKENS. At 8,192 tokens a pass the plan is within 4.3% over the H200's
-    reserved peaks (docs/benchmarks/fit-planner.md), and puts the recipe over its 4.9 GiB share at 322-token prompts,
+    reserved peaks (lab/results/fit-planner.md), and puts the recipe over its 4.9 GiB share at 322-token prompts,
     where it ran out of memory in its first prefill (peers.md run 6). At 4,096, the default, it fits at 320 and 322
     with room beside it, and far below one pass."""
     import miniverl.rollout.hf_cached as hf_cached

@@ -302,7 +302,7 @@ def test_mopd_experiments_compose_and_validate():
     assert routing_of(single.model) is None and single.model.teacher.path == "builtin:teacher/reverse"
     assert single.objective == mopd.objective and single.data.task == mopd.data.task
     assert single.data.prompts_per_step == mopd.data.prompts_per_step
-    # mopd_single stays the baseline it was measured as (docs/benchmarks/mopd-cpu.md); mopd's recipe since added the
+    # mopd_single stays the baseline it was measured as (lab/results/mopd-cpu.md); mopd's recipe since added the
     # sorting weight, a lower lr and more held-out prompts, and with those three the two would be the same run
     rejoined = load(
         "+experiment=mopd_single",

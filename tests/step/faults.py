@@ -1,5 +1,5 @@
 """Rollout replicas that fail strict sync in ways a real engine does, for the fault-injection tests and
-scripts/measurements/sampler_gap_faults.py. Each acknowledges every snapshot under its published name."""
+lab/measurements/sampler_gap_faults.py. Each acknowledges every snapshot under its published name."""
 
 from __future__ import annotations
 

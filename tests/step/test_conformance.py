@@ -123,7 +123,7 @@ def test_gate_on_a_real_bf16_sampler_against_an_fp32_learner(student_dir, teache
     """A real replica computing in bf16 passes the probe (its bf16 tolerance), and its sampled-token
     gaps to an fp32 learner are measured. Held against a tolerance tighter than bf16 rounding: refused
     without truncation (naming the numbers), passed with TIS. (On the built-in student the same setup
-    sits at PG-k1's own p99 bound: scripts/measurements/measure_gate.py.)"""
+    sits at PG-k1's own p99 bound: lab/measurements/measure_gate.py.)"""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(student_dir))

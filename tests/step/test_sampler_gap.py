@@ -184,7 +184,7 @@ def test_a_replica_whose_generation_kept_an_older_policy_is_stopped(parts, stude
     """Its digest and probe are current (they read the buffers it loaded); only its samples come from v0. Main
     trained on them with the objective's 0.5-nat bound (issue 33: 20 of 20 steps at lr 2e-4). At lr 2e-2 one step
     moves these tiny models (steps of ~20 tokens) beyond bf16's honest gap; at smaller steps the fault is stopped
-    once its accumulated drift is (scripts/measurements/sampler_gap_faults.py: the step each learning rate is caught
+    once its accumulated drift is (lab/measurements/sampler_gap_faults.py: the step each learning rate is caught
     at)."""
     ctl, learner = build(parts, student_dir, StaleSamplingWorker, backend, dtype, 2e-2, probe_every=1)
     gate(ctl, parts[1], backend)

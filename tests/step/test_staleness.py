@@ -364,7 +364,7 @@ def test_a_stale_run_trains_on_the_same_prompts_as_strict_sync_with_as_many_upda
 ):
     """The lag changes which policy samples a step's prompts, nothing else: the same prompt groups in the same
     order, one optimizer step per step at the same learning rate (no schedule), evaluations at the same steps
-    (docs/benchmarks/staleness-cpu.md, "Seeds 2-4": the stale runs' lower final reverse KL is not more data)."""
+    (lab/results/staleness-cpu.md, "Seeds 2-4": the stale runs' lower final reverse KL is not more data)."""
     strict = run_loop_recording(parts, student_dir, tmp_path / "strict", 0)
     stale = run_loop_recording(parts, student_dir, tmp_path / "stale", 1)
     assert len(strict["updates"]) == len(stale["updates"]) == 4

@@ -66,7 +66,7 @@ HONEST_STEPS = 100
 def test_an_honest_replica_is_never_flagged(parts, student_dir, backend, dtype, lr):
     """100 CPU steps after the conformance gate, each one refresh proven by the served digest and by a probe the
     learner moved, each step's sampler gap held to the bound the gate calibrated: no false alarm from the digest,
-    either probe test or the per-step bound (scripts/measurements/sampler_gap_faults.py counts 1,000 steps a cell)."""
+    either probe test or the per-step bound (lab/measurements/sampler_gap_faults.py counts 1,000 steps a cell)."""
     prompts = parts[1]
     ctl, learner = build(parts, student_dir, RolloutWorker, backend, dtype, lr, probe_every=1)
     gate(ctl, prompts, backend)

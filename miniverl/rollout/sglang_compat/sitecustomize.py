@@ -4,7 +4,7 @@
 sglang 0.5.17 registers its own config classes under model types that transformers 5.17.0 already defines
 (`AutoConfig.register("qwen3_asr", ...)` in sglang/srt/configs/qwen3_asr.py), and transformers refuses a second
 registration: on the H200 machine the import, and the engine's scheduler process, died with "'qwen3_asr' is already
-used by a Transformers config" (docs/benchmarks/sglang-gpu/run1.md). Registering with exist_ok=True lets SGLang's
+used by a Transformers config" (lab/results/sglang-gpu/run1.md). Registering with exist_ok=True lets SGLang's
 class answer SGLang's own lookups of those types; miniVERL's models (qwen2, llama, ...) are not among them.
 Python runs the first sitecustomize it finds on sys.path: in the engine's processes this one stands in for the
 interpreter's own (Debian's only installs an apport hook).
