@@ -312,7 +312,8 @@ def test_every_prompt_over_the_limit_stops(tmp_path, chat_tok):
     path = write_parquet(tmp_path / "t.parquet", gsm8k_rows(6))
     with pytest.raises(
         ConfigError,
-        match=r"every training prompt is longer .* \(the shortest, after the chat template, has \d+\); raise data.max_prompt_length to at least \d+",
+        match=r"every training prompt is longer .* \(the shortest, after the chat template, has \d+\); raise"
+        r" data.max_prompt_length to at least \d+",
     ):
         source(chat_tok, [path], limit=5, eval_prompts=1).batch(0, 2)
 
