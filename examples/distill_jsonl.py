@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from miniverl.config import register_configs, to_config
+from miniverl.errors import MiniVerlError, message_of
 from miniverl.main import train
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -54,8 +56,10 @@ def main() -> None:
             ],
         )
     run_dir = Path(args.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    summary = train(to_config(raw), run_dir, OmegaConf.to_container(raw, resolve=True))
+    try:  # a bad input is one line, as python -m miniverl.main prints it, not a traceback
+        summary = train(to_config(raw), run_dir, OmegaConf.to_container(raw, resolve=True))
+    except MiniVerlError as e:
+        sys.exit(f"distill_jsonl: error: {message_of(e)}")
     print(f"reverse KL to the teacher: {summary['start_reverse_kl']:.4f} -> {summary['end_reverse_kl']:.4f}")
     print(f"greedy accuracy: {summary['start_accuracy']:.3f} -> {summary['end_accuracy']:.3f}")
     last = (run_dir / "samples.jsonl").read_text().splitlines()[-1]

@@ -78,3 +78,29 @@ def test_distill_in_process_runs_the_workers_without_ray(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "before: {'eval/accuracy'" in proc.stdout and "step 0: reverse KL" in proc.stdout
     assert "after: {'eval/accuracy'" in proc.stdout
+
+
+def test_distill_jsonl_refuses_a_bad_input_in_one_line(tmp_path):
+    """A config error (here a prompt file that does not exist) is one line on stderr and exit status 1, as
+    `python -m miniverl.main` prints it, not a traceback; nothing is written to --out."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "examples/distill_jsonl.py",
+            str(tmp_path / "missing.jsonl"),
+            "--student=a",
+            "--teacher=b",
+            f"--out={out}",
+            "tracking=disabled",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("distill_jsonl: error: ") and "missing.jsonl" in lines[-1]
+    assert not out.exists()

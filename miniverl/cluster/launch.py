@@ -40,10 +40,29 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
         kwargs["include_dashboard"] = None if cfg.resources.dashboard else False
         kwargs["_system_config"] = {"worker_niceness": WORKER_NICENESS}
     with shielded_children():  # a signal to the whole process group must not kill Ray under the driver
-        ctx = ray.init(**kwargs)
+        try:
+            ctx = ray.init(**kwargs)
+        except Exception as e:  # Ray raises a bare Exception for a node that did not come up
+            raise ray_start_error(e, cfg.resources.ray_address) from e
     url = getattr(ctx, "dashboard_url", None)
     log(f"[miniverl] Ray dashboard: http://{url}" if url else "[miniverl] Ray dashboard: not running")
     return True
+
+
+def ray_start_error(e: Exception, address: str | None) -> Exception:
+    """Ray's start-up failure as one line with the fix, or `e` itself when it is not one Ray names. Two local clusters
+    started at the same instant on a loaded 2-core machine both timed out ("The current node timed out during
+    startup", 2026-12-07), and Ray's message reaches the user through Hydra's traceback with no hint."""
+    from miniverl.errors import ConfigError
+
+    text = str(e)
+    if "timed out during startup" in text or "Deadline Exceeded" in text:
+        where = f"the Ray cluster at resources.ray_address={address}" if address else "a local Ray node"
+        return ConfigError(
+            f"{where} did not start in time ({text.splitlines()[0][:160]}); the machine is likely overloaded or"
+            " another Ray is starting beside it: wait for the other processes (or `ray stop`), then run again"
+        )
+    return e
 
 
 def actor_threads(torch_threads: int, cores: int) -> int:

@@ -133,3 +133,27 @@ def test_the_launcher_hands_every_actor_process_the_runs_attention_setting(
         )
         launch.build_actors(cfg, prepare(cfg, log=lambda *_: None), GkdObjective(0.5, 1.0, 0))
         assert len(started) == (1 if colocate else 3) and all(p.cudnn_attention is asked for p in started)
+
+
+def test_a_ray_node_that_times_out_starting_is_one_line_with_the_fix(monkeypatch):
+    """Ray's bare Exception for a node that did not come up (two local clusters started at once on a loaded machine)
+    becomes a ConfigError naming the cause and the fix; any other exception passes through as it is."""
+    import ray
+
+    from miniverl.cluster.launch import ray_start_error, start_ray
+    from miniverl.errors import ConfigError
+    from tests.test_config import load
+
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster is already running in this process: start_ray would join it")
+
+    def timed_out(**_kwargs):
+        raise Exception(
+            "The current node timed out during startup. This could happen because some of the raylet failed"
+        )
+
+    monkeypatch.setattr(ray, "init", timed_out)
+    with pytest.raises(ConfigError, match=r"a local Ray node did not start in time .* overloaded .* run again"):
+        start_ray(load(), log=lambda *_: None)
+    other = ValueError("another problem")
+    assert ray_start_error(other, None) is other
