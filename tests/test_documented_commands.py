@@ -45,6 +45,10 @@ BASE_EXPERIMENT = "+experiment=gkd"
 EXPERIMENT_OF = {
     # sort is a data source of mopd's reverse+sort task; gkd's reverse task has none (validate refuses the key).
     "trainer.loss_weight_by_source={sort: 4}": "+experiment=mopd",
+    # the chat task and its demonstrations need an instruct model (validate refuses the built-in character models)
+    "data.task=addition_chat": "+experiment=smollm2_addition",
+    "data.teacher_demonstrations=4": "+experiment=smollm2_addition",
+    "data.teacher_demonstrations=0": "+experiment=smollm2_addition",
 }
 # Recipes for the user's data: their data.train_files is a placeholder that validate refuses by design, so they are
 # composed with the user's prompt file (below) after them.
