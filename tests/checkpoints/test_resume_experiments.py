@@ -24,13 +24,16 @@ EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml
 SAVED_STEP = 2
 
 
+# Experiments whose teacher is shown a built-in task's demonstrations: prompt files are refused there (validate).
+BUILT_IN_PROMPTS_ONLY = {"smollm2_addition"}
+
+
 def first_run(run_dir: Path, experiment: str, prompts: Path, *overrides: str) -> dict:
     """The config `+experiment=<experiment>` trains under, saved in a checkpoint of `run_dir` at step 2 (a state.json
     as the learner writes it, with no other files: the resume's config is all that is read here)."""
+    files = () if experiment in BUILT_IN_PROMPTS_ONLY else (f"data.train_files=[{prompts}]",)
     config = dataclasses.asdict(
-        compose_as_main(
-            (f"+experiment={experiment}", f"data.train_files=[{prompts}]", f"hydra.run.dir={run_dir}", *overrides)
-        )
+        compose_as_main((f"+experiment={experiment}", *files, f"hydra.run.dir={run_dir}", *overrides))
     )
     path = step_dir(run_dir, SAVED_STEP)
     path.mkdir(parents=True)
