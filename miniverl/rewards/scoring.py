@@ -120,11 +120,5 @@ def numeric(response: str, ground_truth: str) -> float:
 
     For free-form answers of real models ("27 + 82 = 109", "The answer is 109."). A ground truth that is not a
     number scores nothing: this reward compares numbers only (use boxed or exact_match for other answers)."""
-    answer = extract_numeric(response)
-    truth = extract_numeric(ground_truth)
-    if answer is None or truth is None:
-        return 0.0
-    x, y = to_number(normalize_answer(answer)), to_number(normalize_answer(truth))
-    return float(
-        x is not None and y is not None and math.isclose(x, y, rel_tol=NUMERIC_REL_TOL, abs_tol=NUMERIC_ABS_TOL)
-    )
+    answer, truth = extract_numeric(response), extract_numeric(ground_truth)  # both parse as numbers, or None
+    return float(answer is not None and truth is not None and answers_equal(answer, truth))
