@@ -27,6 +27,7 @@ run, prints them all and writes nothing. It refuses:
   pg_reward_weight      pg_k1 with objective.reward_coef other than 0 or 1
   pg_teacher_weight     pg_k1 with objective.teacher_coef other than 1 (e.g. 0: GRPO on the task reward alone)
   teacher_context       data.teacher_demonstrations > 0: verl's teacher scores the student's own prompt
+  teacher_self          model.teacher.path=self: verl loads a teacher model of its own
   staleness             trainer.staleness=1: verl 0.9.1's one-step-off-policy trainer has no distillation
   lora                  LoRA dropout, a fractional alpha, or a rank vLLM cannot serve
   batch_sizes           samples per step that do not split evenly over GPUs and micro-batches

@@ -164,6 +164,16 @@ def _teacher_context(s: RunSpec) -> str | None:
     )
 
 
+def _teacher_self(s: RunSpec) -> str | None:
+    if not s.cfg.model.teacher_is_self:
+        return None
+    return (
+        "model.teacher.path=self: the teacher is the student's base with its adapter disabled, scored in the learner;"
+        " verl 0.9.1's distillation loads a teacher model of its own in its own pool; set model.teacher.path to the"
+        " student's model (the same weights, loaded as a separate teacher)"
+    )
+
+
 def _staleness(s: RunSpec) -> str | None:
     lag = s.cfg.trainer.staleness
     if lag == 0:
@@ -300,6 +310,7 @@ CHECKS: tuple[Callable[[RunSpec], str | None], ...] = (
     _pg_reward_weight,
     _pg_teacher_weight,
     _teacher_context,
+    _teacher_self,
     _staleness,
     _lora,
     _batch_sizes,

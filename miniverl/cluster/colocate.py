@@ -75,11 +75,11 @@ def processes(actors: dict[str, list[Any]]) -> dict[str, Any]:
     """One handle per actor process, named for what it holds: `rollout`, `scorer0`, ... or `colocated` (whose
     memory peaks are its roles' together: asking each role would count them three times)."""
     out: dict[str, Any] = {}
-    for role, group in actors.items():
+    for role, group in sorted(actors.items(), key=lambda item: item[0] == "scorer"):  # a learner keeps its name
         for i, actor in enumerate(group):
             if isinstance(actor, RoleHandle):
                 out.setdefault("colocated", actor)
-            else:
+            elif not any(actor is seen for seen in out.values()):  # learners that also score (teacher self): once
                 out[role if len(group) == 1 else f"{role}{i}"] = actor
     return out
 

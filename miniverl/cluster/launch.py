@@ -76,7 +76,8 @@ def actor_threads(torch_threads: int, cores: int) -> int:
 
 def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tuple[dict[str, list[Any]], Any]:
     """One rollout replica and learner rank per GPU (one of each without GPUs), and a scorer replica
-    on each of those GPUs or on each of resources.scorer_gpus dedicated GPUs.
+    on each of those GPUs or on each of resources.scorer_gpus dedicated GPUs; with model.teacher.path=self no scorer,
+    and the learners stand in for it (actors["scorer"] is actors["learner"]).
 
     Rollout replicas start first (an engine such as vLLM claims its memory budget at start). With
     GPUs, every replica sits in its GPU's placement bundle and takes its fraction of that GPU.
@@ -167,6 +168,8 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
         "rollout": rollouts,
         "scorer": scorers
         if setup.routing is not None
+        else []
+        if m.teacher_is_self  # the learners score (LearnerWorker.score): handed over as the scorers below
         else [
             start(
                 ScorerWorker,
@@ -218,7 +221,9 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
         cls = colocated_class({role: spec[0] for role, spec in colocated.items()})
         handle = remote_actor(cls, cpus, share, (pg, 0) if pg else None, colocated, process, concurrency_groups=ROLES)
         _wait_ready("colocated", [handle])
-        actors = {role: [RoleHandle(handle, role)] for role in ROLES}
+        actors = {role: [RoleHandle(handle, role)] for role in ROLES if role in colocated}
+    if m.teacher_is_self:
+        actors["scorer"] = actors["learner"]  # the same handles: one process, its adapter off while it scores
     _wait_ready("scorer", actors["scorer"])
     _wait_ready("learner", actors["learner"])
     if plan.count["learner"] > 1:

@@ -2,7 +2,8 @@
 
 The one-GPU layout (a rollout replica, a scorer replica and a learner rank sharing the GPU by their
 `num_gpus` fractions) repeats on each of `gpus` GPUs. With `scorer_gpus = M > 0` the scorer replicas
-move to M more GPUs, one each and whole, and the shared GPUs hold only rollout and learner.
+move to M more GPUs, one each and whole, and the shared GPUs hold only rollout and learner. A run whose teacher is
+the student's own base (model.teacher.path=self) has no scorer replica: the learners score.
 Without GPUs there is one replica of each and no placement group.
 """
 
@@ -45,13 +46,16 @@ def replica_share(num_gpus: float | None, actor: str, gpus: int) -> float:
     return UNPLANNED_SHARES[actor] if num_gpus is None else num_gpus
 
 
-def plan_placement(resources, gpus: int) -> Placement:
-    """The placement for `gpus` shared GPUs (0 = CPU only) and resources.scorer_gpus dedicated ones."""
+def plan_placement(resources, gpus: int, scorer: bool = True) -> Placement:
+    """The placement for `gpus` shared GPUs (0 = CPU only) and resources.scorer_gpus dedicated ones; `scorer` False:
+    no scorer replica (model.teacher.path=self), so it asks for no GPU or CPU."""
     dedicated = resources.scorer_gpus if gpus else 0
     share = {a: replica_share(getattr(resources, a).num_gpus, a, gpus) for a in ACTORS}
     if dedicated:
         share["scorer"] = 1.0
     cpus = {a: getattr(resources, a).num_cpus for a in ACTORS}
+    if not scorer:
+        share["scorer"], cpus["scorer"] = 0.0, 0.0
     shared = [a for a in ACTORS if not (dedicated and a == "scorer")]
     on_one_gpu = {a: share[a] for a in shared}
     if gpus and sum(on_one_gpu.values()) > 1 + 1e-9:
@@ -60,7 +64,7 @@ def plan_placement(resources, gpus: int) -> Placement:
             " the fractions resources.<actor>.num_gpus must sum to at most 1"
         )
     replicas = max(1, gpus)
-    count = {"rollout": replicas, "learner": replicas, "scorer": dedicated or replicas}
+    count = {"rollout": replicas, "learner": replicas, "scorer": (dedicated or replicas) if scorer else 0}
     bundle = {"rollout": list(range(gpus)), "learner": list(range(gpus))}
     bundle["scorer"] = list(range(gpus, gpus + dedicated)) if dedicated else list(range(gpus))
     bundle_cpus = [sum(cpus[a] for a in shared)] * gpus + [cpus["scorer"]] * dedicated

@@ -44,6 +44,13 @@ def check_combinations(cfg: MiniVerlConfig) -> None:
         f" tokens); use 0 (micro_batch_size rows) or at least {longest}",
     )
     check_objective(cfg.objective, r)
+    if cfg.model.teacher_is_self:
+        require(
+            res.scorer_gpus == 0 and not res.scorer.num_gpus,
+            f"model.teacher.path=self scores in the learner, so no scorer actor starts, but"
+            f" resources.scorer_gpus={res.scorer_gpus} and resources.scorer.num_gpus={res.scorer.num_gpus} give it"
+            " GPU; drop them (the learner's share holds the scoring: resources.learner.num_gpus)",
+        )
     g = res.gpus
     require(
         g is None or d.prompts_per_step >= max(1, g),

@@ -8,12 +8,17 @@ from miniverl.config.base import require
 from miniverl.errors import ConfigError
 
 SINGLE_TEACHER_ROLE = "teacher"  # setup.paths key of model.teacher; named teachers are "teachers.<name>"
+# model.teacher.path=self: the teacher is the student's own frozen base (its LoRA adapter disabled), scored by the
+# learner where the student's weights already are; no teacher model is loaded and no scorer actor starts. With
+# data.teacher_demonstrations it is privileged-context self-distillation (docs/objectives.md).
+TEACHER_SELF = "self"
 
 
 @dataclass
 class ModelSpec:
     # builtin:student | builtin:teacher | a model directory | a hub id | a .gguf file | a shipped model's short name
-    # (smollm2-135m-instruct; miniverl/models/gguf.py SHORT_NAMES): a GGUF is converted once into cache_dir
+    # (smollm2-135m-instruct; miniverl/models/gguf.py SHORT_NAMES): a GGUF is converted once into cache_dir;
+    # model.teacher only: self (TEACHER_SELF), the student's own base with its adapter disabled
     path: str = "builtin:student"
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     # none | nf4: bitsandbytes 4-bit NF4, double quantization, bf16 compute (CUDA only). An nf4 student
@@ -76,6 +81,11 @@ class ModelConfig:
             return {SINGLE_TEACHER_ROLE: self.teacher}
         return {f"teachers.{name}": spec for name, spec in self.teachers.items()}
 
+    @property
+    def teacher_is_self(self) -> bool:
+        """model.teacher.path=self (TEACHER_SELF): the student's base scores, in the learner; no scorer actor."""
+        return not self.teachers and self.teacher.path == TEACHER_SELF
+
     def paths(self) -> dict[str, str]:
         """{role: model path} for the student and every teacher ("teacher" or "teachers.<name>")."""
         return {"student": self.student.path, **{role: spec.path for role, spec in self.teacher_roles().items()}}
@@ -87,10 +97,37 @@ class ModelConfig:
         self.lora.check()
         self.student.check("model.student")
         self.teacher.check("model.teacher")
+        self.check_self_teacher()
         self.check_teachers()
         require(
             0 <= self.builtin_min_teacher_accuracy <= 1,
             f"model.builtin_min_teacher_accuracy={self.builtin_min_teacher_accuracy}: must be in [0, 1]",
+        )
+
+    def check_self_teacher(self) -> None:
+        """model.teacher.path=self takes the student's weights as they are: nothing of its own to set, and the student
+        must be a model (a base to disable the adapter on), not `self` too."""
+        require(
+            self.student.path != TEACHER_SELF,
+            "model.student.path=self: only the teacher can be the student's own base; give the student a model"
+            " (a directory, hub id, .gguf, smollm2-135m-instruct or builtin:student)",
+        )
+        for name, spec in self.teachers.items():
+            require(
+                spec.path != TEACHER_SELF,
+                f"model.teachers.{name}.path=self: the student's own base is a teacher only as the single"
+                " model.teacher (model.teacher.path=self, without model.teachers); beside named teachers it is not"
+                f" supported yet, so give model.teachers.{name} a model path",
+            )
+        if self.teacher.path != TEACHER_SELF:
+            return
+        default = ModelSpec()
+        require(
+            (self.teacher.dtype, self.teacher.quantization) == (default.dtype, default.quantization),
+            f"model.teacher.path=self with model.teacher.dtype={self.teacher.dtype} and"
+            f" quantization={self.teacher.quantization}: the teacher is the student's base as the learner holds it"
+            " (model.student.dtype, model.student.quantization); drop model.teacher.dtype and"
+            " model.teacher.quantization",
         )
 
     def check_teachers(self) -> None:

@@ -41,7 +41,10 @@ def run_summary(
         "start_accuracy": result.first_eval["eval/accuracy"],
         "end_accuracy": result.last_eval["eval/accuracy"],
         "by_source": summary_by_source(result.first_eval, result.last_eval),
-        "teachers": {teacher_name(r): setup.paths[r] for r in cfg.model.teacher_roles()},
+        "teachers": {
+            teacher_name(r): f"self ({setup.paths[r]})" if cfg.model.teacher_is_self else setup.paths[r]
+            for r in cfg.model.teacher_roles()
+        },
         "wall_seconds": wall_seconds,
         "checkpoint": result.checkpoint,
         "metrics_file": metrics_file,

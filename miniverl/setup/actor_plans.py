@@ -167,6 +167,10 @@ def scorer_plan(
     from miniverl.models.loading import torch_dtype
     from miniverl.models.sizing import check_scorer_fits, model_shape, scorer_chunk_entry_bytes, scorer_peak_bytes
 
+    if cfg.model.teacher_is_self:  # the learner scores with its adapter off: its share holds it (learner_plan)
+        return ActorPlan(
+            "scorer", 0.0, 0, 0, 0, "none: the learner scores, its adapter disabled (model.teacher.path=self)"
+        )
     specs, t = cfg.model.teacher_roles(), cfg.trainer
     weights = sum(
         sizes[r].weight_bytes(s.quantization, torch_dtype(s.dtype, "cuda").itemsize) for r, s in specs.items()

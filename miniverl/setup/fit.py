@@ -157,8 +157,9 @@ def plan_fit(
         ),
         rollout_plan(cfg, sizes["student"], adapter, share("rollout"), fractions["rollout"]),
     ]
+    absent = {"scorer"} if cfg.model.teacher_is_self else set()  # no process at all (the learner scores)
     for a in actors:
-        if a.share_bytes <= 0:
+        if a.share_bytes <= 0 and a.role not in absent:
             a.problem = (
                 f"resources.{a.role}.num_gpus={a.fraction:g} of the card is no more than its {CUDA_CONTEXT_GIB} GiB"
                 " CUDA context; give it a larger share"
@@ -166,7 +167,7 @@ def plan_fit(
             a.calibrated = True
     for a in actors:
         a.own_gpu = own_scorer_gpu and a.role == "scorer"
-    contexts = 1 if res.colocate else sum(not a.own_gpu for a in actors)
+    contexts = 1 if res.colocate else sum(not a.own_gpu and a.role not in absent for a in actors)
     context = COLOCATED_CONTEXT_GIB if res.colocate else CUDA_CONTEXT_GIB
     return FitPlan(
         total,

@@ -9,6 +9,7 @@ from typing import Any
 
 from miniverl.cluster.placement import placement_gpus, plan_placement, replica_share
 from miniverl.config import AUTO_BACKEND, DataConfig, MiniVerlConfig, ModelConfig, validate
+from miniverl.config.model import SINGLE_TEACHER_ROLE
 from miniverl.data.build import build_prompt_source
 from miniverl.data.tasks import CHAT_TASKS, task_names
 from miniverl.errors import ConfigError
@@ -104,7 +105,7 @@ def resolve_model_paths(model: ModelConfig, data: DataConfig, log=print, loads: 
         )
     out = {}
     for role, path in specs.items():
-        if role in builtin:
+        if role in builtin or (role == SINGLE_TEACHER_ROLE and model.teacher_is_self):
             continue
         field = f"model.{role}.path"
         converted = ensure_converted(path, field, model.cache_dir, log)
@@ -123,6 +124,8 @@ def resolve_model_paths(model: ModelConfig, data: DataConfig, log=print, loads: 
             accuracy = built_accuracy(built["teacher"])
             log(f"[miniverl] built-in teacher for task {recipe.task!r}: greedy accuracy {accuracy:.3f}")
             require_competent_teacher(accuracy, model.builtin_min_teacher_accuracy, recipe, built["teacher"])
+    if model.teacher_is_self:  # the student's own directory: its tokenizer and shape are the teacher's
+        out[SINGLE_TEACHER_ROLE] = out["student"]
     return out
 
 
@@ -137,6 +140,16 @@ def choose_rollout_backend(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
     return {"rollout.backend": backend}
 
 
+def choose_no_scorer(cfg: MiniVerlConfig) -> dict[str, float]:
+    """resources.scorer.num_gpus=0 for a run whose teacher is the student's base (model.teacher.path=self): the
+    learner scores, and no scorer actor starts to take a share; {} otherwise (the config's own value is checked by
+    validate: config/checks.py)."""
+    if not cfg.model.teacher_is_self or cfg.resources.scorer.num_gpus is not None:
+        return {}
+    cfg.apply({"resources.scorer.num_gpus": 0.0})
+    return {"resources.scorer.num_gpus": 0.0}
+
+
 def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
     """The driver's Setup for a caller of its own (tests, scripts): the config's own checks and the device, then
     load_setup. A run goes through prepare_run instead, which checks the run directory and tracking as well."""
@@ -147,7 +160,7 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
 def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     """Resolve models, check vocabularies, the LoRA targets, stop ids, prompts and their rewards, for a config that
     validate has passed and its resolved `device`."""
-    chosen_backend = choose_rollout_backend(cfg, log)
+    chosen_early = {**choose_rollout_backend(cfg, log), **choose_no_scorer(cfg)}
     require_engine(cfg.rollout.backend, device)
     engine_rows, largest_call = cfg.rollout.engine_rows(cfg.data), cfg.rollout.largest_call(cfg.data)
     objective = build_objective(cfg.objective)  # objectives/interface.py: what the plan and every actor read
@@ -179,10 +192,10 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
             log(f"[miniverl] {line}")
         if plan.refusals:
             raise ConfigError("the run does not fit its card: " + "; ".join(plan.refusals))
-        chosen = {**chosen_backend, **plan.layout}
+        chosen = {**chosen_early, **plan.layout}
         planned = plan.record()
     else:
-        chosen = dict(chosen_backend)
+        chosen = dict(chosen_early)
         planned = None
         if t.logprob_chunk_tokens is None:
             chosen["trainer.logprob_chunk_tokens"] = 0
@@ -227,7 +240,7 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     reward_fn = build_reward(cfg.reward, student_tok)
     seen_sources = eval_batch.data_source + first.data_source
     reward_fn.check_sources(seen_sources)
-    placement = plan_placement(res, gpus)  # each actor's replicas and shares: fractions over 1 refused here
+    placement = plan_placement(res, gpus, not cfg.model.teacher_is_self)  # fractions over 1 refused here
     lora = LoraSettings.from_config(cfg.model.lora)
     sampling = SamplingParams.from_config(cfg.rollout, stops)
     routing = routing_of(cfg.model)

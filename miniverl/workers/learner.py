@@ -380,6 +380,30 @@ class LearnerWorker:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
+    def score(self, batch: RolloutBatch, support_k: int | None, temperature: float = 1.0) -> TeacherScores:
+        """The teacher's scores when the teacher is the student's own base (model.teacher.path=self): ScorerWorker.score
+        with this learner's model, its LoRA adapter disabled and dropout off, in the update's micro-batches, after the
+        batch's teacher prompts where it has them (data.teacher_demonstrations). The controller calls it as it calls a
+        scorer (cluster/launch.py hands the learners over as the scorers): no second model, no scorer process."""
+        from miniverl.workers.scorer import score_rows
+
+        self.model.eval()
+        try:
+            with self.model.disable_adapter():
+                return score_rows(
+                    self.model,
+                    batch,
+                    support_k,
+                    temperature,
+                    None,  # the student's own vocabulary
+                    self.max_tokens,
+                    self.micro_batch_size,
+                    self.chunk_tokens,
+                    self.device,
+                )
+        finally:
+            self.model.train()
+
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The reference policy is the student with its adapter disabled. Shapes: -> [B, Tr] (CPU)."""
         with self.model.disable_adapter():

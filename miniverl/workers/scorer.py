@@ -64,59 +64,17 @@ class ScorerWorker:
         Shapes: -> teacher_log_probs [B, Tr], support [B, Tr, K] (or [B, Tr, V]) and tail [B, Tr].
         MINIVERL_PROFILE_CALL=K profiles the K-th call where it runs (observe/profile.py).
         """
-        batch = batch.teacher_view()  # privileged context: the teacher's own prompts before the same responses
-        b, tr = batch.responses.shape
-        v = self.vocab_size or self.model.config.vocab_size
-        k = None if support_k is None else (v if support_k == 0 or support_k >= v else support_k)
-        sampled = torch.zeros((b, tr), dtype=torch.float32, device=self.device)
-        # A full-vocabulary support ([B, Tr, V] fp32, up to trainer.vocab_memory_budget_gib) is gathered on the CPU,
-        # as the scores are handed over: it need not fit the scorer's GPU share beside the teacher.
-        full = k is not None and k == v
-        top_lp = (
-            None if k is None else torch.zeros((b, tr, k), dtype=torch.float32, device="cpu" if full else self.device)
+        return score_rows(
+            self.model,
+            batch,
+            support_k,
+            temperature,
+            self.vocab_size,
+            self.max_tokens,
+            self.micro_batch_size,
+            self.chunk_tokens,
+            self.device,
         )
-        top_ids = None if k is None or k == v else torch.zeros((b, tr, k), dtype=torch.long, device=self.device)
-        tail = None if top_ids is None else torch.zeros((b, tr), dtype=torch.float32, device=self.device)
-        for rows in batch_micro_batches(batch, self.max_tokens, self.micro_batch_size):
-            packed = pack_rows(batch, rows)
-            with record_function("scorer/forward"):  # the phases a profile splits (bench/scorer_profile.py)
-                hidden, head = packed_hidden(self.model, packed)  # [N, H]
-            chunk = max(hidden.shape[0] if self.chunk_tokens <= 0 else self.chunk_tokens, 1)
-            # Moved once per forward: a CPU index inside the chunk loop would wait for the GPU every chunk.
-            rows_d, cols_d, targets_d = (t.to(self.device) for t in (packed.rows, packed.cols, packed.targets))
-            for start in range(0, hidden.shape[0], chunk):
-                at = slice(start, start + chunk)
-                r, c = rows_d[at], cols_d[at]
-                with record_function("scorer/head"):
-                    logits = head(hidden[at])[..., :v]  # [c, V_student], model dtype
-                    lse = row_logsumexp(logits)  # [c]: the sampled tokens' log-probs are at temperature 1
-                    sampled[r, c] = sampled_logprobs(logits, targets_d[at], lse)
-                if k is None:
-                    continue
-                with record_function("scorer/support"):
-                    if not full and temperature == 1.0:
-                        # Top-K + tail straight from the logits (log-softmax is the logits minus one number per row,
-                        # so their top K are the log-probs' top K): no fp32 copy of the chunk (vocab_kernels.py).
-                        values, ids = logits.topk(k, dim=-1)  # [c, K]
-                        top_lp[r, c], top_ids[r, c] = values.float() - lse[:, None], ids
-                        logits.scatter_(1, ids, float("-inf"))
-                        tail[r, c] = row_logsumexp(logits) - lse
-                        continue
-                    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [c, V]
-                    if full:
-                        top_lp[packed.rows[at], packed.cols[at]] = logp.cpu()
-                        continue
-                    values, ids = logp.topk(k, dim=-1)  # [c, K]
-                    top_lp[r, c], top_ids[r, c] = values, ids
-                    tail[r, c] = torch.logsumexp(logp.scatter(-1, ids, float("-inf")), dim=-1)
-
-        def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.cpu()
-
-        with record_function("scorer/handover"):
-            # int32 ids: half the bytes of the step's largest hand-over (GKD casts them back to long to gather)
-            ids32 = None if top_ids is None else top_ids.to(torch.int32)
-            return TeacherScores(sampled.cpu(), cpu(top_lp), cpu(ids32), cpu(tail), temperature)
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -145,3 +103,70 @@ class ScorerWorker:
 
     def memory(self) -> dict[str, float]:
         return memory_report(self.device)
+
+
+@torch.no_grad()
+def score_rows(
+    model,
+    batch: RolloutBatch,
+    support_k: int | None,
+    temperature: float,
+    vocab_size: int | None,
+    max_tokens: int,
+    micro_batch_size: int,
+    chunk_tokens: int,
+    device,
+) -> TeacherScores:
+    """ScorerWorker.score with `model` as the teacher (its arguments as the worker holds them): the scorer's own
+    teacher, or the learner's student with its adapter disabled (model.teacher.path=self, LearnerWorker.score)."""
+    batch = batch.teacher_view()  # privileged context: the teacher's own prompts before the same responses
+    b, tr = batch.responses.shape
+    v = vocab_size or model.config.vocab_size
+    k = None if support_k is None else (v if support_k == 0 or support_k >= v else support_k)
+    sampled = torch.zeros((b, tr), dtype=torch.float32, device=device)
+    # A full-vocabulary support ([B, Tr, V] fp32, up to trainer.vocab_memory_budget_gib) is gathered on the CPU,
+    # as the scores are handed over: it need not fit the scorer's GPU share beside the teacher.
+    full = k is not None and k == v
+    top_lp = None if k is None else torch.zeros((b, tr, k), dtype=torch.float32, device="cpu" if full else device)
+    top_ids = None if k is None or k == v else torch.zeros((b, tr, k), dtype=torch.long, device=device)
+    tail = None if top_ids is None else torch.zeros((b, tr), dtype=torch.float32, device=device)
+    for rows in batch_micro_batches(batch, max_tokens, micro_batch_size):
+        packed = pack_rows(batch, rows)
+        with record_function("scorer/forward"):  # the phases a profile splits (bench/scorer_profile.py)
+            hidden, head = packed_hidden(model, packed)  # [N, H]
+        chunk = max(hidden.shape[0] if chunk_tokens <= 0 else chunk_tokens, 1)
+        # Moved once per forward: a CPU index inside the chunk loop would wait for the GPU every chunk.
+        rows_d, cols_d, targets_d = (t.to(device) for t in (packed.rows, packed.cols, packed.targets))
+        for start in range(0, hidden.shape[0], chunk):
+            at = slice(start, start + chunk)
+            r, c = rows_d[at], cols_d[at]
+            with record_function("scorer/head"):
+                logits = head(hidden[at])[..., :v]  # [c, V_student], model dtype
+                lse = row_logsumexp(logits)  # [c]: the sampled tokens' log-probs are at temperature 1
+                sampled[r, c] = sampled_logprobs(logits, targets_d[at], lse)
+            if k is None:
+                continue
+            with record_function("scorer/support"):
+                if not full and temperature == 1.0:
+                    # Top-K + tail straight from the logits (log-softmax is the logits minus one number per row,
+                    # so their top K are the log-probs' top K): no fp32 copy of the chunk (vocab_kernels.py).
+                    values, ids = logits.topk(k, dim=-1)  # [c, K]
+                    top_lp[r, c], top_ids[r, c] = values.float() - lse[:, None], ids
+                    logits.scatter_(1, ids, float("-inf"))
+                    tail[r, c] = row_logsumexp(logits) - lse
+                    continue
+                logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [c, V]
+                if full:
+                    top_lp[packed.rows[at], packed.cols[at]] = logp.cpu()
+                    continue
+                values, ids = logp.topk(k, dim=-1)  # [c, K]
+                top_lp[r, c], top_ids[r, c] = values, ids
+                tail[r, c] = torch.logsumexp(logp.scatter(-1, ids, float("-inf")), dim=-1)
+
+    def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.cpu()
+
+    with record_function("scorer/handover"):
+        # int32 ids: half the bytes of the step's largest hand-over (GKD casts them back to long to gather)
+        ids32 = None if top_ids is None else top_ids.to(torch.int32)
+        return TeacherScores(sampled.cpu(), cpu(top_lp), cpu(ids32), cpu(tail), temperature)

@@ -35,6 +35,7 @@ CASES = {
     "pg_reward_weight": {"objective.reward_coef": 0.5},
     "pg_teacher_weight": {"objective.teacher_coef": 0.0, "objective.reward_coef": 1.0},
     "teacher_context": {"data.task": "addition_chat", "data.teacher_demonstrations": 2},
+    "teacher_self": {"model.teacher.path": "self", "resources.scorer_gpus": 0},  # no scorer to give GPUs
     "staleness": {"trainer.staleness": 1},
     "lora": {"model.lora.dropout": 0.05},
     "batch_sizes": {"trainer.micro_batch_size": 3},
