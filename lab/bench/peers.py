@@ -437,9 +437,12 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         ap.error(f"--prompt-len {e}")
     if a.stop_median < 0:
         ap.error(f"--stop-median={a.stop_median}: give the median response length in tokens, or 0 for no stop ids")
-    for name in ("student", "teacher"):
+    self_teacher = str(a.teacher) == "self"  # model.teacher.path=self: miniVERL's cells only (the peers need a model)
+    for name in ("student",) if self_teacher else ("student", "teacher"):
         if not (getattr(a, name) / "config.json").is_file():
             ap.error(f"--{name}={getattr(a, name)}: not a model directory (no config.json)")
+    if self_teacher and any(CELLS[c].peer != "miniVERL" for c in cells):
+        ap.error("--teacher self (the student's base as teacher) runs miniVERL's cells only: name them with --cells")
     if a.unsloth_site is not None and not a.unsloth_site.is_dir():
         ap.error(f"--unsloth-site={a.unsloth_site}: no such folder; unpack the unsloth bundle there first")
     if not a.cpu and not _cuda_visible():
@@ -451,7 +454,7 @@ def parse_args(argv: list[str] | None = None) -> Plan:
             f"--miniverl-overrides: {' '.join(bad)} is not a Hydra override; write key=value, e.g."
             " trainer.compile_layers=false"
         )
-    configs = {name: _model_config(getattr(a, name)) for name in ("student", "teacher")}
+    configs = {name: _model_config(getattr(a, "student" if self_teacher else name)) for name in ("student", "teacher")}
     stop_ids = stop_set(a.stop_median, configs["student"]["vocab_size"], STOP_SEED) if a.stop_median else ()
     prompt_tokens = 0
     if prompt_len != DEFAULT_PROMPT_LEN:  # the default keeps today's cells, which checked no positions either

@@ -49,7 +49,8 @@ def check_combinations(cfg: MiniVerlConfig) -> None:
             res.scorer_gpus == 0 and not res.scorer.num_gpus,
             f"model.teacher.path=self scores in the learner, so no scorer actor starts, but"
             f" resources.scorer_gpus={res.scorer_gpus} and resources.scorer.num_gpus={res.scorer.num_gpus} give it"
-            " GPU; drop them (the learner's share holds the scoring: resources.learner.num_gpus)",
+            " GPU; set resources.scorer.num_gpus=0 and resources.scorer_gpus=0 (recipes such as gkd_4080 set a share),"
+            " and give the learner what the scorer had if you want it (resources.learner.num_gpus)",
         )
     g = res.gpus
     require(
