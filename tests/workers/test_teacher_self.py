@@ -57,6 +57,9 @@ def test_the_learner_scores_as_a_scorer_of_its_base_with_the_adapter_left_in_pla
     assert torch.allclose(own.teacher_log_probs, separate.teacher_log_probs, atol=1e-5)
     assert torch.equal(own.teacher_topk_ids, separate.teacher_topk_ids)
     assert torch.allclose(own.teacher_tail_logprob, separate.teacher_tail_logprob, atol=1e-5)
+    sampled_only = learner.score(batch, None)  # PG-k1's: the sampled tokens' log-probs alone
+    assert sampled_only.teacher_topk_ids is None
+    assert torch.allclose(sampled_only.teacher_log_probs, separate.teacher_log_probs, atol=1e-5)
     assert torch.equal(learner.sampled_logprobs(batch), policy_before)  # scoring left the adapter on
     # the positive control: the adapter moved, so the policy is no longer its base
     assert not torch.allclose(policy_before[mask], own.teacher_log_probs[mask], atol=1e-3)
