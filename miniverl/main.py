@@ -91,9 +91,10 @@ def train_holding_the_lock(
     """train's run, once it holds run_dir's lock."""
     import ray
 
+    from miniverl.atomic import atomic_write_text
     from miniverl.checkpoints.compat import identity_hash
     from miniverl.cluster.actors import call_all
-    from miniverl.cluster.faults import RunInterrupted, StopRequests
+    from miniverl.cluster.faults import RunInterrupted, StartupInterrupted, StopRequests
     from miniverl.cluster.launch import build_actors, start_ray, teardown
     from miniverl.errors import MiniVerlError, disk_full, message_of
     from miniverl.observe.dashboard import RunGauges
@@ -171,6 +172,10 @@ def train_holding_the_lock(
     except MiniVerlError as e:
         status.setdefault("error", first_line(message_of(e)))
         raise
+    except StartupInterrupted as e:  # a signal before the first step (StartupSignals): nothing to save yet
+        status = {"status": "interrupted", "error": f"{e} while starting: stopped before the first step, nothing saved"}
+        status["plan"] = setup.plan
+        raise
     except KeyboardInterrupt as e:  # a second signal mid-step (StopRequests): stopped at once, nothing saved
         saved = loop.checkpoint if loop is not None else None
         kept = f"the last checkpoint {saved} is as it was" if saved else "no checkpoint was written"
@@ -194,6 +199,11 @@ def train_holding_the_lock(
                 log(f"[miniverl] could not write {run_dir / 'summary.json'} ({e.strerror or e}): {status}")
             if cfg.tracking.plots:
                 write_plots(tracker.metrics_path, run_dir, log)
+        else:  # ended before tracking began (Ray, the actors, the gate): the summary says how, all the same
+            try:
+                atomic_write_text(run_dir / "summary.json", json.dumps(status, indent=2))
+            except OSError as e:
+                log(f"[miniverl] could not write {run_dir / 'summary.json'} ({e.strerror or e}): {status}")
         if started_ray:
             ray.shutdown()
         else:

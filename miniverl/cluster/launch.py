@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 from typing import TYPE_CHECKING, Any
 
 from miniverl.cluster.actors import call, call_all, check_cluster_resources, gpu_placement_group, remote_actor
@@ -39,7 +42,7 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
         # None lets Ray start the dashboard only when its packages (ray[default]) are installed.
         kwargs["include_dashboard"] = None if cfg.resources.dashboard else False
         kwargs["_system_config"] = {"worker_niceness": WORKER_NICENESS}
-    with shielded_children():  # a signal to the whole process group must not kill Ray under the driver
+    with shielded_children(), kept_signal_handlers():  # a group signal must not kill Ray under the driver
         try:
             ctx = ray.init(**kwargs)
         except Exception as e:  # Ray raises a bare Exception for a node that did not come up
@@ -47,6 +50,22 @@ def start_ray(cfg: MiniVerlConfig, log=print) -> bool:
     url = getattr(ctx, "dashboard_url", None)
     log(f"[miniverl] Ray dashboard: http://{url}" if url else "[miniverl] Ray dashboard: not running")
     return True
+
+
+@contextlib.contextmanager
+def kept_signal_handlers():
+    """The driver's SIGINT and SIGTERM handlers as they were before the block, put back after it. ray.init installs
+    handlers of its own (its core worker's C++ failure handler dumps a stack for SIGTERM), which replaced the run's
+    StartupSignals: `timeout` during actor start-up printed Ray's dump instead of one line and wrote no summary.json.
+    Main thread only (elsewhere signals cannot be set)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            if handler is not None:  # None: set outside Python, nothing to put back
+                signal.signal(s, handler)  # re-set even when Python sees it unchanged: C code may have replaced it
 
 
 def ray_start_error(e: Exception, address: str | None) -> Exception:

@@ -73,3 +73,39 @@ def test_actor_processes_ignore_stop_signals_and_print_no_bitsandbytes_note():
     proc = subprocess.run([sys.executable, "-c", ACTOR], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "alive", proc.stderr[-2000:]
     assert "pip install kernels" not in proc.stderr
+
+
+def test_ray_init_cannot_take_the_start_up_handlers_away():
+    """ray.init installs signal handlers of its own (its core worker's C++ handler dumped a stack for a SIGTERM from
+    `timeout` while the actors started); start_ray puts the run's back (cluster/launch.py kept_signal_handlers)."""
+    from miniverl.cluster.launch import kept_signal_handlers
+
+    with StartupSignals():
+        ours = signal.getsignal(signal.SIGTERM)
+        with kept_signal_handlers():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as ray.init replaces it
+        assert signal.getsignal(signal.SIGTERM) is ours
+        with pytest.raises(StartupInterrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+            pytest.fail("SIGTERM did not interrupt")
+
+
+def test_a_signal_while_the_actors_start_still_writes_the_summary(tmp_path, student_dir, teacher_dir, monkeypatch):
+    """Before tracking begins there was no summary.json at all; now it says the run was interrupted and how."""
+    import json
+
+    import miniverl.cluster.launch as launch
+    from miniverl.main import train
+    from tests.test_config import with_models
+
+    def interrupted(*_args):
+        raise StartupInterrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(launch, "start_ray", lambda cfg, log: False)
+    monkeypatch.setattr(launch, "build_actors", interrupted)
+    cfg = with_models(student_dir, teacher_dir, "resources.device=cpu", "tracking=disabled")
+    with pytest.raises(StartupInterrupted):
+        train(cfg, tmp_path / "run", {}, lambda *_: None)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert summary["error"] == "SIGTERM while starting: stopped before the first step, nothing saved"
