@@ -54,11 +54,10 @@ def plan_run(cfg, log=print):
     from miniverl.models.loading import load_model_config
     from miniverl.objectives import build_objective
     from miniverl.setup.fit import card_plan
-    from miniverl.setup.prepare import USER_MODEL_FIX, choose_no_scorer, choose_rollout_backend, resolve_model_paths
+    from miniverl.setup.prepare import USER_MODEL_FIX, choose_rollout_backend, resolve_model_paths
 
     check_values(cfg)  # every check a run makes of the config but the prompt files': memory does not depend on them
     choose_rollout_backend(cfg, log)  # the plan sizes the rollout the run will start
-    choose_no_scorer(cfg)  # model.teacher.path=self: the learner scores, no scorer takes a share
     paths = resolve_model_paths(cfg.model, cfg.data, log, loads=False)  # config.json alone is enough to plan
     configs = {role: load_model_config(p, f"model.{role}.path", USER_MODEL_FIX) for role, p in paths.items()}
     return card_plan(cfg, build_objective(cfg.objective), paths, configs, configs["student"].vocab_size)

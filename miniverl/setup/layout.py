@@ -56,6 +56,7 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     unset = [a for a in actors if getattr(res, a).num_gpus is None]
     if not unset:
         return cfg, {}, []
+    absent = {"scorer"} if cfg.model.teacher_is_self and "scorer" in unset else set()  # the learner scores
     steps = round(1 / SHARE_STEP)
     card_gib = total / 2**30
 
@@ -74,6 +75,8 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     least = {"learner": fits.least("learner", steps), "scorer": fits.least("scorer", steps)}
     chosen: dict[str, int] = {a: steps for a in own_gpu if a in unset}
     why: dict[str, str] = {a: f"a GPU of its own (resources.scorer_gpus={res.scorer_gpus})" for a in chosen}
+    for a in absent:
+        chosen[a], why[a] = 0, "no scorer: the learner scores with its adapter disabled (model.teacher.path=self)"
     if "rollout" in unset:
         if cfg.rollout.paged_engine:  # their KV cache fills what a share leaves
             chosen["rollout"] = round(AUTO_SHARE * steps)
@@ -85,7 +88,7 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
         else:
             peak = rollout_plan(cfg, sizes["student"], adapter, 0, 0.0).peak_bytes
             need = least_steps(peak * (1 + ROLLOUT_SHARE_MARGIN))
-            room = steps - sum(kept.get(a, least[a]) for a in on_card if a != "rollout")
+            room = steps - sum(kept.get(a, chosen.get(a, least[a])) for a in on_card if a != "rollout")
             chosen["rollout"] = max(min(need, room), 1)
             why["rollout"] = (
                 f"its modelled peak {human(peak)} + {ROLLOUT_SHARE_MARGIN:.0%} and its CUDA context"

@@ -140,16 +140,6 @@ def choose_rollout_backend(cfg: MiniVerlConfig, log=print) -> dict[str, str]:
     return {"rollout.backend": backend}
 
 
-def choose_no_scorer(cfg: MiniVerlConfig) -> dict[str, float]:
-    """resources.scorer.num_gpus=0 for a run whose teacher is the student's base (model.teacher.path=self): the
-    learner scores, and no scorer actor starts to take a share; {} otherwise (the config's own value is checked by
-    validate: config/checks.py)."""
-    if not cfg.model.teacher_is_self or cfg.resources.scorer.num_gpus is not None:
-        return {}
-    cfg.apply({"resources.scorer.num_gpus": 0.0})
-    return {"resources.scorer.num_gpus": 0.0}
-
-
 def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
     """The driver's Setup for a caller of its own (tests, scripts): the config's own checks and the device, then
     load_setup. A run goes through prepare_run instead, which checks the run directory and tracking as well."""
@@ -160,7 +150,7 @@ def prepare(cfg: MiniVerlConfig, log=print) -> Setup:
 def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     """Resolve models, check vocabularies, the LoRA targets, stop ids, prompts and their rewards, for a config that
     validate has passed and its resolved `device`."""
-    chosen_early = {**choose_rollout_backend(cfg, log), **choose_no_scorer(cfg)}
+    chosen_early = choose_rollout_backend(cfg, log)
     require_engine(cfg.rollout.backend, device)
     engine_rows, largest_call = cfg.rollout.engine_rows(cfg.data), cfg.rollout.largest_call(cfg.data)
     objective = build_objective(cfg.objective)  # objectives/interface.py: what the plan and every actor read

@@ -94,7 +94,6 @@ def test_a_run_with_teacher_self_places_and_plans_no_scorer(chat_student_dir):
     setup = prepare(cfg, log=lambda *_: None)
     assert setup.paths["teacher"] == setup.paths["student"]
     assert setup.placement.count["scorer"] == 0 and setup.placement.totals()["scorer"] == {"CPU": 0.0, "GPU": 0.0}
-    assert setup.chosen["resources.scorer.num_gpus"] == 0.0
 
 
 def test_the_plan_has_no_scorer_process(chat_student_dir):
@@ -103,7 +102,6 @@ def test_the_plan_has_no_scorer_process(chat_student_dir):
 
     from miniverl.objectives import build_objective
     from miniverl.setup.fit import card_plan
-    from miniverl.setup.prepare import choose_no_scorer
 
     def plan(*overrides):
         cfg = load(
@@ -116,11 +114,11 @@ def test_the_plan_has_no_scorer_process(chat_student_dir):
         config = AutoConfig.from_pretrained(str(chat_student_dir))
         paths = {"student": str(chat_student_dir), "teacher": str(chat_student_dir)}
         objective = build_objective(cfg.objective)
-        choose_no_scorer(cfg)  # as load_setup and the fit planner choose it
         return card_plan(cfg, objective, paths, {"student": config, "teacher": config}, config.vocab_size, True)
 
     separate, own = plan(), plan("model.teacher.path=self")
     scorer = {a.role: a for a in own.actors}["scorer"]
+    assert own.layout["resources.scorer.num_gpus"] == 0.0  # chosen, and said: the learner scores
     assert scorer.weight_bytes == 0 and scorer.peak_bytes == 0 and scorer.problem is None
     assert own.contexts == separate.contexts - 1 and not own.refusals
     learner = {a.role: a for a in own.actors}["learner"]
