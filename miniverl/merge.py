@@ -142,23 +142,28 @@ def weight_digests(base: Path) -> dict[str, str]:
     return {f.name: file_digest(f.resolve()) for f in files}  # a hub snapshot's files are links into its blobs
 
 
+def base_record(ref: str, base: Path) -> dict[str, Any]:
+    """What build.json says of the base: the config's reference, the directory it resolved to, its weight files'
+    SHA-256 and, for a converted GGUF file, the file it came from and that file's SHA-256 (models/gguf.py)."""
+    from miniverl.models.gguf import read_record
+
+    record = {"ref": ref, "path": str(base.resolve()), "sha256": weight_digests(base)}
+    converted = read_record(base)
+    if converted:
+        record["converted_from"] = {k: converted.get(k) for k in ("source", "source_sha256")}
+    return record
+
+
 def merge(source: str | Path, out: str | Path, dtype: str = STORED_DTYPE) -> Path:
     """Write the policy of the checkpoint `source` names (find_checkpoint) as a model directory `out`; returns it.
 
     Every refusal (a missing or empty source, an `out` that holds files, a quantized student, an adapter that does
     not hash to its recorded digest) comes before a model is loaded. `dtype`: stored (the base's) or a DTYPES name.
     """
-    from safetensors.torch import load_file
-
-    from miniverl.atomic import atomic_dir
-    from miniverl.checkpoints.files import ADAPTER_WEIGHTS
     from miniverl.checkpoints.store import load_valid_state
-    from miniverl.models.hub import check_model_dir
     from miniverl.models.loading import DTYPES, load_tokenizer
-    from miniverl.models.lora import LoraSettings, build_lora_model, load_adapter_state
-    from miniverl.models.tokenizer_match import check_same_tokenizer
+    from miniverl.models.lora import LoraSettings
     from miniverl.setup.prepare import resolve_model_paths
-    from miniverl.workers.learner_checkpoint import check_restored
 
     source, out = Path(source).expanduser(), Path(out).expanduser()
     if dtype != STORED_DTYPE and dtype not in DTYPES:
@@ -175,12 +180,7 @@ def merge(source: str | Path, out: str | Path, dtype: str = STORED_DTYPE) -> Pat
     base = Path(resolve_model_paths(model_cfg, data_cfg, log=log, roles=("student",))["student"])
     saved_as = out_dtype(dtype, base)
     lora = LoraSettings.from_config(model_cfg.lora)
-    log(f"loading the base {base} in {MERGE_DTYPE} and the adapter (rank {lora.rank}, alpha {lora.alpha})")
-    model = build_lora_model(str(base), lora, DTYPES[MERGE_DTYPE], "cpu")
-    load_adapter_state(model, load_file(str(checkpoint / ADAPTER_WEIGHTS)))
-    identity = check_restored(str(checkpoint), model, int(state["policy_version"]), state["policy_digest"])
-    log(f"the restored adapter hashes to the recorded policy {identity.short()}; merging")
-    merged = model.merge_and_unload().to(DTYPES[saved_as])
+    merged = merged_policy(checkpoint, state, base, lora).to(DTYPES[saved_as])
     tokenizer = load_tokenizer(str(base), "model.student.path", "re-save the base model's tokenizer")
     record = {
         "source": str(source.resolve()),
@@ -189,7 +189,7 @@ def merge(source: str | Path, out: str | Path, dtype: str = STORED_DTYPE) -> Pat
         "policy_version": state["policy_version"],
         "policy_digest": state["policy_digest"],
         "run_miniverl_version": state.get("miniverl_version"),  # the miniverl that trained it
-        "base": {"ref": model_cfg.student.path, "path": str(base.resolve()), "sha256": weight_digests(base)},
+        "base": base_record(model_cfg.student.path, base),
         "lora": {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)},
         "merged_in": MERGE_DTYPE,
         "dtype": saved_as,
@@ -197,20 +197,49 @@ def merge(source: str | Path, out: str | Path, dtype: str = STORED_DTYPE) -> Pat
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     log(f"saving the merged model in {saved_as} to {out}")
+    write_model(out, merged, tokenizer, record, base)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    took = time.perf_counter() - started
+    log(f"wrote {out} ({size / 1e6:,.1f} MB) in {took:.0f} s; use it as model.teacher.path={out}")
+    return out
+
+
+def merged_policy(checkpoint: Path, state: dict[str, Any], base: Path, lora):
+    """The base at `base` with the checkpoint's adapter merged in, in MERGE_DTYPE on the CPU, after the restored
+    adapter is proven against the digest the checkpoint recorded (as the learner's load_checkpoint proves it)."""
+    from safetensors.torch import load_file
+
+    from miniverl.checkpoints.files import ADAPTER_WEIGHTS
+    from miniverl.models.loading import DTYPES
+    from miniverl.models.lora import build_lora_model, load_adapter_state
+    from miniverl.workers.learner_checkpoint import check_restored
+
+    log(f"loading the base {base} in {MERGE_DTYPE} and the adapter (rank {lora.rank}, alpha {lora.alpha})")
+    model = build_lora_model(str(base), lora, DTYPES[MERGE_DTYPE], "cpu")
+    load_adapter_state(model, load_file(str(checkpoint / ADAPTER_WEIGHTS)))
+    identity = check_restored(str(checkpoint), model, int(state["policy_version"]), state["policy_digest"])
+    log(f"the restored adapter hashes to the recorded policy {identity.short()}; merging")
+    return model.merge_and_unload()
+
+
+def write_model(out: Path, merged, tokenizer, record: dict[str, Any], base: Path) -> None:
+    """`merged`, `tokenizer` and `record` (build.json) into `out` at once (miniverl/atomic.py), after the written
+    directory passes what a run checks of model.teacher.path=OUT_DIR: its files, and the tokenizer probe against the
+    base's tokenizer."""
+    from miniverl.atomic import atomic_dir
+    from miniverl.models.hub import check_model_dir
+    from miniverl.models.loading import load_tokenizer
+    from miniverl.models.tokenizer_match import check_same_tokenizer
+
     with atomic_dir(out, fsync=True) as tmp:
         merged.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        # what a run checks of model.teacher.path=OUT_DIR, proven before the directory appears
         check_model_dir(tmp, "the merged model", "report it: the merge wrote a directory a run cannot load")
         saved_tok = load_tokenizer(str(tmp), "the merged model", "report it: the merge wrote a broken tokenizer")
         check_same_tokenizer(tokenizer, saved_tok, str(base), str(out), merged.config.vocab_size)
         if out.is_dir():
             out.rmdir()  # the empty directory check_out_dir accepted; one with files in it by now is not removed
-    size = sum(f.stat().st_size for f in out.iterdir())
-    took = time.perf_counter() - started
-    log(f"wrote {out} ({size / 1e6:,.1f} MB) in {took:.0f} s; use it as model.teacher.path={out}")
-    return out
 
 
 def package_version(name: str) -> str | None:

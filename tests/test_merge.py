@@ -76,7 +76,7 @@ def test_the_merged_model_computes_the_adapters_logits_is_recorded_and_loads_as_
     record = json.loads((out / "build.json").read_text())
     assert record["checkpoint"] == str(step_dir(run, 3).resolve()) and record["source"] == str(run.resolve())
     assert (record["step"], record["policy_version"], record["policy_digest"]) == (3, 3, state["policy_digest"])
-    assert record["base"]["ref"] == str(student_dir)
+    assert record["base"]["ref"] == str(student_dir) and "converted_from" not in record["base"]  # not a GGUF
     assert record["base"]["sha256"] == {"model.safetensors": file_digest(student_dir / "model.safetensors")}
     assert record["lora"] == {"rank": LORA.rank, "alpha": LORA.alpha, "target_modules": list(LORA.target_modules)}
     assert record["dtype"] == "float32" and record["merged_in"] == "float32"  # the tiny student is stored in fp32
