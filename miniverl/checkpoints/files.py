@@ -23,6 +23,7 @@ from miniverl.errors import MiniVerlError, disk_full
 from miniverl.policy import PolicyIdentity
 
 STATE_FILE = "state.json"
+ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"  # the adapter's tensors as peft's save_pretrained wrote them
 HASH_CHUNK_BYTES = 1 << 20
 
 

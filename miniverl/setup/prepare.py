@@ -83,7 +83,9 @@ def builtin_recipes(
     ]
 
 
-def resolve_model_paths(model: ModelConfig, data: DataConfig, log=print, loads: bool = True) -> dict[str, str]:
+def resolve_model_paths(
+    model: ModelConfig, data: DataConfig, log=print, loads: bool = True, roles: tuple[str, ...] | None = None
+) -> dict[str, str]:
     """Model directories or hub ids for the student and every teacher; built-in models are cached on first use
     (copied from the shipped ones, or built), GGUF files and short names converted on first use (models/gguf.py).
 
@@ -91,9 +93,10 @@ def resolve_model_paths(model: ModelConfig, data: DataConfig, log=print, loads: 
     resolves on its own, so a local model for one role and a built-in one for another works; a built-in ref
     `builtin:teacher/<task>` names another task's teacher. A built-in teacher below
     model.builtin_min_teacher_accuracy stops the run. `loads`: False for a caller that reads config.json alone (the
-    fit planner), so a local directory need not hold weights or a tokenizer.
+    fit planner), so a local directory need not hold weights or a tokenizer. `roles`: only these (None: every role;
+    the merge tool, miniverl/merge.py, resolves the student alone: a run's teacher may be gone by then).
     """
-    specs = model.paths()
+    specs = {role: path for role, path in model.paths().items() if roles is None or role in roles}
     builtin = builtin_refs(specs, data.task)
     chat = sorted(set(task_names(data.task)) & CHAT_TASKS)
     if chat and builtin and not data.train_files:  # before any built-in model is built for a task it cannot take

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miniverl.checkpoints.files import CheckpointError, read_state, set_rng_state, write_checkpoint
+from miniverl.checkpoints.files import ADAPTER_WEIGHTS, CheckpointError, read_state, set_rng_state, write_checkpoint
 from miniverl.errors import NonFiniteError
 from miniverl.models.lora import adapter_state, live_adapter, load_adapter_state
 from miniverl.policy import PolicyIdentity, digest_matches, weights_digest
@@ -45,7 +45,7 @@ def restore_learner(directory: str, model: PeftModel, optimizer: torch.optim.Opt
 
     path = Path(directory)
     state = read_state(path)
-    load_adapter_state(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
+    load_adapter_state(model, load_file(str(path / ADAPTER_WEIGHTS)))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return state
