@@ -12,7 +12,8 @@ cross-entropy on them. Evaluation is the product's (miniverl/step/evaluation.py 
 teacher scorer and reward): greedy accuracy, finished fraction, response length, reverse KL to the teacher.
 
 Writes OUT/metrics.jsonl, summary.json and samples.jsonl in the product's form (lab/real_model/report.py reads
-them beside the product's runs), and OUT/.hydra/config.yaml (the composed config).
+them beside the product's runs), and OUT/.hydra/config.yaml (the composed config: its objective section is the
+recipe's, which this loss does not read).
 
     PYTHONPATH=. python3 lab/real_model/sft.py --seed 0 --steps 100 --out DIR [key=value ...]
     PYTHONPATH=. python3 lab/real_model/sft.py --seed 0 --steps 2 --eval-prompts 16 --out /tmp/sft   # CPU smoke
@@ -233,7 +234,10 @@ def train(cfg, composed, out: Path, seed: int) -> dict:
         with samples_file.open("a") as f:
             for row in result.samples:
                 f.write(json.dumps({"step": step, **row}) + "\n")
-        print(f"{TAG} {eval_line(step, result.metrics)} ({time.perf_counter() - began:.0f}s)", flush=True)
+        print(
+            f"{TAG} {eval_line(step, result.metrics).removeprefix('[miniverl] ')} ({time.perf_counter() - began:.0f}s)",
+            flush=True,
+        )
         return result.metrics
 
     summary = {"status": "failed", "steps": 0, "objective": "sft", "rollout_backend": r.backend, "device": device}
