@@ -1,16 +1,20 @@
 """The real-model benchmark's table and plots from its run directories (one per cell and seed, named
-`<cell>-s<seed>`, each with the metrics.jsonl and summary.json miniverl writes) and teacher_accuracy.py's json.
+`<cell>-s<seed>`, each with the metrics.jsonl and summary.json miniverl writes, or sft.py writes in the same form:
+the `sft` cell) and teacher_accuracy.py's json.
 
     python lab/real_model/report.py RESULTS_DIR        # writes RESULTS_DIR/report.md and accuracy_*.png
 
 Per run: held-out greedy accuracy at every evaluation against the generated tokens and the step time summed so far;
 per cell: the mean and standard error over seeds of the end accuracy, the end reverse KL and the share of the gap
 closed, (end - start) / (teacher - start), where `teacher` is the with-context teacher's accuracy and `start` the run's
-own step-0 accuracy (the zero-shot student's).
+own step-0 accuracy (the zero-shot student's); and every cell's accuracy at one count of generated tokens, the
+fewest any finished run generated (each run's evaluations interpolated linearly in tokens): the comparison at equal
+generated tokens (OPD against SFT on the teacher's samples).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -47,6 +51,15 @@ def tokens_to_reach(evals: list[tuple], target: float) -> float:
     return next((tok for _, tok, _, acc, _ in evals if acc >= target), math.nan)
 
 
+def accuracy_at(evals: list[tuple], tokens: float) -> float:
+    """Accuracy interpolated linearly between the evaluations around `tokens` generated tokens (nan past the last)."""
+    points = [(tok, acc) for _, tok, _, acc, _ in evals]
+    for (t0, a0), (t1, a1) in itertools.pairwise(points):
+        if t0 <= tokens <= t1:
+            return a0 if t1 == t0 else a0 + (a1 - a0) * (tokens - t0) / (t1 - t0)
+    return points[0][1] if points and tokens == points[0][0] else math.nan
+
+
 def main(results: Path) -> str:
     teacher = json.loads((results / "teacher_accuracy.json").read_text())
     zero, ctx = teacher["zero_shot"]["accuracy"], teacher["with_context"]["accuracy"]
@@ -63,7 +76,7 @@ def main(results: Path) -> str:
         " generated tokens | step s (gen / score / update) | status |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    finals = {}
+    finals, finished = {}, {}
     for cell, names in cells.items():
         ok = [n for n in names if runs[n]["summary"].get("status") == "finished" and runs[n]["evals"]]
         starts = [runs[n]["evals"][0][3] for n in ok]
@@ -83,6 +96,7 @@ def main(results: Path) -> str:
         total = f"{statistics.fmean(p.get('time/step', 0.0) for p in ph):.2f}" if ph else "-"
         (s_m, _), (e_m, e_se), (g_m, g_se), (k_m, _) = mean_se(starts), mean_se(ends), mean_se(gaps), mean_se(kls)
         finals[cell] = e_m
+        finished[cell] = ok
         status = ", ".join(
             f"{n} {runs[n]['summary'].get('status', 'no summary')} before step {runs[n]['summary'].get('steps', '?')}"
             + (
@@ -107,6 +121,13 @@ def main(results: Path) -> str:
         for cell, names in cells.items():
             reach = [tokens_to_reach(runs[n]["evals"], finals["grpo"]) for n in names if runs[n]["evals"]]
             lines.append(f"- {cell}: " + ", ".join(f"{t:,.0f}" if not math.isnan(t) else "never" for t in reach))
+    reached = [runs[n]["evals"][-1][1] for ok in finished.values() for n in ok]
+    if reached:
+        budget = min(reached)  # every finished run generated at least this many tokens: none is extrapolated
+        lines += ["", f"Held-out accuracy at equal generated tokens ({budget:,.0f}, the fewest of any finished run):"]
+        for cell, ok in finished.items():
+            m, se = mean_se([accuracy_at(runs[n]["evals"], budget) for n in ok])
+            lines.append(f"- {cell}: {m:.3f} +- {se:.3f} ({len(ok)} runs)")
     plot(runs, cells, ctx, zero, results)
     text = "\n".join(lines) + "\n"
     (results / "report.md").write_text(text)
