@@ -144,13 +144,13 @@ def set_attention_backends(cudnn: bool) -> None:
     execution plan for every new (rows, heads, length) shape it sees, tens of milliseconds or more each (torch's
     TORCH_CUDNN_SDPA_AVOID_RECOMPILE names that cost; with compiled layers it fails on torch 2.11). The learner's
     micro-batches and the teacher's forwards of rows that stop at different lengths are new shapes every step: in
-    peers run 10 (lab/results/peers.md) a new shape's first call took 130 ms against 1 ms repeated, and the
+    lab/results/peers.md (2026-12-06, 0f81ec5) a new shape's first call took 130 ms against 1 ms repeated, and the
     realistic 4080 step 6.60 s with cuDNN allowed against 4.12 s without (update 3.35 -> 1.76 s, scoring 1.85 ->
     1.15 s). Flash attention has no per-shape plan and cost nothing measurable where shapes repeat. Every actor of a
     run sets the same (hf_cached's own attention is not SDPA).
 
     torch picks SDPA's kernel when it traces a compiled graph, and compiled code's guards do not look at this setting:
-    after a change, layers compiled before would keep the old kernel (peers run 10's learner bench ran its cuDNN cells
+    after a change, layers compiled before would keep the old kernel (that sitting's learner bench ran its cuDNN cells
     on the flash cell's compiled layers so). A change therefore clears torch.compile's caches, where torch.compile has
     been loaded in this process."""
     if torch.backends.cuda.cudnn_sdp_enabled() != cudnn and "torch._dynamo" in sys.modules:
@@ -179,8 +179,8 @@ def record_memory_history() -> bool:
     """A diagnostic, off by default: with MINIVERL_CUDA_MEMORY_HISTORY=1 this process records the Python stack of
     every GPU block it allocates from now on (torch's memory history: each allocation pays for a Python stack walk), so
     an out-of-memory line can say which code holds the memory (`allocation_sites_note`). Ray actors inherit the
-    driver's environment. Peers run 8's rollout held 0.80 GiB beside its model and decode cache that no
-    Python-visible tensor accounts for. Returns whether it records."""
+    driver's environment. The rollout of lab/results/peers.md's 2026-12-06 sitting at 0724e28 held 0.80 GiB beside its
+    model and decode cache that no Python-visible tensor accounts for. Returns whether it records."""
     if not memory_history_requested() or not torch.cuda.is_available():
         return False
     # "state": the stacks of the live blocks only (no event log); "python": no C++ unwinding at each allocation

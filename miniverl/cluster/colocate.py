@@ -9,7 +9,7 @@ pays one CUDA context instead of three.
 The controller is unchanged: each role is handed a RoleHandle, which turns `handle.method` into the colocated
 actor's `role__method`, so submit/call/fetch (cluster/actors.py) work as with three actors.
 
-Measured on an H200 at the 4080 recipe (lab/results/staleness-gpu.md, session 8): strict, 7.14 s per step
+Measured on an H200 at the 4080 recipe (lab/results/staleness-gpu.md, 2026-12-02, 3462f53): strict, 7.14 s per step
 against 7.66 with separate actors and a whole-GPU peak 1.1 GiB lower; with trainer.staleness=1, 5.68 s (1.35x the
 separate strict run; 0.97x with separate processes). Its costs: the roles share the SMs and one Python interpreter
 (the learner's update is partly CPU-bound, and beside the rollout's decode loop it went 2.44 -> 4.00 s;

@@ -93,7 +93,7 @@ class SglangRolloutConfig:
     max_running_requests: int | None = None
     # deterministic inference (row seeds need it) also swaps cuBLAS for SGLang's batch-invariant Triton kernels; false
     # (the default) keeps the row seeds and SGLang's usual kernels: as exact on the oracle and the gate, and 1.13-1.24x
-    # the tokens/s (run 3); true makes a row's tokens independent of the batch it shares
+    # the tokens/s (lab/results/sglang-gpu/run3.md); true makes a row's tokens independent of the batch it shares
     batch_invariant: bool = False
 
     def running_rows(self, largest_call: int) -> int:

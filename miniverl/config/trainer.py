@@ -37,11 +37,12 @@ class TrainerConfig:
     gradient_checkpointing: bool | None = None
     # Each decoder layer of the learner through torch.compile (miniverl/models/compiled.py): about half the kernel
     # launches of an update whose time is launches and Python; the first update compiles (about 75 s at 0.5B). On an
-    # H200: 1.68x the eager learner's tokens/s (diag13a), update 1.97 s against 3.71 in the 12 GiB recipe. null =
-    # chosen before Ray: off on the CPU; on a GPU with Triton on for an unquantized student of a tested model type
-    # (Qwen2) and size, off with the reason otherwise (setup/layout.py choose_layout prints it). Validation refuses
-    # true with an NF4 student (untested). Beside a colocated one-behind rollout the compiled learner's calls and the
-    # rollout's CUDA-graph captures take turns (cluster/colocate.py): Inductor synchronizes the device as it compiles.
+    # H200: 1.68x the eager learner's tokens/s (lab/results/learner-throughput.md, 2026-12-03), update 1.97 s against
+    # 3.71 in the 12 GiB recipe. null = chosen before Ray: off on the CPU; on a GPU with Triton on for an unquantized
+    # student of a tested model type (Qwen2) and size, off with the reason otherwise (setup/layout.py choose_layout
+    # prints it). Validation refuses true with an NF4 student (untested). Beside a colocated one-behind rollout the
+    # compiled learner's calls and the rollout's CUDA-graph captures take turns (cluster/colocate.py): Inductor
+    # synchronizes the device as it compiles.
     compile_layers: bool | None = None
     # The largest vocabulary-sized buffer the run may hold (GiB): the teacher's full-vocabulary support of a
     # step (objective.teacher_topk=0) and the learner's direct-path logits are refused above it, with the

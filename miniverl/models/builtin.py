@@ -62,7 +62,7 @@ class SftSpec:
     check_every: int = 100
 
 
-# Sized so both build in well under 3 minutes on 2 CPU cores (measured: see README).
+# Sized so both build in well under 3 minutes on 2 CPU cores (measured: lab/results/default-run-cpu.md).
 TEACHER_ARCH = ArchSpec(128, 4, 4, 2, 384)
 STUDENT_ARCH = ArchSpec(64, 2, 4, 2, 192)
 TEACHER_SFT = SftSpec(steps=1200, batch_size=64, lr=3e-3, seed=1, stop_accuracy=1.0)

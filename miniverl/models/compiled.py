@@ -2,12 +2,12 @@
 
 The learner's update is bound by its kernel launches and Python, not by the GPU's arithmetic: about 300 kernels per
 decoder layer and micro-batch, 0.3 s per micro-batch at 8.7k and 17.3k tokens alike on an H200
-(lab/results/learner-throughput.md, qlora-4080.md run 8). Inductor fuses a layer's elementwise work (the norms,
+(lab/results/learner-throughput.md, qlora-4080.md, 2026-12-02). Inductor fuses a layer's elementwise work (the norms,
 the rotary embedding, SiLU, the LoRA sums) into a few kernels and runs the rest from generated code. On the CPU, at
 a tiny shape, a layer's launching ops per micro-batch (forward, recomputation, backward) fell from 244 to 117; the
 matmuls (about 75) stay. On an H200 (torch 2.11) it pays: 66.1k trained tokens/s against eager's 39.4k in the same
-run at the 12 GiB layout's 4.2 GiB share (learner-throughput.md, diag13a), update 1.97 s against 3.71 in that recipe
-(qlora-4080.md, runs 8 and 11); +experiment=gkd_4080_12g turns it on, elsewhere it stays opt-in.
+run at the 12 GiB layout's 4.2 GiB share (learner-throughput.md, 2026-12-03, efc4eff), update 1.97 s against 3.71 in
+that recipe (qlora-4080.md, 2026-12-02 and 2026-12-03); +experiment=gkd_4080_12g turns it on, elsewhere it stays opt-in.
 
 How: each layer's forward becomes a compiled function that calls the layer's own forward, under a non-reentrant
 checkpoint of its own when the model had gradient checkpointing on, and transformers' checkpointing of that layer is

@@ -166,8 +166,8 @@ class RoundedAdapter:
     the base's dtype once, on entry, instead of once per call: the rounding and the scaling left the graph, forward
     and backward (with gradient checkpointing each micro-batch's forward runs twice). At the 0.5B shape, r32 on
     every linear layer and 7 micro-batches an update, that is about 4k dtype copies, 2k multiplications and 3k
-    backward nodes of an update's 48k kernel launches, counted from the shapes (the learner bench's profile, diag11,
-    lab/results/learner-throughput.md: the update is partly CPU-bound). The rounded copies are leaves, so a
+    backward nodes of an update's 48k kernel launches, counted from the shapes (the learner bench's profile of
+    2026-12-02, lab/results/learner-throughput.md: the update is partly CPU-bound). The rounded copies are leaves, so a
     backward leaves their gradients in bf16; `collect()` after each backward adds them to the fp32 masters'
     gradients exactly as autograd did through the cast (float(g), times s for B: the same roundings, bit for bit),
     through flat buffers with a few kernels. Only for a scope in which the masters do not change (one optimizer

@@ -21,7 +21,7 @@ FUSED_CHUNK_FP32_COPIES = 6
 # One [c, V] entry of an LM-head chunk on the closed-form path (GKD top-K at loss temperature 1, PG-k1) with the
 # Triton passes: the bf16 logits, overwritten in place by their gradient (2 bytes), doubled for the GEMM's output
 # while the previous chunk's buffer is being freed. Measured: 512- and 1,024-token chunks peak the same
-# (lab/results/learner-throughput.md, diag10), so this is an upper bound the measurements do not pin down.
+# (lab/results/learner-throughput.md, 2026-12-02), so this is an upper bound the measurements do not pin down.
 CLOSED_FORM_CHUNK_BYTES_PER_ENTRY = 4
 
 

@@ -8,14 +8,14 @@ The learner's peak is whichever of its two phases is larger (gradient checkpoint
   (attention and MLP intermediates, the LoRA terms in the base's dtype).
 Both sit on the fixed part: weights, the adapter with its gradient and two AdamW moments, and a little runtime.
 Measured on the H200 (0.5B shape, LoRA r32 on every linear layer, GKD top-64, 640-token rows, 2026-12-02,
-bf16 LoRA arithmetic and the Triton passes; lab/results/learner-throughput.md, diag10): 3.02 GiB at 16,384
+bf16 LoRA arithmetic and the Triton passes; lab/results/learner-throughput.md): 3.02 GiB at 16,384
 tokens and 4.86 GiB at 32,768, with 512- and 1,024-token chunks alike (the backward phase is the peak), a slope
 of 120 KB per token (43 KB of checkpoints, so one layer's recomputed activations take 77 KB: 13.4 bytes per unit
 of hidden + intermediate size) and an intercept equal to weights + adapter state. (The fp32 LoRA arithmetic it
 replaced measured 128 KB per token and 0.5 GB more.) Without checkpointing every layer's activations stay
 (about 1.75 MB per token measured with the fp32 LoRA arithmetic; 8,192 tokens peaked at 19.2 GiB). Compiled decoder
 layers (trainer.compile_layers) keep more of a layer's intermediates for its backward: 3.71 against 3.29 GiB at
-17,751 tokens (learner-throughput.md diag13a), counted here as 4.4 more bytes per unit of width per token.
+17,751 tokens (learner-throughput.md, 2026-12-03, efc4eff), counted here as 4.4 more bytes per unit of width per token.
 
 Everything here is arithmetic on plain numbers, so it is tested without a model.
 """
@@ -32,7 +32,7 @@ LAYER_ACTIVATION_BYTES_PER_WIDTH = 13.4
 # What compiled layers add to it: Inductor's partition saves other intermediates than eager's autograd. One H200
 # measurement (0.5B shape, 17,751 tokens: +0.42 GiB, 25 KB a token over 896 + 4,864 of width); counted per token, so
 # larger micro-batches get the larger margin. Without it the gkd_4080 learner (4.1 GiB share) planned 17,322-token
-# micro-batches and its first compiled update went out of memory every time (lab/results/peers.md run 2).
+# micro-batches and its first compiled update went out of memory every time (lab/results/peers.md, 2026-12-05, 6c8e93b).
 COMPILED_LAYER_EXTRA_BYTES_PER_WIDTH = 4.4
 # Beyond weights and adapter state (cuBLAS workspaces, small tensors): the measured intercept was within 1 MB of
 # weights + adapter state; this keeps a margin for what a longer run allocates besides.
@@ -45,7 +45,7 @@ ADAPTER_STATE_BYTES = 20
 # Allocator fragmentation, the CUDA caching allocator's rounding and small tensors: a share of the budget
 # kept free. 15% was enough in the bench (reserved 10% above allocated at 32,768 tokens) but not in the 4080
 # recipe, whose learner runs probes and evaluation between updates: its first update went out of memory with
-# 0.76 GiB (18% of its 4.14 GiB share) reserved in holes (lab/results/qlora-4080.md, run 5). 20% with the
+# 0.76 GiB (18% of its 4.14 GiB share) reserved in holes (lab/results/qlora-4080.md, 2026-12-02). 20% with the
 # learner's shrink-and-redo on an out-of-memory update (workers/learner.py redoes it, workers/token_budget.py
 # shrink_after_oom sizes it) as the backstop.
 SLACK_FRACTION = 0.20

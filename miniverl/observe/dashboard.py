@@ -1,7 +1,8 @@
 """The run's state on the Ray dashboard: gauges recorded through `ray.util.metrics` after every step.
 
 Ray exports them to Prometheus (the dashboard's Metrics tab shows them when Prometheus/Grafana are set
-up, see the README). Names start with `miniverl_`; phases and actors are tags, so one panel shows all.
+up: docs/objectives.md, "Metrics every step"). Names start with `miniverl_`; phases and actors are tags, so one
+panel shows all.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ refuses bad values before Ray starts (`profile_request`). The profiled call runs
 profiler records every operator): its step's times are not the run's. In a colocated process (resources.colocate)
 the profile also holds what the other roles ran on their threads meanwhile.
 
-Why: peers run 9 (lab/results/peers.md) measured the scorer 0.7 s a step slower end to end than alone at the same
-rows, and the learner's update 2.6x a row token what it costs at rows that never stop; the benches profile the actors
-alone, which is what differs.
+Why: lab/results/peers.md (2026-12-06, 3d6a8c6) measured the scorer 0.7 s a step slower end to end than alone at the
+same rows, and the learner's update 2.6x a row token what it costs at rows that never stop; the benches profile the
+actors alone, which is what differs.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ BACKENDS = Registry("rollout backend", "rollout.backend")
 BACKENDS.register("hf_reference", "miniverl.rollout.hf_reference:HFReferenceBackend")
 BACKENDS.register("hf_cached", "miniverl.rollout.hf_cached:HFCachedBackend")
 BACKENDS.register("vllm", "miniverl.rollout.vllm:VllmBackend")
-BACKENDS.register("sglang", "miniverl.rollout.sglang:SglangBackend")  # sglang 0.5.17; run end to end on an H100 (run 2)
+BACKENDS.register("sglang", "miniverl.rollout.sglang:SglangBackend")  # sglang 0.5.17; end to end on an H100: run2.md
 
 # The backends that run an inference engine of their own: CUDA only, each its package and how to install it.
 ENGINES = {

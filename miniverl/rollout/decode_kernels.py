@@ -153,7 +153,7 @@ def hash_uniforms(
     """rollout/sampling.py's counter_uniforms as one kernel (the same integer hash, so the same numbers), or None
     where it does not run (not CUDA nor Triton's interpreter, or no triton): the caller's torch ops then. In torch the
     hash is about fifty launches of a few int64 ops each, 56 us of a 2.07 ms decode step at 256 rows
-    (lab/results/decode-profile.md, run 1's trace).
+    (lab/results/decode-profile.md, the 2026-12-04 trace at d534842).
 
     Shapes: seeds [B] int64 >= 0, step [] / [1] int64 tensor or int -> [B] float32."""
     if not _runs_on(seeds) or seeds.numel() == 0:

@@ -47,8 +47,8 @@ PLAIN = SamplingParams(n=1, max_new_tokens=1)  # the graphs the probe replays be
 # cache, and once freed their blocks stay reserved by torch's allocator, which the share's cap counts: in one pass,
 # 64 prompts of 320 tokens held about 1.7 GiB at the 0.5B shape and left 1.35 GiB reserved, both a third of the 4080
 # recipe's rollout share (lab/results/fit-planner.md). At 8k tokens a pass that recipe still ran out of its share
-# at 322-token prompts (lab/results/peers.md run 6); 4k tokens a pass hold half of that, and a pass of 4k tokens
-# is still a large batch of GEMMs (by FLOPs the whole prefill is a few percent of a 512-token generate call). A
+# at 322-token prompts (lab/results/peers.md, 2026-12-06, d0c451a); 4k tokens a pass hold half of that, and a pass of 4k
+# tokens is still a large batch of GEMMs (by FLOPs the whole prefill is a few percent of a 512-token generate call). A
 # pass that runs out of memory anyway is redone in passes of half as many prompts (the smaller size kept after).
 PREFILL_TOKENS = 4096
 
@@ -74,7 +74,7 @@ class HFCachedBackend:
         self._pool = None  # one memory pool for every graph of the cache: they never replay at once
         # One side stream for every capture's warm-up and the capture itself: cuBLAS keeps a workspace on each stream
         # a GEMM ran on (32 MiB on Hopper, allocated for the process's life), and a new stream per capture held ~0.8
-        # GiB of them in the 4080 recipe's rollout at realistic shapes (peers.md run 8).
+        # GiB of them in the 4080 recipe's rollout at realistic shapes (lab/results/peers.md, 2026-12-06, 0724e28).
         self._capture_stream = None
         self._params = PLAIN  # the sampling settings of the last generate call (the probe replays its graphs)
         self._prefill_cap = sys.maxsize  # padded tokens a prefill pass, lowered below PREFILL_TOKENS by an OOM
@@ -297,7 +297,8 @@ class HFCachedBackend:
         """Capture one step; if that runs out of GPU memory, give the allocator's cache back and capture once more.
         Inside a capture the allocator cannot free its cached blocks to make room, so blocks left reserved by the
         prefill passes and the warm-up's stream can fail a capture that fits once they are freed (the 4080 recipe
-        at 322-token prompts: 32 MiB refused with 177 MiB reserved unused, lab/results/peers.md run 7)."""
+        at 322-token prompts: 32 MiB refused with 177 MiB reserved unused, lab/results/peers.md, 2026-12-06,
+        b7f057d)."""
         try:
             return self._capture(width, params)
         except torch.OutOfMemoryError as e:

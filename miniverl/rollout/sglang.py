@@ -1,11 +1,11 @@
 """The SGLang rollout backend: SGLang's Engine inside the rollout actor, token ids in and out (issue 37).
 
 Written against sglang 0.5.17, the newest release whose pins match the GPU machine's torch 2.11
-(lab/results/sglang-feasibility.md), from its source. On the H200 (run 1, lab/results/sglang-gpu/run1.md) its
+(lab/results/sglang-feasibility.md), from its source. On the H200 (lab/results/sglang-gpu/run1.md, 2026-12-05) its
 engine imports and starts only with the registration shim below, and honours `sampling_seed` only with deterministic
-inference on. On an H100 its GPU tests pass (runs 3 and 5: the oracle, row seeds, the probe after every refresh, a stale
-replica caught), it samples the policy's law 2.5-3.3x slower than hf_cached with realistic prompts (about as fast as
-tuned vLLM at 256 x 4) and runs the 4080 recipe end to end (52 refreshes at 14.55 GiB, gate passed:
+inference on. On an H100 its GPU tests pass (run3.md, run5.md: the oracle, row seeds, the probe after every refresh, a
+stale replica caught), it samples the policy's law 2.5-3.3x slower than hf_cached with realistic prompts (about as
+fast as tuned vLLM at 256 x 4) and runs the 4080 recipe end to end (52 refreshes at 14.55 GiB, gate passed:
 lab/results/sglang-gpu/run4.md, run5.md). What it relies on:
 - `Engine(skip_tokenizer_init=True)`: token ids in (`input_ids`), token ids out (`output_ids`), stopping on
   `stop_token_ids` only;
@@ -13,12 +13,12 @@ lab/results/sglang-gpu/run4.md, run5.md). What it relies on:
   token's log-prob before temperature, top-k and top-p, the untempered policy's, which is what
   RolloutBatch.rollout_log_probs means;
 - one request per row, seeded by its row seed (`sampling_seed`), as vLLM's `seeding=row`. SGLang reads the seed only
-  with `enable_deterministic_inference=True` (sampling_batch_info.py; without it run 1 drew other tokens for the same
-  seed), which also fixes its sampler to the pytorch one: a draw from (seed, position);
+  with `enable_deterministic_inference=True` (sampling_batch_info.py; without it the first run, sglang-gpu/run1.md, drew
+  other tokens for the same seed), which also fixes its sampler to the pytorch one: a draw from (seed, position);
 - sglang_compat/sitecustomize.py in every engine process: sglang 0.5.17 re-registers model types transformers 5.17
-  already has, which transformers refuses (run 1: the scheduler died at import); with rollout.sglang.batch_invariant
-  false (the default: run 3 measured it as exact and 1.1-1.2x faster) it keeps the batch-invariant kernels that
-  deterministic inference switches on out of the engine; on an emulated card it caps the scheduler's allocator at
+  already has, which transformers refuses (run1.md: the scheduler died at import); with rollout.sglang.batch_invariant
+  false (the default: sglang-gpu/run3.md measured it as exact and 1.1-1.2x faster) it keeps the batch-invariant kernels
+  that deterministic inference switches on out of the engine; on an emulated card it caps the scheduler's allocator at
   the actor's budget, as every actor process is capped;
 - every policy version is a new adapter loaded from the learner's tensors under a new name
   (`load_lora_adapter_from_tensors`), the previous one unloaded; the radix cache keys its entries by adapter, and
@@ -50,11 +50,11 @@ from miniverl.rollout.sampling import SamplingParams
 from miniverl.served_policy import probe_tolerance
 
 # What the engine's scheduler process holds in torch's allocator beside its static fraction (weights, LoRA pool and KV
-# pool), from sglang 0.5.17's source and run 3's per-process trace (lab/results/sglang-gpu/run3.md, H100, the
+# pool), from sglang 0.5.17's source and the per-process trace of lab/results/sglang-gpu/run3.md (2026-12-06, H100, the
 # 0.5B-shaped student, 256 rows, a 2,048-token prefill chunk):
 # - SGLANG_GRAPHS_GIB: decode and prefill CUDA graphs and the buffers made at start: the process read 4,754 MiB once
 #   started, less one CUDA context (0.66 GiB), the shared [rows, V] fp32 output buffer (0.14 GiB) and the static
-#   part, which run 3 did not record: its fraction (0.041) of what was free when the scheduler started, 3.0-3.3 GiB
+#   part, which run3.md did not record: its fraction (0.041) of what was free when the scheduler started, 3.0-3.3 GiB
 #   (the learner's and scorer's weights were loading beside it): 0.55-0.8 GiB, the larger taken;
 # - ROW_LOGIT_BYTES per row decoded at once and vocabulary entry: the deterministic pytorch sampler's temporaries (28:
 #   fp32 log-softmax of the original logits, softmax, log, a uint32 hash and an fp64 pair: layers/sampler.py), the
@@ -62,7 +62,7 @@ from miniverl.served_policy import probe_tolerance
 #   151,936 tokens;
 # - the prompt log-probs of a probe or of a retracted request's re-prefill, computed LOGPROB_CHUNK_TOKENS rows at a
 #   time (bf16 logits, fp32 log-softmax and gather: LOGPROB_TOKEN_BYTES each); SGLang's own chunk is 2,048 (2.9 GiB).
-# Run 3's engine, sized by the earlier model (a prefill chunk's fp32 logits: 1.66 GiB), read 7,928 MiB at its peak
+# run3.md's engine, sized by the earlier model (a prefill chunk's fp32 logits: 1.66 GiB), read 7,928 MiB at its peak
 # against a 4.94 GiB share: the sampler's blocks of different row counts kept by an allocator nothing capped. The
 # backend now caps the scheduler's allocator at the actor's budget where the card is emulated (sglang_compat: the
 # other actors' processes are capped the same way) and bounds the prompt log-probs' chunk (SGLANG_LOGPROB_CHUNK_SIZE).
@@ -264,7 +264,8 @@ class SglangBackend:
                 max_total_tokens=kv_tokens,
                 context_length=settings.context_length,
                 max_running_requests=settings.max_running_requests,
-                # SGLang sizes these from the whole card (8,192 and 256 on an 80 GB one, run 2), not from the share
+                # SGLang sizes these from the whole card (8,192 and 256 on an 80 GB one, sglang-gpu/run2.md), not from
+                # the share
                 chunked_prefill_size=settings.chunked_prefill_size,
                 cuda_graph_max_bs_decode=settings.max_running_requests,  # the step's rows decode inside graphs
                 attention_backend=settings.attention_backend,

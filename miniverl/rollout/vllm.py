@@ -51,7 +51,8 @@ def sampling_requests(
     prompt with n samples, seeded by its first row's seed (vLLM seeds sample j with that seed + j); "none": one
     request per prompt, unseeded (vLLM's batched sampler, not reproducible: for bench peers). Requests that share a
     seed share their sampling noise: one seed handed to every prompt makes the step n streams, not G x n draws (the
-    bench's vLLM peer did that until session 20: its rows' stop hazard read 0.71x the law's).
+    bench's vLLM peer did that until 2026-12-04, lab/results/decode-profile.md: its rows' stop hazard read 0.71x the
+    law's).
     """
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.inputs import TokensPrompt

@@ -27,7 +27,7 @@ ENGINE_OVERHEAD_GIB = 1.5
 # What the engine's process holds outside torch's caching allocator besides its CUDA context, which the cap
 # (torch.cuda.set_per_process_memory_fraction) does not limit and torch's numbers do not show: nvidia-smi saw the
 # 7B recipe's vLLM process at 4.82 GiB where torch had reserved 3.53 (0.63 GiB beyond a 0.66 GiB context; H100,
-# lab/results/fit-planner.md session 39), and three earlier vLLM runs' whole cards 0.53-0.66 GiB over their
+# lab/results/fit-planner.md, 2026-12-06, 0b59ed3), and three earlier vLLM runs' whole cards 0.53-0.66 GiB over their
 # actors' reserved peaks and three contexts. The fit planner adds it to the card (setup/actor_plans.py rollout_plan).
 ENGINE_OUTSIDE_TORCH_GIB = 0.6
 # resources.rollout.num_gpus left null with vLLM: the engine takes its whole share up front and sizes its KV cache

@@ -41,21 +41,21 @@ PREFILL_TOKEN_BYTES_PER_HIDDEN = 20.6  # about 10 [P, hidden] 16-bit tensors ali
 PREFILL_SCORE_COPIES = 1.6
 # cuBLAS keeps a 32 MiB workspace (Hopper) per stream a GEMM ran on. The fitted cells' rows never stopped: one graph
 # width, one or two streams. End to end, hf_cached used to warm up each capture (the gate's, the evaluation's, the
-# probes', every width as rows stop) on a new stream: ~0.8 GiB more than this plan (peers.md run 8). It now captures
-# on one stream, and end to end the 4080 recipe's rollout then peaked at 4.48 GiB allocated against its plan of 4.7
-# (peers.md run 9): the intercept holds.
+# probes', every width as rows stop) on a new stream: ~0.8 GiB more than this plan (peers.md, 2026-12-06, 0724e28). It
+# now captures on one stream, and end to end the 4080 recipe's rollout then peaked at 4.48 GiB allocated against its
+# plan of 4.7 (peers.md, 2026-12-06, 3d6a8c6): the intercept holds.
 ROLLOUT_FIXED_BYTES = int(0.30 * 2**30)
 # What the cap limits is what torch's caching allocator reserves, not what is allocated: the prefill's freed blocks
 # stay reserved beside the decode's tensors, which are of other sizes. Reserved peak = allocated peak + the prefill
 # once more: the plan is never under the reserved peak of the eight H200 cells with both numbers, at most 5.7% over
 # (one pass and passes; lab/results/fit-planner.md "The allocator's reserve"). Without it the 4080 recipe's
 # rollout planned 4.7 GiB of its 4.9 GiB share at 322-token prompts and ran out of memory in its first prefill
-# (peers.md run 6).
+# (peers.md, 2026-12-06, d0c451a).
 PREFILL_RESERVED_COPIES = 1.0
 # What nvidia-smi sees of the learner and the scorer is what their caching allocators reserve, not their allocated peak
 # (the model above each actor's line): freed blocks of other sizes (micro-batches and forwards of varying length, the
-# compiled learner's activations) stay reserved. Session 38's seven MOPD cells on an H100 (lab/results/mopd-gpu.md
-# run 2) reserved 0.24-0.35 x (allocated peak - weights) more in the learner and 0.25-0.53 x in the scorer; the whole
+# compiled learner's activations) stay reserved. The seven MOPD cells of 2026-12-06 on an H100 (lab/results/mopd-gpu.md)
+# reserved 0.24-0.35 x (allocated peak - weights) more in the learner and 0.25-0.53 x in the scorer; the whole
 # card's estimate counts 0.3 x, never past the actor's share (the cap limits reserved memory). Fitted to those seven
 # cells: at the prompts they drew it puts the card within 2.1% of nvidia-smi in six (the seventh is the scorer's
 # worst-case routing, +11%), where the allocated sum was 1.8-13% under it.
@@ -103,7 +103,7 @@ def step_rows(cfg: MiniVerlConfig) -> int:
 
 
 # The micro-batch past which a larger one buys the learner little (from 16k to 32k tokens it trained only 4% more
-# tokens/s: lab/results/learner-throughput.md diag2); setup/layout.py sizes the learner's share and chooses
+# tokens/s: lab/results/learner-throughput.md, 2026-12-01); setup/layout.py sizes the learner's share and chooses
 # gradient checkpointing to reach it.
 CHECKPOINT_FREE_TOKENS = 16384
 

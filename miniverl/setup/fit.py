@@ -201,11 +201,11 @@ def card_plan(
 
 def short_prompts_hint(longest: int, max_prompt_length: int, paged_engine: bool = False) -> str | None:
     """A note for a GPU run whose first prompts are far shorter than data.max_prompt_length: the memory plan sizes the
-    rollout's decode cache and prefill, and the scorer's and learner's rows, for prompts of that length (MOPD run 2:
-    four teachers' learner got 5,179-token micro-batches planned for 320-token prompts where the prompts had 10; at 64
-    the plan gives it 9,584). It suggests twice the longest prompt in 64-token steps, where that is at most half the
-    setting; None otherwise. A paged engine (vLLM, SGLang: RolloutConfig.paged_engine) takes its share whatever the
-    prompts, so with one only the learner and scorer gain."""
+    rollout's decode cache and prefill, and the scorer's and learner's rows, for prompts of that length
+    (lab/results/mopd-gpu.md, 2026-12-06: four teachers' learner got 5,179-token micro-batches planned for 320-token
+    prompts where the prompts had 10; at 64 the plan gives it 9,584). It suggests twice the longest prompt in 64-token
+    steps, where that is at most half the setting; None otherwise. A paged engine (vLLM, SGLang:
+    RolloutConfig.paged_engine) takes its share whatever the prompts, so with one only the learner and scorer gain."""
     suggest = max(64, -(-2 * longest // 64) * 64)  # twice the longest seen, in 64-token steps
     if 2 * suggest > max_prompt_length:  # too little to gain (the default's 32-token plan included)
         return None

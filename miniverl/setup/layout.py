@@ -22,18 +22,18 @@ from miniverl.setup.actor_plans import (
 # The shares a run gets where resources.<actor>.num_gpus is null (issue 34: gkd's old fixed 0.4 / 0.3 / 0.3 left the
 # rollout 1.2 GiB it did not use at 64 x 4 x 512 and 4.4 GiB at 16 x 1 x 256, while the scorer's 0.3 held forwards of
 # 2,386 tokens beside a bf16 1.5B teacher where gkd_4080's 0.35 held 8,080: its scoring took 2.19 s against 1.47 s
-# a step; lab/results/peers.md run 1). In steps of SHARE_STEP of the card:
+# a step; lab/results/peers.md, 2026-12-04, ef71425). In steps of SHARE_STEP of the card:
 # - the HF rollout: its modelled peak (the step's or the evaluation's rows, the larger) plus ROLLOUT_SHARE_MARGIN,
 #   and its CUDA context, but never more than leaves the learner and the scorer a row each (a rollout too large for
 #   the card is then reported over its share with its fixes); vLLM and SGLang, which size their KV caches from
 #   whatever their share leaves: vllm_settings.AUTO_SHARE;
 # - the learner: the least share whose micro-batches hold actor_plans.CHECKPOINT_FREE_TOKENS tokens or the step's,
 #   whichever is less (or an explicit trainer.max_tokens_per_micro_batch): from 16k to 32k tokens a micro-batch
-#   trained only 4% faster (lab/results/learner-throughput.md diag2); but never so much that the scorer's
+#   trained only 4% faster (lab/results/learner-throughput.md, 2026-12-01); but never so much that the scorer's
 #   forwards fall under SCORER_ENOUGH_TOKENS (or the step's) where a smaller learner share leaves them that:
 #   2,386-token forwards scored a step in 2.19 s against 1.47 s at 8,080, and 32,768 gained only 4% on 8,080
-#   (peers.md run 1, decode-profile.md run 9), while compiled 12,991-token micro-batches trained within 1.5% of the
-#   hand-set recipe (peers.md run 2).
+#   (peers.md, 2026-12-04; decode-profile.md, 2026-12-05), while compiled 12,991-token micro-batches trained within
+#   1.5% of the hand-set recipe (peers.md, 2026-12-05, 6c8e93b).
 #   Where no share holds what is enough, the learner takes what leaves the scorer that, or one row for it;
 # - the scorer: the rest of the card, since its forwards, and the step's scoring with them, grow with its share.
 # A share the config sets is kept, and the ones left null divide what it leaves.
@@ -183,22 +183,22 @@ class _ShareFits:
 # who did not copy the 4080 recipe got 917-token micro-batches, no chunking, and a learner ~5x slower per token):
 # - LM-head chunks: none below SMALL_VOCAB (a micro-batch's logits at once are cheap there, as on the built-in models'
 #   40-token vocabulary); above it the largest of AUTO_CHUNKS with which the learner and the scorer both fit (1,024
-#   tokens was the fastest chunk measured: lab/results/learner-throughput.md diag10 and confirm3);
+#   tokens was the fastest chunk measured: lab/results/learner-throughput.md, 2026-12-02, and its confirm3);
 # - gradient checkpointing: on when it lets the learner's micro-batches grow and they are short without it (under
 #   actor_plans.CHECKPOINT_FREE_TOKENS or the step's tokens, or under an explicit trainer.max_tokens_per_micro_batch,
 #   as actor_plans.learner_enough_tokens says). Per token
 #   it recomputes the forward (~30%), but a micro-batch costs far more when small: 802-token micro-batches without
-#   it trained 2.7k tokens/s where 20,072-token ones with it trained 21k (diag6 vs diag5); from 16k to 32k tokens a
-#   micro-batch gained only 4% (diag2).
+#   it trained 2.7k tokens/s where 20,072-token ones with it trained 21k; from 16k to 32k tokens a micro-batch
+#   gained only 4% (learner-throughput.md's exploratory cells, 2026-12-01).
 SMALL_VOCAB = 32768
 AUTO_CHUNKS = (1024, 512, 256, 128)
 # trainer.compile_layers where it is null: on a GPU with Triton, for a bf16 (or fp32) student of a model type whose
 # decoder layers were compiled and checked (the built-in and Qwen2.5 shapes: tests/models/test_compiled.py, and on an
 # H200 the 12 GiB recipe and the one-behind runs, separate and colocated, where the compiled learner and the
-# rollout's graph captures take turns: lab/results/qlora-4080.md runs 8-11, decode-profile.md runs 3, 8 and 12).
-# It trained 1.68x eager's tokens/s at the 12 GiB layout's share (learner-throughput.md diag13a); the first update
-# compiles (about 75 s at 0.5B). Elsewhere off, with the reason; trainer.compile_layers=true asks for it anyway (a
-# graph break is then an error, not a silent slow path).
+# rollout's graph captures take turns: lab/results/qlora-4080.md, 2026-12-02 to 12-03, decode-profile.md, 2026-12-04 to
+# 12-05). It trained 1.68x eager's tokens/s at the 12 GiB layout's share (learner-throughput.md, 2026-12-03, efc4eff);
+# the first update compiles (about 75 s at 0.5B). Elsewhere off, with the reason; trainer.compile_layers=true asks for
+# it anyway (a graph break is then an error, not a silent slow path).
 COMPILE_TESTED_MODEL_TYPES = ("qwen2",)
 # ... and of at least this many decoder (linear-layer) parameters: the measured gain was at the 0.5B shape (~360M of
 # them); the built-in models (tens of thousands) train a step in milliseconds, which tens of seconds of compiling

@@ -175,7 +175,7 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     # What `python -m miniverl.fit` prints, before any actor starts: shares known from the config (emulated card or
     # the visible GPU), a student or teacher its learner or scorer share cannot hold refused with the arithmetic the
     # actor would print after loading (a 12 GiB card left the 1.5B bf16 teacher no room, and the scorer said so only
-    # after Ray had started and the student had loaded: lab/results/staleness-gpu.md, session 8). The plan also
+    # after Ray had started and the student had loaded: lab/results/staleness-gpu.md, 2026-12-02). The plan also
     # chooses the LM-head chunk, gradient checkpointing and compiled layers where the config leaves them null
     # (setup/layout.py choose_layout); on the CPU they are off (the built-in models' logits are small, and time, not
     # memory, binds).

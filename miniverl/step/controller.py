@@ -285,15 +285,16 @@ class StrictSyncController:
             scores = [(flight.score, 0, len(rollouts.uid))]
         rewards = self.reward_fn(rollouts)
         # The update cannot start before its scores exist (Ray resolves them first), so waiting here costs a
-        # round trip and keeps time/score the teacher's and time/update the learner's (the 4080 recipe's run 3
-        # logged score 0.13 s and update 7.18 s when the wait was inside the update).
+        # round trip and keeps time/score the teacher's and time/update the learner's (the 4080 recipe on 2026-12-01,
+        # lab/results/qlora-4080.md, logged score 0.13 s and update 7.18 s when the wait was inside the update).
         settle([handle for handle, _, _ in scores])
         lap("score")
         updating = self.submit_update(rollouts, scores, rewards, source)
         if self.in_flight is not None:
             # submitted after the update: calls from this driver to one actor run in submission order, so a
             # scoring submitted first would hold a colocated actor's update until the next rollout had ended
-            # (decode-profile run 8: 5.64 s a step, no overlap, against 4.85 s without scoring behind)
+            # (lab/results/decode-profile.md, 2026-12-04: 5.64 s a step, no overlap, against 4.85 s without scoring
+            # behind)
             self.in_flight = self.score_behind(self.in_flight)
         metrics = self.finish_update(updating)
         overlap = overlap_seconds(generated, self._last_update)  # this step's rollout against the last update

@@ -112,7 +112,8 @@ def cap_scheduler_memory() -> None:
     """With MINIVERL_SGLANG_MEMORY_CAP_BYTES (set where the card is emulated): the process that builds SGLang's
     ModelRunner (the scheduler) caps torch's allocator there at that many bytes of its GPU before anything is
     allocated, as miniVERL caps every actor's process (process.py). Under the cap the allocator frees its cached blocks
-    before it grows past it; uncapped, run 3's scheduler kept 7.7 GiB against a 4.9 GiB budget."""
+    before it grows past it; uncapped, the scheduler of lab/results/sglang-gpu/run3.md kept 7.7 GiB against a 4.9 GiB
+    budget."""
     if os.environ.get(MEMORY_CAP_ENV):
         after_import(MODEL_RUNNER_MODULE, _capped_model_runner)
 
