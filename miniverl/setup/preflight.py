@@ -99,6 +99,8 @@ def check_device_settings(cfg: MiniVerlConfig, device: str) -> None:
                 fraction = 1.0 if whole else getattr(cfg.resources, actor).num_gpus
                 if fraction is None:  # chosen by the plan, which refuses a share its context fills
                     continue
+                if actor == "scorer" and cfg.model.teacher_is_self:  # no scorer process: the learner scores
+                    continue
                 emulated_cap_gib(cfg.resources.emulate_gpu_gib, fraction, f"resources.{actor}.num_gpus")
         return
     if cfg.resources.emulate_gpu_gib is not None:

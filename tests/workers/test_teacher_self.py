@@ -174,3 +174,14 @@ def test_the_launcher_starts_no_scorer_and_hands_the_learners_over(student_dir, 
         assert ScorerWorker not in started and LearnerWorker in started and len(started) == 2
         assert actors["scorer"] is actors["learner"]
     assert sorted(processes(actors)) == (["colocated"] if colocate else ["learner", "rollout"])
+
+
+def test_a_gpu_run_with_teacher_self_takes_a_zero_scorer_share_on_an_emulated_card():
+    """gkd_4080 with model.teacher.path=self sets resources.scorer.num_gpus=0 on a 16 GiB emulated card: no scorer
+    process, so no CUDA context to leave room for (the first GPU run of it was refused here, 2026-12-07)."""
+    from miniverl.setup.preflight import check_device_settings
+
+    cfg = load("model.teacher.path=self", "resources.scorer.num_gpus=0", "resources.emulate_gpu_gib=16")
+    check_device_settings(cfg, "cuda")  # no refusal
+    with pytest.raises(ConfigError, match="resources.scorer.num_gpus=0 of resources.emulate_gpu_gib=16"):
+        check_device_settings(load("resources.scorer.num_gpus=0", "resources.emulate_gpu_gib=16"), "cuda")
