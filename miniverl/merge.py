@@ -106,15 +106,13 @@ def check_mergeable(model, where: Path) -> None:
         )
 
 
-def check_adapter_file(checkpoint: Path, recorded: str) -> None:
-    """The adapter's saved tensors must carry the digest state.json recorded (read_state has checked the files'
-    SHA-256 already: this catches a state.json whose recorded policy is not the adapter beside it)."""
-    from safetensors.torch import load_file
-
-    from miniverl.checkpoints.files import ADAPTER_WEIGHTS
+def check_adapter_file(checkpoint: Path, adapter: dict, recorded: str) -> None:
+    """The adapter's saved tensors (`adapter`, read from the checkpoint) must carry the digest state.json recorded
+    (read_state has checked the files' SHA-256 already: this catches a state.json whose recorded policy is not the
+    adapter beside it)."""
     from miniverl.policy import digest_matches
 
-    if not digest_matches(load_file(str(checkpoint / ADAPTER_WEIGHTS)), recorded):
+    if not digest_matches(adapter, recorded):
         raise ConfigError(
             f"the adapter of checkpoint {checkpoint} does not hash to the policy digest its state.json recorded"
             f" ({recorded[:16]}...); the checkpoint is corrupt or was edited: merge an older one (pass its"
@@ -160,6 +158,9 @@ def merge(source: str | Path, out: str | Path, dtype: str = STORED_DTYPE) -> Pat
     Every refusal (a missing or empty source, an `out` that holds files, a quantized student, an adapter that does
     not hash to its recorded digest) comes before a model is loaded. `dtype`: stored (the base's) or a DTYPES name.
     """
+    from safetensors.torch import load_file
+
+    from miniverl.checkpoints.files import ADAPTER_WEIGHTS
     from miniverl.checkpoints.store import load_valid_state
     from miniverl.models.loading import DTYPES, load_tokenizer
     from miniverl.models.lora import LoraSettings
@@ -173,14 +174,15 @@ def merge(source: str | Path, out: str | Path, dtype: str = STORED_DTYPE) -> Pat
     state = load_valid_state(checkpoint)
     model_cfg, data_cfg = saved_models(state, checkpoint)
     check_mergeable(model_cfg, checkpoint)
-    check_adapter_file(checkpoint, state["policy_digest"])
+    adapter = load_file(str(checkpoint / ADAPTER_WEIGHTS))  # read once: proven here, loaded into the model below
+    check_adapter_file(checkpoint, adapter, state["policy_digest"])
     log(f"checkpoint {checkpoint}: step {state['step']}, policy v{state['policy_version']}")
 
     started = time.perf_counter()
     base = Path(resolve_model_paths(model_cfg, data_cfg, log=log, roles=("student",))["student"])
     saved_as = out_dtype(dtype, base)
     lora = LoraSettings.from_config(model_cfg.lora)
-    merged = merged_policy(checkpoint, state, base, lora).to(DTYPES[saved_as])
+    merged = merged_policy(checkpoint, state, adapter, base, lora).to(DTYPES[saved_as])
     tokenizer = load_tokenizer(str(base), "model.student.path", "re-save the base model's tokenizer")
     record = {
         "source": str(source.resolve()),
@@ -204,19 +206,16 @@ def merge(source: str | Path, out: str | Path, dtype: str = STORED_DTYPE) -> Pat
     return out
 
 
-def merged_policy(checkpoint: Path, state: dict[str, Any], base: Path, lora):
-    """The base at `base` with the checkpoint's adapter merged in, in MERGE_DTYPE on the CPU, after the restored
-    adapter is proven against the digest the checkpoint recorded (as the learner's load_checkpoint proves it)."""
-    from safetensors.torch import load_file
-
-    from miniverl.checkpoints.files import ADAPTER_WEIGHTS
+def merged_policy(checkpoint: Path, state: dict[str, Any], adapter: dict, base: Path, lora):
+    """The base at `base` with the checkpoint's `adapter` tensors merged in, in MERGE_DTYPE on the CPU, after the
+    restored adapter is proven against the digest the checkpoint recorded (as the learner's load_checkpoint does)."""
     from miniverl.models.loading import DTYPES
     from miniverl.models.lora import build_lora_model, load_adapter_state
     from miniverl.workers.learner_checkpoint import check_restored
 
     log(f"loading the base {base} in {MERGE_DTYPE} and the adapter (rank {lora.rank}, alpha {lora.alpha})")
     model = build_lora_model(str(base), lora, DTYPES[MERGE_DTYPE], "cpu")
-    load_adapter_state(model, load_file(str(checkpoint / ADAPTER_WEIGHTS)))
+    load_adapter_state(model, adapter)
     identity = check_restored(str(checkpoint), model, int(state["policy_version"]), state["policy_digest"])
     log(f"the restored adapter hashes to the recorded policy {identity.short()}; merging")
     return model.merge_and_unload()
