@@ -56,7 +56,6 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     unset = [a for a in actors if getattr(res, a).num_gpus is None]
     if not unset:
         return cfg, {}, []
-    absent = {"scorer"} if cfg.model.teacher_is_self and "scorer" in unset else set()  # the learner scores
     steps = round(1 / SHARE_STEP)
     card_gib = total / 2**30
 
@@ -75,8 +74,9 @@ def choose_shares(cfg, objective, sizes: dict[str, ModelSize], adapter: int, voc
     least = {"learner": fits.least("learner", steps), "scorer": fits.least("scorer", steps)}
     chosen: dict[str, int] = {a: steps for a in own_gpu if a in unset}
     why: dict[str, str] = {a: f"a GPU of its own (resources.scorer_gpus={res.scorer_gpus})" for a in chosen}
-    for a in absent:
-        chosen[a], why[a] = 0, "no scorer: the learner scores with its adapter disabled (model.teacher.path=self)"
+    if cfg.model.teacher_is_self and "scorer" in unset:  # no scorer process: the learner scores
+        chosen["scorer"] = 0
+        why["scorer"] = "no scorer: the learner scores with its adapter disabled (model.teacher.path=self)"
     if "rollout" in unset:
         if cfg.rollout.paged_engine:  # their KV cache fills what a share leaves
             chosen["rollout"] = round(AUTO_SHARE * steps)
