@@ -229,3 +229,24 @@ def test_the_verl_bridge_refuses_the_column_it_would_drop(tmp_path):
     d = DataConfig(train_files=[str(path)], eval_prompts=2)
     with pytest.raises(ConfigError, match="teacher_prompt column .* verl 0.9.1's teacher scores the student's prompt"):
         file_rows(d)
+
+
+def test_a_run_with_the_student_as_its_own_teacher_prepares_the_column(tmp_path, chat_student_dir):
+    """The driver's setup (before Ray) of a file run with model.teacher.path=self: its prompt stream gives the teacher
+    prompts, and says so; the tokenizer probe reads them too."""
+    from miniverl.setup.prepare import prepare
+
+    path = write_jsonl(tmp_path / "p.jsonl", rows_with_context(8))
+    logs = []
+    cfg = load(
+        f"model.student.path={chat_student_dir}",
+        "model/teacher=self",
+        f"data.train_files=[{path}]",
+        "data.max_prompt_length=200",
+        "data.prompts_per_step=2",
+        "data.eval_prompts=2",
+        "trainer.total_steps=2",
+    )
+    setup = prepare(cfg, log=logs.append)
+    assert all(ids for ids in setup.prompts.batch(0, 2).teacher_prompt_ids) and setup.eval_batch.teacher_prompt_ids
+    assert any("the teacher's prompt from column teacher_prompt" in line for line in logs)
