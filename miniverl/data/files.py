@@ -109,8 +109,10 @@ def load_prompts(paths: list[str], columns: Columns, field: str):
     try:
         table = datasets.load_dataset(LOADERS[files[0].suffix], data_files=[str(f) for f in files], split="train")
     except Exception as e:  # name the line where we can (a column of mixed JSON types), else the library's reason
+        # a teacher_prompt column in any file is owed by every row (a file without it makes datasets fail here)
+        teacher = any(TEACHER_COLUMN in row for f in forms if f.json_lines for _, row in json_lines(f.path, field))
         for form in forms:
-            _refuse_first_bad_line(form, columns, field)
+            _refuse_first_bad_line(form, columns, field, teacher)
             _refuse_mixed_column_and_blank_lines(form, field)
         raise ConfigError(f"{field}={paths}: cannot read it ({e.__class__.__name__}: {e})") from e
     if len(table) == 0:
@@ -395,12 +397,11 @@ def _refuse_values_datasets_changed(table, cells: list[Cell], forms: list[FileFo
                     )
 
 
-def _refuse_first_bad_line(form: FileForm, columns: Columns, field: str) -> None:
-    """The first line of a JSON-lines file whose prompt or answer is bad (datasets may fail on a column of
-    mixed JSON types before check_rows could name it)."""
+def _refuse_first_bad_line(form: FileForm, columns: Columns, field: str, teacher: bool) -> None:
+    """The first line of a JSON-lines file whose prompt, answer or (`teacher`: the files have the column) teacher
+    prompt is bad (datasets may fail on a column of mixed JSON types before check_rows could name it)."""
     if not form.json_lines:
         return
-    teacher = any(TEACHER_COLUMN in row for _, row in json_lines(form.path, field))
     for number, row in json_lines(form.path, field):
         for c in cells_of(all(k in row for k in VERL_COLUMNS), columns, teacher):
             why = c.problem(c.read(row.get(c.column)))

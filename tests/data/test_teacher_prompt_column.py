@@ -250,3 +250,15 @@ def test_a_run_with_the_student_as_its_own_teacher_prepares_the_column(tmp_path,
     setup = prepare(cfg, log=logs.append)
     assert all(ids for ids in setup.prompts.batch(0, 2).teacher_prompt_ids) and setup.eval_batch.teacher_prompt_ids
     assert any("the teacher's prompt from column teacher_prompt" in line for line in logs)
+
+
+@pytest.mark.parametrize("first", ["with", "without"])
+def test_the_column_in_one_training_file_only_is_refused_by_line(tmp_path, chat_tok, first):
+    """Whichever file comes first (datasets itself fails when the one without the column does)."""
+    files = {
+        "with": write_jsonl(tmp_path / "a.jsonl", rows_with_context(3)),
+        "without": write_jsonl(tmp_path / "b.jsonl", [{"prompt": question(i), "answer": "0"} for i in range(3)]),
+    }
+    order = [files[first], files["without" if first == "with" else "with"]]
+    with pytest.raises(ConfigError, match=r"b.jsonl line 1: teacher_prompt is missing or null; give every row a"):
+        source(chat_tok, order, eval_prompts=1)
