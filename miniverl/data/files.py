@@ -474,6 +474,11 @@ def _messages(prompt: str | list) -> list[dict[str, Any]]:
     return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
 
+def teacher_messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """A checked row's teacher prompt (TEACHER_COLUMN) as chat messages: a text is one user message, as a prompt's."""
+    return _messages(raw[TEACHER_COLUMN])
+
+
 def verl_row(raw: dict[str, Any], columns: Columns, index: int) -> dict[str, Any]:
     """One row (checked by `load_prompts`) in verl's schema, whatever its file's form; `extra_info.index`
     defaults to the row number. A text prompt becomes one user message."""

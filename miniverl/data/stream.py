@@ -20,7 +20,15 @@ import numpy as np
 
 from miniverl.batches import PromptBatch
 from miniverl.data.charset import check_encodable
-from miniverl.data.files import TEACHER_COLUMN, Columns, has_teacher_prompts, is_verl_table, load_prompts, verl_row
+from miniverl.data.files import (
+    TEACHER_COLUMN,
+    Columns,
+    has_teacher_prompts,
+    is_verl_table,
+    load_prompts,
+    teacher_messages,
+    verl_row,
+)
 from miniverl.data.templates import check_same_opener, encode_prompt, generation_opener
 from miniverl.errors import ConfigError
 
@@ -139,9 +147,7 @@ class FilePromptSource:
         ids = encode_prompt(self.tokenizer, row["prompt"], self.use_template)
         teacher = None
         if self.teacher:
-            shown = raw[TEACHER_COLUMN]
-            shown = shown if isinstance(shown, list) else [{"role": "user", "content": shown}]
-            teacher = encode_prompt(self.tokenizer, shown, self.use_template)
+            teacher = encode_prompt(self.tokenizer, teacher_messages(raw), self.use_template)
         longest = max(len(ids), len(teacher or ()))
         if longest <= self.max_prompt_length:
             if teacher is not None:  # a template fault, not a length: refused whatever data.overlong says
@@ -153,7 +159,7 @@ class FilePromptSource:
             status[index] = VALID
             return row, ids, teacher
         if self.overlong == "error":
-            what = "prompt" if len(ids) == longest else f"{TEACHER_COLUMN}"
+            what = "prompt" if len(ids) == longest else TEACHER_COLUMN
             raise ConfigError(
                 f"{self._named(table)} row {index}: its {what} has {longest} tokens, more than"
                 f" data.max_prompt_length={self.max_prompt_length}; raise data.max_prompt_length, or set"
