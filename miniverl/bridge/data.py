@@ -108,13 +108,19 @@ def prompt_rows(cfg, tokenizer=None) -> dict[str, list[dict]]:
 def file_rows(d) -> dict[str, list[dict]]:
     """A run's prompt files (data.train_files / val_files, read as miniVERL reads them) as verl rows, in file
     order: the held-out split is the one the run evaluates on when no val_files are given."""
-    from miniverl.data.files import Columns, verl_rows
+    from miniverl.data.files import Columns, has_teacher_prompts, load_prompts, verl_row
     from miniverl.data.stream import holdout_split
 
     columns = Columns(d.prompt_key, d.answer_key, d.default_data_source)
-    train = list(verl_rows(d.train_files, columns, "data.train_files"))
+
+    def rows(paths: list[str], field: str) -> list[dict]:
+        table = load_prompts(paths, columns, field)
+        _refuse_teacher_prompts(has_teacher_prompts(table), field)
+        return [verl_row(raw, columns, i) for i, raw in enumerate(table)]
+
+    train = rows(d.train_files, "data.train_files")
     if d.val_files:
-        test = list(verl_rows(d.val_files, columns, "data.val_files"))
+        test = rows(d.val_files, "data.val_files")
     else:
         held, kept = holdout_split(len(train), d.eval_prompts, d.seed)
         train, test = [train[i] for i in kept], [train[i] for i in held]
@@ -133,6 +139,7 @@ def run_file_rows(d, tokenizer, total_steps: int) -> dict[str, list[dict]]:
 
     g = d.prompts_per_step
     source = build_prompt_source(d, tokenizer, total_steps, log=lambda _: None)
+    _refuse_teacher_prompts(source.teacher, "data.train_files")
     source.batch(total_steps - 1, g)  # scans the stream up to the last step
     train = [
         _file_row(verl_row(source.train[i], source.columns, i), n, "train", f"s{n // g}-{n % g}")
@@ -142,6 +149,18 @@ def run_file_rows(d, tokenizer, total_steps: int) -> dict[str, list[dict]]:
     held = [int(i) for i in source.eval_idx if status[i] == VALID_PROMPT][: d.eval_prompts]
     test = [_file_row(verl_row(source.val[i], source.columns, i), n, "test", f"eval-{n}") for n, i in enumerate(held)]
     return {"train": train, "test": test}
+
+
+def _refuse_teacher_prompts(present: bool, field: str) -> None:
+    """verl 0.9.1's teacher scores the student's prompt: a file's per-row teacher prompts would be dropped unsaid."""
+    from miniverl.data.files import TEACHER_COLUMN
+
+    if present:
+        raise ConfigError(
+            f"{field}: the rows have a {TEACHER_COLUMN} column (the teacher's own prompt), and verl 0.9.1's teacher"
+            f" scores the student's prompt, so the export would drop that context; export a copy of the files"
+            f" without the {TEACHER_COLUMN} column"
+        )
 
 
 def _file_row(r: dict, index: int, split: str, uid: str) -> dict:

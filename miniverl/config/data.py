@@ -22,6 +22,7 @@ class DataConfig:
     # the task as earlier chat turns before the student's question; the student never sees them (context
     # distillation). Drawn per row from the training distribution, never a held-out problem or the row's own.
     # Teacher prompts count against data.max_prompt_length too. 0 = the teacher scores the student's own prompt.
+    # Prompt files give the teacher context per row instead, by a `teacher_prompt` column (no key: data/files.py).
     teacher_demonstrations: int = 0
     seed: int = 0
     # Prompt files (jsonl or verl-schema parquet). Empty: prompts come from the built-in data.task.
@@ -29,7 +30,9 @@ class DataConfig:
     # OmegaConf has no str-or-list type, normalized to a list in __post_init__ and checked in validate.
     train_files: Any = field(default_factory=list)
     val_files: Any = field(default_factory=list)  # empty: hold out data.eval_prompts training rows
-    prompt_key: str = "prompt"  # plain jsonl: the column with the prompt (text, or a list of chat messages)
+    # plain jsonl: the column with the prompt (text, or a list of chat messages). A `teacher_prompt` column, of the
+    # same forms, in every row (verl or plain) is the teacher's own prompt of the row: privileged context.
+    prompt_key: str = "prompt"
     answer_key: str = "answer"  # plain jsonl: the column with the ground truth; '' = the prompts have no answers
     default_data_source: str = "jsonl"  # plain jsonl rows without a data_source column (picks the reward)
     chat_template: bool = True  # wrap prompts with the tokenizer's chat template; false = raw text prompts
@@ -49,6 +52,7 @@ class DataConfig:
 
     def check(self) -> None:
         """data's own values. Whether the prompt files exist is check_files' (it reads the disk)."""
+        from miniverl.data.files import TEACHER_COLUMN
         from miniverl.data.tasks import CHAT_TASKS, TASKS, task_names
 
         require(self.prompts_per_step > 0, f"data.prompts_per_step={self.prompts_per_step}: must be >= 1")
@@ -88,10 +92,17 @@ class DataConfig:
             f"data.task={self.task} mixes chat tasks ({', '.join(chat)}) with character tasks, which no one model"
             " takes; train them in separate runs",
         )
+        teacher_column = f" and give each row its teacher context in a {TEACHER_COLUMN} column (text or chat messages)"
         require(
             self.teacher_demonstrations == 0 or (chat and not self.train_files),
             f"data.teacher_demonstrations={self.teacher_demonstrations} draws solved examples from a built-in chat task"
             f" ({', '.join(sorted(CHAT_TASKS))}), but data.task={self.task}"
             f"{' and data.train_files is set' if self.train_files else ''}; set data.task=addition_chat (no prompt"
-            " files), or data.teacher_demonstrations=0",
+            f" files), or data.teacher_demonstrations=0{teacher_column if self.train_files else ''}",
         )
+        for key in ("prompt_key", "answer_key"):
+            require(
+                getattr(self, key) != TEACHER_COLUMN,
+                f"data.{key}={TEACHER_COLUMN}: that column is the teacher's own prompt of each row (privileged"
+                f" context), never the student's {key.removesuffix('_key')}; rename the column in the file",
+            )

@@ -12,6 +12,11 @@ than what the file says: a JSON line that does not parse or repeats a key (datas
 turns a list of messages into one message), a prompt that is null, empty, or neither text nor chat messages,
 an answer that is missing, a value datasets would change ("1.50" read as 1.5). Each error names the file, the
 line (JSON lines) or row, and the fix.
+
+A row may also give the teacher a prompt of its own (privileged context the student never sees: a hint, the
+worked solution, demonstrations): a `teacher_prompt` column (TEACHER_COLUMN), text or chat messages like the
+prompt, in every row of every file or in none. The teacher scores the student's response after it
+(data/stream.py builds its ids, workers/scorer.py scores after them).
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ SCAN_BATCH_ROWS = 4096  # rows read from the Arrow table at a time
 LOSSY_FEATURES = ("Json", "float")  # datasets features a JSON value may have been changed into (see check_rows)
 PROMPT_FIX = "give the row a prompt (text, or chat messages [{role, content}, ...]) or remove it"
 ANSWER_FIX = "give the row an answer or remove it (it would be scored against an empty answer)"
+# The teacher's own prompt of a row, by name (no config key): a file without the column scores the student's prompt.
+TEACHER_COLUMN = "teacher_prompt"
+TEACHER_FIX = (
+    "give every row a teacher_prompt (text, or chat messages [{role, content}, ...]) or drop the column from every"
+    " row (then the teacher scores the student's prompt)"
+)
 
 
 @dataclass(frozen=True)
@@ -98,8 +109,10 @@ def load_prompts(paths: list[str], columns: Columns, field: str):
     try:
         table = datasets.load_dataset(LOADERS[files[0].suffix], data_files=[str(f) for f in files], split="train")
     except Exception as e:  # name the line where we can (a column of mixed JSON types), else the library's reason
+        # a teacher_prompt column in any file is owed by every row (a file without it makes datasets fail here)
+        teacher = any(TEACHER_COLUMN in row for f in forms if f.json_lines for _, row in json_lines(f.path, field))
         for form in forms:
-            _refuse_first_bad_line(form, columns, field)
+            _refuse_first_bad_line(form, columns, field, teacher)
             _refuse_mixed_column_and_blank_lines(form, field)
         raise ConfigError(f"{field}={paths}: cannot read it ({e.__class__.__name__}: {e})") from e
     if len(table) == 0:
@@ -255,6 +268,12 @@ def prompt_problem(value: Any) -> str | None:
     return None
 
 
+def teacher_prompt_problem(value: Any) -> str | None:
+    """Why a teacher prompt cell cannot be scored after (None: it can): as a prompt; datasets reads a row whose line
+    lacks the column as null, so null is named as both."""
+    return "is missing or null" if value is None else prompt_problem(value)
+
+
 def answer_problem(value: Any) -> str | None:
     """Why an answer cell cannot be scored as written (None: it can): text or a finite number."""
     if value is None:
@@ -278,19 +297,29 @@ class Cell:
     fix_every_row: str = ""  # the fix when no row holds it (a column of nulls)
 
 
-def cells_of(verl: bool, columns: Columns) -> list[Cell]:
-    """The prompt and (if the rows have them) the answer of a verl or a plain row."""
+def cells_of(verl: bool, columns: Columns, teacher: bool = False) -> list[Cell]:
+    """The prompt and (if the rows have them) the answer of a verl or a plain row, and its teacher prompt when the
+    file has that column (`teacher`): a row without one (null, or the key missing from its line) is refused."""
+    teacher_cells = (
+        [Cell(TEACHER_COLUMN, TEACHER_COLUMN, _same, teacher_prompt_problem, TEACHER_FIX)] if teacher else []
+    )
     if verl:
         every = f"fill {VERL_ANSWER} in every row, or write plain rows with data.answer_key='' if there are no answers"
         return [
             Cell("prompt", "prompt", _same, prompt_problem, PROMPT_FIX),
             Cell(VERL_ANSWER, "reward_model", _ground_truth, answer_problem, ANSWER_FIX, every),
+            *teacher_cells,
         ]
     cells = [Cell(columns.prompt_key, columns.prompt_key, _same, prompt_problem, PROMPT_FIX)]
     if columns.has_answers:
         every = "set data.answer_key to the column that holds the answers, or data.answer_key='' if there are none"
         cells.append(Cell(columns.answer_key, columns.answer_key, _same, answer_problem, ANSWER_FIX, every))
-    return cells
+    return cells + teacher_cells
+
+
+def has_teacher_prompts(table) -> bool:
+    """Whether the rows give the teacher prompts of their own (the TEACHER_COLUMN column)."""
+    return TEACHER_COLUMN in table.column_names
 
 
 def _same(value: Any) -> Any:
@@ -304,7 +333,7 @@ def _ground_truth(reward_model: Any) -> Any:
 def check_rows(table, columns: Columns, field: str, forms: list[FileForm]) -> None:
     """Every prompt is text or chat messages and every answer is there, as the file wrote them: one pass
     over those columns; the first bad cell is named with its file and line, and the others counted."""
-    cells = cells_of(is_verl_table(table), columns)
+    cells = cells_of(is_verl_table(table), columns, has_teacher_prompts(table))
     _refuse_values_datasets_changed(table, cells, forms, field)
     first: dict[str, tuple[int, str]] = {}
     count = dict.fromkeys((c.name for c in cells), 0)
@@ -364,17 +393,17 @@ def _refuse_values_datasets_changed(table, cells: list[Cell], forms: list[FileFo
                         f"{field}: {form.path} line {number}: {c.name} {_short(written)} would be read as"
                         f" {_short(value)} (datasets reads a column that mixes JSON types as JSON, and one of"
                         f" integers and non-integers as floats); write every {c.name} as text (a JSON string)"
-                        + (", or every one as chat messages" if c.problem is prompt_problem else "")
+                        + (", or every one as chat messages" if c.problem is not answer_problem else "")
                     )
 
 
-def _refuse_first_bad_line(form: FileForm, columns: Columns, field: str) -> None:
-    """The first line of a JSON-lines file whose prompt or answer is bad (datasets may fail on a column of
-    mixed JSON types before check_rows could name it)."""
+def _refuse_first_bad_line(form: FileForm, columns: Columns, field: str, teacher: bool) -> None:
+    """The first line of a JSON-lines file whose prompt, answer or (`teacher`: the files have the column) teacher
+    prompt is bad (datasets may fail on a column of mixed JSON types before check_rows could name it)."""
     if not form.json_lines:
         return
     for number, row in json_lines(form.path, field):
-        for c in cells_of(all(k in row for k in VERL_COLUMNS), columns):
+        for c in cells_of(all(k in row for k in VERL_COLUMNS), columns, teacher):
             why = c.problem(c.read(row.get(c.column)))
             if why is not None:
                 raise ConfigError(f"{field}: {form.path} line {number}: {c.name} {why}; {c.fix}")
@@ -443,6 +472,11 @@ def _short(value: Any, limit: int = 40) -> str:
 
 def _messages(prompt: str | list) -> list[dict[str, Any]]:
     return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def teacher_messages(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """A checked row's teacher prompt (TEACHER_COLUMN) as chat messages: a text is one user message, as a prompt's."""
+    return _messages(raw[TEACHER_COLUMN])
 
 
 def verl_row(raw: dict[str, Any], columns: Columns, index: int) -> dict[str, Any]:

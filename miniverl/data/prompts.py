@@ -11,8 +11,12 @@ import random
 
 from miniverl.batches import PromptBatch
 from miniverl.data.tasks import CHAT_TASKS, TASKS, Example, draw_examples, task_names
-from miniverl.data.templates import encode_prompt
+from miniverl.data.templates import check_same_opener, encode_prompt, generation_opener
 from miniverl.errors import ConfigError
+
+DEMONSTRATIONS_FIX = (
+    "use a tokenizer whose template ends every prompt with the same assistant opener, or data.teacher_demonstrations=0"
+)
 
 
 def prompt_rng(seed: int, purpose: str, step: int = 0) -> random.Random:
@@ -48,17 +52,6 @@ def demonstration_messages(demos: list[Example], question: str) -> list[dict[str
     for ex in demos:
         turns += [{"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.solution or ex.answer}]
     return [*turns, {"role": "user", "content": question}]
-
-
-def generation_opener(tokenizer) -> list[int]:
-    """The ids the chat template adds to open the assistant's turn (`<|im_start|>assistant\n` for ChatML): what a
-    student's and a teacher's prompt must both end with, so the response tokens follow the same turn marker."""
-    chat = [{"role": "user", "content": "x"}]
-    closed = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
-    opened = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    if not opened.startswith(closed) or opened == closed:
-        return []  # a template that rewrites earlier text when opening the turn: compared by the whole suffix below
-    return list(tokenizer(opened[len(closed) :], add_special_tokens=False)["input_ids"])
 
 
 class PromptSource:
@@ -122,26 +115,13 @@ class PromptSource:
                 demos = [d for _, d in self._demos(demo_rng, ex)]
                 shown = demonstration_messages(demos, ex.prompt)
                 teacher.append(self._encode(shown, f"the teacher prompt of {prefix}-{i}"))
-                self._check_opener(ids[-1], teacher[-1], f"{prefix}-{i}")
+                check_same_opener(ids[-1], teacher[-1], self.opener, f"row {prefix}-{i}", DEMONSTRATIONS_FIX)
         return PromptBatch(ids, uids, answers, sources, teacher_prompt_ids=teacher or None)
 
     def _demos(self, rng: random.Random, row: Example) -> list:
         """The solved examples shown to the teacher beside `row`: never a held-out problem, never the row itself."""
         exclude = self.held_out | {row.prompt}
         return draw_examples(self.name, rng, self.min_len, self.max_len, self.demonstrations, exclude)
-
-    def _check_opener(self, student: list[int], teacher: list[int], uid: str) -> None:
-        """Both prompts end with the assistant turn's opener, so the response tokens sit where each expects its
-        answer; a template that ends the two differently (a system text the demonstrations drop, a think tag)
-        would score the student's tokens at another position of the teacher's turn."""
-        tail = len(self.opener) or 1
-        if student[-tail:] != teacher[-tail:]:
-            raise ConfigError(
-                f"row {uid}: the teacher prompt ends with ids {teacher[-tail:]} but the student's with"
-                f" {student[-tail:]}; the chat template opens the answer differently after the demonstrations, so"
-                " the teacher would score the response at another position. Use a tokenizer whose template ends every"
-                " prompt with the same assistant opener, or data.teacher_demonstrations=0"
-            )
 
     def describe(self) -> str:
         if not self.chat:

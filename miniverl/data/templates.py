@@ -29,3 +29,27 @@ def encode_prompt(tokenizer, messages: list[dict[str, Any]], use_template: bool)
             f" ({[m.get('role') for m in messages]}); set data.chat_template=true"
         )
     return list(tokenizer(messages[0]["content"])["input_ids"])
+
+
+def generation_opener(tokenizer) -> list[int]:
+    """The ids the chat template adds to open the assistant's turn (`<|im_start|>assistant\n` for ChatML): what a
+    student's and a teacher's prompt must both end with, so the response tokens follow the same turn marker."""
+    chat = [{"role": "user", "content": "x"}]
+    closed = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+    opened = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if not opened.startswith(closed) or opened == closed:
+        return []  # a template that rewrites earlier text when opening the turn: compared by the last token below
+    return list(tokenizer(opened[len(closed) :], add_special_tokens=False)["input_ids"])
+
+
+def check_same_opener(student: list[int], teacher: list[int], opener: list[int], row: str, fix: str) -> None:
+    """Both prompts of `row` end with the assistant turn's `opener` ids (raw text, or no opener found: the same last
+    token), so the response tokens sit where each expects its answer; a template that ends the two differently (a
+    system text the teacher's messages drop, a think tag) would score the student's tokens at another position of
+    the teacher's turn. `fix`: what the refusal tells the user to change."""
+    tail = len(opener) or 1
+    if student[-tail:] != teacher[-tail:]:
+        raise ConfigError(
+            f"{row}: the teacher prompt ends with ids {teacher[-tail:]} but the student's with {student[-tail:]}; the"
+            " two open the answer differently, so the teacher would score the response at another position; " + fix
+        )

@@ -223,10 +223,12 @@ def load_setup(cfg: MiniVerlConfig, device: str, log=print) -> Setup:
     source = build_prompt_source(d, student_tok, cfg.trainer.total_steps, log)
     eval_batch = source.eval_batch(d.eval_prompts)
     first = source.batch(0, d.prompts_per_step)
-    for role, teacher_tok in teacher_toks.items():  # the run's own prompts, beside the fixed probe texts
-        check_prompts_encode_alike(student_tok, teacher_tok, first.prompt_ids, paths[role])
+    for role, teacher_tok in teacher_toks.items():  # the run's own prompts and teacher prompts, beside the probe texts
+        for prompts in (first.prompt_ids, first.teacher_prompt_ids or []):
+            check_prompts_encode_alike(student_tok, teacher_tok, prompts, paths[role])
     if planned is not None:  # the plan sized every row for data.max_prompt_length: say when the prompts are far shorter
-        longest = max(len(ids) for batch in (eval_batch, first) for ids in batch.prompt_ids)
+        shown = [ids for batch in (eval_batch, first) for ids in (*batch.prompt_ids, *(batch.teacher_prompt_ids or []))]
+        longest = max(map(len, shown))  # a teacher prompt too: a lower limit would filter its rows
         hint = short_prompts_hint(longest, d.max_prompt_length, cfg.rollout.paged_engine)
         if hint:
             log(f"[miniverl] {hint}")

@@ -365,6 +365,8 @@ def rollout_metrics(
         "response_length": float(mask.sum(1).mean()),
         "finished_frac": float(rollouts.finished.float().mean()),
     }
+    if rollouts.teacher_prompt_mask is not None:  # the teacher's privileged context is there, and this long
+        out["teacher_prompt_tokens"] = float(rollouts.teacher_prompt_mask.sum(1).float().mean())
     if teacher_log_probs is not None:
         out["reverse_kl"] = float(masked_mean(rollouts.rollout_log_probs - teacher_log_probs, mask))
     return out

@@ -53,6 +53,7 @@ def evaluate(
         "eval/sampled_accuracy": m["accuracy"],
         "eval/reverse_kl": m["reverse_kl"],
         **reverse_kl_by_source(sampled, teacher),
+        **({"eval/teacher_prompt_tokens": m["teacher_prompt_tokens"]} if "teacher_prompt_tokens" in m else {}),
     }
     return EvalResult(metrics, sample_rows(greedy, rewards, tokenizer, num_samples))
 
