@@ -99,13 +99,13 @@ def train_holding_the_lock(
     from miniverl.errors import MiniVerlError, disk_full, message_of
     from miniverl.observe.dashboard import RunGauges
     from miniverl.observe.plots import write_plots
-    from miniverl.observe.summary import run_summary, version
     from miniverl.observe.tracking import Tracker, trim_metrics
     from miniverl.seeds import sampling_seed
     from miniverl.setup.prepare import prepare_run
     from miniverl.step.cadence import TrainingLoop
     from miniverl.step.conformance import conformance_gate
     from miniverl.step.controller import StrictSyncController
+    from miniverl.step.summary import run_summary, version
 
     started = time.perf_counter()
     typed_config = dataclasses.asdict(cfg)
