@@ -105,7 +105,7 @@ def train_holding_the_lock(
     from miniverl.step.cadence import TrainingLoop
     from miniverl.step.conformance import conformance_gate
     from miniverl.step.controller import StrictSyncController
-    from miniverl.step.summary import run_summary, version
+    from miniverl.step.evaluation import run_summary
 
     started = time.perf_counter()
     typed_config = dataclasses.asdict(cfg)
@@ -307,6 +307,17 @@ RUN_OUTPUTS = (  # (what is listed, the path that shows it was written)
 def written(run_dir: Path) -> list[str]:
     """What the run left in its directory, in the README's order (wandb/ only when tracking wrote it)."""
     return [name for name, path in RUN_OUTPUTS if (run_dir / path).exists()]
+
+
+def version() -> str:
+    """The installed miniverl version (recorded in checkpoints)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("miniverl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

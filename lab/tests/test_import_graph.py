@@ -158,9 +158,10 @@ def rooms_of(g, modules):
 
 def test_the_package_folders_stand_in_floors_even_through_lazy_imports():
     """The last imports that ran back up (issue 75): the run's summary in observe/ read the setup's record, the
-    step's evaluation and the cluster's actor calls (it is step/summary.py now); cluster/launch.py read the setup's
-    record while setup/ read cluster/placement.py (the placement plan is setup/placement.py now); config/rollout.py
-    checked rollout.backend against miniverl.rollout's registry (the registry lives in config/rollout.py now)."""
+    step's evaluation and the cluster's actor calls (it is step/evaluation.py's run_summary now); cluster/launch.py
+    read the setup's record while setup/ read cluster/placement.py (the placement plan is setup/placement.py now);
+    config/rollout.py checked rollout.backend against miniverl.rollout's registry (which config/rollout.py holds
+    now)."""
     g = graph_module()
     assert g.cycles(rooms_of(g, g.build_graph()), lazy=True) == []
 
