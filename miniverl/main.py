@@ -97,9 +97,8 @@ def train_holding_the_lock(
     from miniverl.cluster.faults import RunInterrupted, StartupInterrupted, StopRequests
     from miniverl.cluster.launch import build_actors, start_ray, teardown
     from miniverl.errors import MiniVerlError, disk_full, message_of
-    from miniverl.observe.dashboard import RunGauges
     from miniverl.observe.plots import write_plots
-    from miniverl.observe.tracking import Tracker, trim_metrics
+    from miniverl.observe.tracking import RunGauges, Tracker, trim_metrics
     from miniverl.seeds import sampling_seed
     from miniverl.setup.prepare import prepare_run
     from miniverl.step.cadence import TrainingLoop
