@@ -59,8 +59,8 @@ CUDA_CONTEXT_GIB = 0.66
 # The same for the one process of resources.colocate=true (three roles on three threads and streams, an NF4 teacher's
 # bitsandbytes kernels): 0.97 GiB measured on the H200 as nvidia-smi's whole-device peak less the process's
 # torch-reserved peak, eager (11,783 - 10,790 MiB) and with compiled layers (12,603 - 11,610 MiB) alike
-# (lab/results/qlora-4080.md runs 8 and 9). With 0.66 here the 12 GiB layout's process was capped at 11.34 GiB
-# and the device peaked at 12.3 GiB.
+# (lab/results/qlora-4080.md, 2026-12-02's two colocated H200 cells). With 0.66 here the 12 GiB layout's process was
+# capped at 11.34 GiB and the device peaked at 12.3 GiB.
 COLOCATED_CONTEXT_GIB = 1.0
 
 
@@ -226,8 +226,8 @@ def allocation_sites_note() -> str:
 def memory_report(device: str) -> dict[str, float]:
     """Peak GPU memory this process allocated/reserved (GiB), and how often torch's allocator found no room under
     the cap, gave its cached blocks back to the card and asked again (`alloc_retries`): each is a device-wide
-    synchronisation (peers.md runs 7-8: suspected of slowing the learner and scorer at their caps, ruled out by
-    this count, 0-1 there against the capped rollout's 13). Empty on the CPU."""
+    synchronisation (lab/results/peers.md, 2026-12-06's H100 cells: suspected of slowing the learner and scorer at
+    their caps, ruled out by this count, 0-1 there against the capped rollout's 13). Empty on the CPU."""
     if device != "cuda":
         return {}
     return {
