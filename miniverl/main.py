@@ -97,15 +97,14 @@ def train_holding_the_lock(
     from miniverl.cluster.faults import RunInterrupted, StartupInterrupted, StopRequests
     from miniverl.cluster.launch import build_actors, start_ray, teardown
     from miniverl.errors import MiniVerlError, disk_full, message_of
-    from miniverl.observe.dashboard import RunGauges
     from miniverl.observe.plots import write_plots
-    from miniverl.observe.summary import run_summary, version
-    from miniverl.observe.tracking import Tracker, trim_metrics
+    from miniverl.observe.tracking import RunGauges, Tracker, trim_metrics
     from miniverl.seeds import sampling_seed
     from miniverl.setup.prepare import prepare_run
     from miniverl.step.cadence import TrainingLoop
     from miniverl.step.conformance import conformance_gate
     from miniverl.step.controller import StrictSyncController
+    from miniverl.step.evaluation import run_summary
 
     started = time.perf_counter()
     typed_config = dataclasses.asdict(cfg)
@@ -307,6 +306,17 @@ RUN_OUTPUTS = (  # (what is listed, the path that shows it was written)
 def written(run_dir: Path) -> list[str]:
     """What the run left in its directory, in the README's order (wandb/ only when tracking wrote it)."""
     return [name for name, path in RUN_OUTPUTS if (run_dir / path).exists()]
+
+
+def version() -> str:
+    """The installed miniverl version (recorded in checkpoints)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("miniverl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""How an actor process uses its hardware: its threads, its GPU memory cap and CUDA context, the CUDA capture lock.
+"""How an actor process uses its hardware: its threads, its GPU memory cap and CUDA context, the CUDA capture lock;
+and what the driver reads of the whole device's memory (device_used_gib).
 
-A leaf: the workers, the rollout backends, the cluster launcher and the fit planner all read it."""
+A leaf: the workers, the rollout backends, the cluster launcher, the fit planner and the step's cadence all read it."""
 
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ CUDA_CONTEXT_GIB = 0.66
 # The same for the one process of resources.colocate=true (three roles on three threads and streams, an NF4 teacher's
 # bitsandbytes kernels): 0.97 GiB measured on the H200 as nvidia-smi's whole-device peak less the process's
 # torch-reserved peak, eager (11,783 - 10,790 MiB) and with compiled layers (12,603 - 11,610 MiB) alike
-# (lab/results/qlora-4080.md runs 8 and 9). With 0.66 here the 12 GiB layout's process was capped at 11.34 GiB
-# and the device peaked at 12.3 GiB.
+# (lab/results/qlora-4080.md, 2026-12-02's two colocated H200 cells). With 0.66 here the 12 GiB layout's process was
+# capped at 11.34 GiB and the device peaked at 12.3 GiB.
 COLOCATED_CONTEXT_GIB = 1.0
 
 
@@ -225,8 +226,8 @@ def allocation_sites_note() -> str:
 def memory_report(device: str) -> dict[str, float]:
     """Peak GPU memory this process allocated/reserved (GiB), and how often torch's allocator found no room under
     the cap, gave its cached blocks back to the card and asked again (`alloc_retries`): each is a device-wide
-    synchronisation (peers.md runs 7-8: suspected of slowing the learner and scorer at their caps, ruled out by
-    this count, 0-1 there against the capped rollout's 13). Empty on the CPU."""
+    synchronisation (lab/results/peers.md, 2026-12-06's H100 cells: suspected of slowing the learner and scorer at
+    their caps, ruled out by this count, 0-1 there against the capped rollout's 13). Empty on the CPU."""
     if device != "cuda":
         return {}
     return {
@@ -242,3 +243,38 @@ def gpu_uuid(device: str) -> str | None:
     if device != "cuda":
         return None
     return str(torch.cuda.get_device_properties(0).uuid)
+
+
+# Whole-device GPU memory as nvidia-smi reports it, read through NVML from the driver process.
+#
+# NVML needs no CUDA context, so reading it from the driver does not itself take GPU memory (a CUDA context
+# would add ~0.5 GiB to what it measures). NVML's first memory query counts the driver's reserved memory as used;
+# nvidia-smi's `memory.used` does not (it reads the v2 query): on the H200, 615 MiB apart (qlora-4080.md's vLLM cell
+# of 2026-12-03, 5edc809: 16,389 MiB by the first query, 15,774 by nvidia-smi). The v2 query is used where the driver
+# has it: on the H200 (driver 580.159.04) with 3 GiB allocated it read 3,599 MiB, as nvidia-smi did, the first query
+# 4,214.
+def device_used_gib(index: int = 0) -> float | None:
+    """Used memory of GPU `index` in GiB (all processes, the driver's reserve not counted), or None without NVML or
+    a GPU."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            return _used_bytes(pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)) / 2**30
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+
+
+def _used_bytes(pynvml, handle) -> int:
+    version = getattr(pynvml, "nvmlMemory_v2", None)
+    if version is not None:
+        try:
+            return pynvml.nvmlDeviceGetMemoryInfo(handle, version=version).used
+        except pynvml.NVMLError:  # a driver without the v2 query: the first one, reserve included
+            pass
+    return pynvml.nvmlDeviceGetMemoryInfo(handle).used

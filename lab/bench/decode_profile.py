@@ -287,10 +287,10 @@ def backend_class(args, cells, longest_prompt: int) -> tuple[type, dict]:
             kwargs = {"max_num_seqs": rows, "max_model_len": longest} | kwargs
         return BASELINES[args.backend], kwargs
     if args.backend == "sglang":  # an engine sized at start, as raw vLLM; --backend-args are rollout.sglang keys
-        from miniverl.rollout.sglang import bench_settings
+        from lab.bench.engine_settings import sglang_settings
 
         try:
-            kwargs = {"settings": bench_settings(rows, longest, kwargs)}
+            kwargs = {"settings": sglang_settings(rows, longest, kwargs)}
         except ConfigError as e:
             raise SystemExit(f"--backend-args do not fit sglang: {e}") from None
     if args.backend in BACKENDS:

@@ -182,8 +182,9 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
     if plan.backend == "raw_vllm":
         return {"max_num_seqs": rows, "max_model_len": context, **plan.attributes}, {}
     if plan.backend == "vllm":
+        from lab.bench.engine_settings import check_vllm_settings
         from miniverl.config import VllmRolloutConfig
-        from miniverl.rollout.vllm_settings import VllmSettings, check_settings
+        from miniverl.rollout.vllm_settings import VllmSettings
 
         # A bench preregistered before the backend existed (rollout-runtime-v3) names no attributes: it gets
         # the product's defaults and half the GPU.
@@ -210,12 +211,12 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
             enable_prefix_caching=product.enable_prefix_caching,
             **a,
         )
-        check_settings(settings)  # a plan's attributes are rollout.vllm values that no validate has seen
+        check_vllm_settings(settings)  # a plan's attributes are rollout.vllm values that no validate has seen
         return {"settings": settings}, {}
     if plan.backend == "sglang":  # sized at construction too; its attributes are rollout.sglang keys (or gpu_share)
-        from miniverl.rollout.sglang import bench_settings
+        from lab.bench.engine_settings import sglang_settings
 
-        return {"settings": bench_settings(rows, context, plan.attributes)}, {}
+        return {"settings": sglang_settings(rows, context, plan.attributes)}, {}
     return {}, dict(plan.attributes)
 
 

@@ -140,3 +140,35 @@ def test_floors_stand_on_what_a_module_imports_and_a_circle_shares_one(tmp_path)
     assert floors == {"miniverl": 2, "miniverl.leaf": 1, "miniverl.a": 2, "miniverl.b": 2, "miniverl.top": 3}
     # counted as imports of the package: `from miniverl import x` stands above its __init__, which stands on leaf
     assert g.floors(g.build_graph(root)) == {**floors, "miniverl.a": 3, "miniverl.b": 3, "miniverl.top": 4}
+
+
+def rooms_of(g, modules):
+    """The package as its rooms: each folder under miniverl/, and each module of the package root, with the rooms it
+    imports (imports inside functions too). A room that imports one which imports it back has an import running up
+    the floors: the two cannot stand one above the other."""
+
+    def room(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    rooms = {room(m.name): g.Module(room(m.name), m.path) for m in modules.values()}
+    for m in modules.values():
+        rooms[room(m.name)].imports |= {room(t) for t in m.imports} - {room(m.name)}
+    return rooms
+
+
+def test_the_package_folders_stand_in_floors_even_through_lazy_imports():
+    """The last imports that ran back up (issue 75): the run's summary in observe/ read the setup's record, the
+    step's evaluation and the cluster's actor calls (it is step/evaluation.py's run_summary now); cluster/launch.py
+    read the setup's record while setup/ read cluster/placement.py (the placement plan is setup/placement.py now);
+    config/rollout.py checked rollout.backend against miniverl.rollout's registry (which config/rollout.py holds
+    now)."""
+    g = graph_module()
+    assert g.cycles(rooms_of(g, g.build_graph()), lazy=True) == []
+
+
+def test_the_floor_check_catches_two_folders_importing_each_other(tmp_path):
+    g = graph_module()
+    root = made_up_package(tmp_path, "config", "rollout")
+    (root / "rollout" / "engine.py").write_text("from miniverl.config.section import x\n")
+    (root / "config" / "section.py").write_text("x = 1\ndef check():\n    from miniverl.rollout import engine\n")
+    assert g.cycles(rooms_of(g, g.build_graph(root)), lazy=True) == [["miniverl.config", "miniverl.rollout"]]

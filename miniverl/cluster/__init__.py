@@ -1,1 +1,1 @@
-"""The Ray plumbing: starting the actors, where they go (GPUs, placement), GPU memory, and faults."""
+"""The Ray plumbing: starting the actors on the GPUs the setup's placement plan names, and faults."""

@@ -5,12 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miniverl.config.base import require
+from miniverl.registry import Registry
 
 REFRESH_MODES = ("adapter", "merged")  # rollout.vllm.refresh
 ENGINE_PROCESSES = ("inprocess", "subprocess")  # rollout.vllm.engine_process
 SEEDING = ("row", "prompt")  # rollout.vllm.seeding
 AUTO_BACKEND = "auto"  # rollout.backend chosen from the student (RolloutConfig.chosen_backend)
 SGLANG_ATTENTION = ("triton", "flashinfer", "fa3")  # rollout.sglang.attention_backend
+
+# rollout.backend's names, each a lazy "module:class" path into miniverl/rollout/ (resolved, and the backend imported,
+# only by BACKENDS.get in the rollout actor): the config checks a name here without importing any backend, and
+# miniverl.rollout hands this registry on as its own.
+BACKENDS = Registry("rollout backend", "rollout.backend")
+BACKENDS.register("hf_reference", "miniverl.rollout.hf_reference:HFReferenceBackend")
+BACKENDS.register("hf_cached", "miniverl.rollout.hf_cached:HFCachedBackend")
+BACKENDS.register("vllm", "miniverl.rollout.vllm:VllmBackend")
+# sglang 0.5.17; end to end on an H100: lab/results/sglang-gpu/run2.md
+BACKENDS.register("sglang", "miniverl.rollout.sglang:SglangBackend")
 
 
 @dataclass
@@ -124,7 +135,7 @@ class SglangRolloutConfig:
 
 @dataclass
 class RolloutConfig:
-    # auto (hf_cached, or hf_reference for an NF4 student: chosen_backend) | a name in miniverl.rollout.BACKENDS
+    # auto (hf_cached, or hf_reference for an NF4 student: chosen_backend) | a name in BACKENDS
     backend: str = AUTO_BACKEND
     n: int = 2  # N: samples per prompt
     temperature: float = 1.0  # sampling temperature (0 = greedy); the loss temperature is separate
@@ -140,7 +151,6 @@ class RolloutConfig:
     def check(self) -> None:
         """The sampling settings, and rollout.vllm's own values (what they need of other sections is
         check_combinations')."""
-        from miniverl.rollout import BACKENDS
         from miniverl.seeds import MAX_BASE_SEED
 
         require(

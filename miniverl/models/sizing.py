@@ -106,7 +106,7 @@ def scorer_chunk_entry_bytes(support_k: int | None, loss_temperature: float, voc
     1: counted like the learner's closed-form chunk. A full support, another temperature or the torch fallback
     make fp32 copies of it. Counting fp32 copies for the model-dtype path too left the 4080 recipe's teacher
     no room at 1,024-token chunks: it scored one row per forward, 8.5 s a step where 4,388-token forwards had
-    taken 2.1 (lab/results/qlora-4080.md, runs 4 and 6)."""
+    taken 2.1 (lab/results/qlora-4080.md, the H200 cells of 2026-12-02)."""
     in_model_dtype = support_k is None or (0 < support_k < vocab and loss_temperature == 1.0)
     if in_model_dtype and kernels:
         return CLOSED_FORM_CHUNK_BYTES_PER_ENTRY

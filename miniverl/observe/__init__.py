@@ -1,1 +1,1 @@
-"""What a run shows while and after it runs: metrics.jsonl and wandb, Ray dashboard gauges, plots, the summary."""
+"""What a run shows while and after it runs: metrics.jsonl and wandb, Ray dashboard gauges, plots."""

@@ -8,9 +8,13 @@ from typing import Protocol
 
 import torch
 
+from miniverl.config.rollout import BACKENDS
 from miniverl.errors import ConfigError
-from miniverl.registry import Registry
 from miniverl.rollout.sampling import SamplingParams
+
+# The backends' registry (names -> lazy "module:class" paths) lives in config/rollout.py, beside the check of
+# rollout.backend, so that the config names them without importing this package.
+__all__ = ["BACKENDS", "ENGINES", "Completion", "RolloutBackend", "require_engine"]
 
 
 @dataclass
@@ -52,12 +56,6 @@ class RolloutBackend(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         """Sample params.n completions per prompt, prompt-major; `seeds` has one seed per completion."""
 
-
-BACKENDS = Registry("rollout backend", "rollout.backend")
-BACKENDS.register("hf_reference", "miniverl.rollout.hf_reference:HFReferenceBackend")
-BACKENDS.register("hf_cached", "miniverl.rollout.hf_cached:HFCachedBackend")
-BACKENDS.register("vllm", "miniverl.rollout.vllm:VllmBackend")
-BACKENDS.register("sglang", "miniverl.rollout.sglang:SglangBackend")  # sglang 0.5.17; end to end on an H100: run2.md
 
 # The backends that run an inference engine of their own: CUDA only, each its package and how to install it.
 ENGINES = {

@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from miniverl.config import SglangRolloutConfig
 from miniverl.errors import ConfigError
 from miniverl.models.loading import load_model_config, model_size
 from miniverl.models.lora import LoraSettings, adapter_template
@@ -114,34 +113,6 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, large
         context_length=cfg.longest_row,
         gpu_share=gpu_share,
         gpu_cap_gib=gpu_cap_gib,
-    )
-
-
-def bench_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
-    """A bench's engine (lab.bench, decode_profile): sized for its widest call and longest row, half the GPU and
-    rollout.sglang's defaults unless `attributes` (rollout.sglang keys, or gpu_share) say otherwise, checked as
-    validate checks rollout.sglang."""
-    a = {"gpu_share": 0.5} | dict(attributes)
-    share = a.pop("gpu_share")
-    known = {f.name for f in fields(SglangRolloutConfig)}
-    if set(a) - known:
-        raise ConfigError(
-            f"the bench's sglang settings {sorted(set(a) - known)} are not rollout.sglang keys; use"
-            f" {', '.join(sorted(known))} or gpu_share"
-        )
-    if not (isinstance(share, int | float) and 0 < share <= 1):
-        raise ConfigError(f"the bench's sglang gpu_share={share!r}: a fraction of the GPU in (0, 1]")
-    section = SglangRolloutConfig(**a)
-    section.check()
-    return SglangSettings(
-        section.attention_backend,
-        section.mem_fraction_static,
-        section.chunked_prefill_size,
-        section.batch_invariant,
-        section.running_rows(rows),
-        context,
-        share,
-        None,
     )
 
 

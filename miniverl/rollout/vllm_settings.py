@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from miniverl.atomic import atomic_dir
-from miniverl.config.rollout import VllmRolloutConfig, check_quantized_rollout
 from miniverl.errors import ConfigError
 
 # LoRA ranks vLLM 0.26 can be started with (vllm/config/lora.py, MaxLoRARanks).
@@ -66,16 +65,6 @@ def vllm_lora_rank(rank: int) -> int:
         f"model.lora.rank={rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}; lower model.lora.rank"
         " or use rollout.vllm.refresh=merged (no LoRA kernels, any rank)"
     )
-
-
-def check_settings(s: VllmSettings) -> None:
-    """validate's checks of rollout.vllm (config/rollout.py, config/checks.py) for settings built without a config:
-    the bench's vllm plans (bench/runner.py constructor_options). A run's settings come from a config validate has
-    checked (settings_from_config), so the engine does not check them again."""
-    section = VllmRolloutConfig(**{f.name: getattr(s, f.name) for f in fields(VllmRolloutConfig)})
-    section.check()
-    section.check_batched_tokens(s.max_num_seqs)
-    check_quantized_rollout(s.quantization, "vllm", s.refresh)
 
 
 def served_weight_bytes(model_dir: str, dtype: torch.dtype, quantization: str) -> int:

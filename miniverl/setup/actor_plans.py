@@ -226,8 +226,8 @@ def rollout_plan(cfg, size: ModelSize, adapter: int, share: int, fraction: float
         plan.choice = (
             f"SGLang KV pool {human(max(kv, 0))}: {min(at_once, rows)} of the step's {rows} rows at full length at"
             f" once ({human(overhead)} of engine overhead beside it: its graphs and the sampler's buffers for"
-            f" {running} rows decoded at once, measured in run 3; its scheduler's CUDA context"
-            f" {human(plan.outside_bytes)} more)"
+            f" {running} rows decoded at once, measured on an H100 on 2026-12-06: lab/results/sglang-gpu/run3.md; its"
+            f" scheduler's CUDA context {human(plan.outside_bytes)} more)"
         )
         if kv <= 0:
             plan.problem = (

@@ -19,10 +19,10 @@ from miniverl.checkpoints.store import (
     scan,
     set_aside,
 )
-from miniverl.cluster.placement import placement_gpus
 from miniverl.config import MiniVerlConfig
 from miniverl.errors import ConfigError
 from miniverl.models.lora import meta_linear_layers
+from miniverl.setup.placement import placement_gpus
 
 WANDB_HOST = "api.wandb.ai"
 

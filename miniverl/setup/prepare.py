@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from miniverl.cluster.placement import placement_gpus, plan_placement, replica_share
 from miniverl.config import AUTO_BACKEND, DataConfig, MiniVerlConfig, ModelConfig, validate
 from miniverl.config.model import SINGLE_TEACHER_ROLE
 from miniverl.data.build import build_prompt_source
@@ -41,6 +40,7 @@ from miniverl.rollout import require_engine, sglang, vllm_settings
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.routing import check_sources_routed, routing_of
 from miniverl.setup.fit import card_plan, short_prompts_hint
+from miniverl.setup.placement import placement_gpus, plan_placement, replica_share
 from miniverl.setup.preflight import (
     ResumePoint,
     check_device_settings,

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miniverl.batches import PromptBatch
-from miniverl.cluster.placement import Placement
 from miniverl.data.build import PromptStream
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives import Objective
 from miniverl.rewards import SourceReward
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.routing import TeacherRouting
+from miniverl.setup.placement import Placement
 
 
 @dataclass

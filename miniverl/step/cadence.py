@@ -20,10 +20,10 @@ from miniverl.checkpoints.store import prune, step_dir
 from miniverl.cluster.actors import call
 from miniverl.cluster.colocate import processes
 from miniverl.cluster.faults import RunInterrupted, StopRequests, actor_names, dead_actor_error
-from miniverl.cluster.gpu_memory import device_used_gib
 from miniverl.config import MiniVerlConfig
 from miniverl.objectives.sampler_check import VersionTestWatch
 from miniverl.observe.tracking import Tracker
+from miniverl.process import device_used_gib
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.seeds import sampling_seed
 from miniverl.step.controller import StrictSyncController

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +38,26 @@ if TYPE_CHECKING:
 
 # Callers import these from here; they live in errors.py and the learner's helper modules.
 __all__ = ["LearnerWorker", "NonFiniteError", "StaleBatchError", "learner_shape"]
+
+
+@dataclass
+class StepGap:
+    """The step's sampler gap on this rank: |learner - sampler| log-prob (nats) of each response token, their sum,
+    largest and count beyond the bound's tail, and the version test's votes."""
+
+    tokens: torch.Tensor  # [n] this rank's response tokens
+    abs_sum: float
+    largest: float
+    tail: int
+    votes: list[float]
+
+    def metrics(self, num_tokens: int) -> dict[str, float]:
+        return {
+            "sampler_gap_mean": self.abs_sum / max(num_tokens, 1),
+            "sampler_gap_max": self.largest,
+            "sampler_gap_p99": float(torch.quantile(self.tokens.float(), 0.99)) if self.tokens.numel() else 0.0,
+            "sampler_gap_tail_frac": self.tail / max(num_tokens, 1),
+        }
 
 
 class LearnerWorker:
@@ -199,25 +220,66 @@ class LearnerWorker:
         MINIVERL_PROFILE_CALL=K profiles the K-th update where it runs (observe/profile.py).
         """
         start = time.time()
-        kept = self.sampler_gap.behaviour
-        lag = check_lag(self.version, self.published, batch.policy_version, self.staleness, kept)
+        lag = self._check_batch(batch, scores)
+        advantages, behaviour = self._prepare(batch, scores, rewards, lag)
+        num_tokens = int(batch.response_mask.sum()) if num_step_tokens is None else num_step_tokens
+        prepared = time.time()
+        loss_sum, logprobs, terms = self._backward(batch, scores, advantages, num_tokens)
+        backward = time.time()
+        objective_metrics = self._objective_metrics(batch, scores, advantages, logprobs, terms, num_tokens)
+        gap = self._sampler_gap(batch, logprobs, behaviour)
+        loss = loss_sum.item()
+        reverse_kl = self._reverse_kl(batch, scores, logprobs, lag)
+        version_z = self._check_step(gap, num_tokens, batch.policy_version)
+        checked = time.time()
+        grad_norm, skipped = self._apply(loss)
+        self.window = (start, time.time())
+        return {
+            **update_split(start, prepared, backward, checked, self.window[1]),
+            "skipped_step": float(skipped),
+            "loss": loss,
+            "grad_norm": grad_norm,
+            **gap.metrics(num_tokens),
+            # the version test: z of 'the sampler sits nearer the previous version / the base model than the batch's
+            # version' (< 0: it does not; 0: not voted); the tokens it recomputed
+            **version_z,
+            "response_tokens": num_tokens,
+            "micro_batch_tokens": float(self.max_tokens),  # 0: row-count micro-batches; drops after an OOM
+            "reverse_kl": reverse_kl / max(num_tokens, 1),
+            **objective_metrics,
+            **lag_metrics(self._drift(batch, logprobs), num_tokens, self.staleness),
+        }
+
+    def _check_batch(self, batch: RolloutBatch, scores: TeacherScores) -> int:
+        """Refuse a batch of a version this learner did not publish, or one lagging more than `staleness`, and
+        scores of another shape; returns the batch's lag (0: sampled by the current version)."""
+        lag = check_lag(self.version, self.published, batch.policy_version, self.staleness, self.sampler_gap.behaviour)
         if scores.teacher_log_probs.shape != batch.responses.shape:
             raise ValueError("teacher scores do not match the rollout batch shape")
+        return lag
+
+    def _prepare(
+        self, batch: RolloutBatch, scores: TeacherScores, rewards: torch.Tensor | None, lag: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The forwards before the gradients and the objective's advantages: the reference policy's log-probs
+        where the objective needs them; the learner's log-probs of the sampled tokens under the version that sampled
+        them (`behaviour`, None at lag 0 without dropout: then the update's own are those) and, for PG-k1's
+        advantage, under the current one (None at lag 0: the update's own). Returns (advantages, behaviour)."""
         ref = self._reference_logprobs(batch) if self.objective.needs_reference else None
-        # the learner's log-probs of the sampled tokens under the version that sampled them, and (PG-k1's
-        # advantage) under the current one; at lag 0 both are the update's own, so nothing extra is computed
         behaviour = None
         if lag:
-            with self.publisher.swapped(kept[batch.policy_version]):
+            with self.publisher.swapped(self.sampler_gap.behaviour[batch.policy_version]):
                 behaviour = self.sampled_logprobs(batch)
         elif self.dropout:  # the update's own forward drops adapter inputs: the gap is taken on the policy itself
             behaviour = self.sampled_logprobs(batch)
         current = self.sampled_logprobs(batch) if lag and self.objective.needs_current_logprobs else None
-        advantages = self.objective.prepare(batch, scores, rewards, ref, current)
-        num_tokens = int(batch.response_mask.sum()) if num_step_tokens is None else num_step_tokens
+        return self.objective.prepare(batch, scores, rewards, ref, current), behaviour
+
+    def _backward(self, batch: RolloutBatch, scores: TeacherScores, advantages, num_tokens: int):
+        """The step's gradients over its micro-batches, redone at a lower token budget after an out-of-memory
+        error; the loss sum (on the device) and the per-token log-probs and terms, [B, Tr] on the CPU."""
         row_weights = self._row_weights(batch)  # [B] or None
         self.model.train()
-        prepared = time.time()
         while True:
             try:
                 loss_sum, logprobs, terms = self._gradients(batch, scores, advantages, num_tokens, row_weights)
@@ -225,55 +287,53 @@ class LearnerWorker:
             except torch.OutOfMemoryError as oom:
                 error = str(oom)
             self._shrink_after_oom(batch, error)  # outside the handler: its traceback holds the failed tensors
-        logprobs, terms = logprobs.cpu(), (None if terms is None else terms.cpu())  # waits for the micro-batches
-        backward = time.time()
-        mask = batch.response_mask.bool()
-        recomputed = logprobs if behaviour is None else behaviour  # the learner's, under the sampling version
-        gap = (recomputed - batch.rollout_log_probs).abs()[mask]
-        delta = (logprobs - batch.rollout_log_probs)[mask]  # log of q_theta / q_sampler: the policy updated now
-        # The objective's metrics over this rank's rows, as a share of the step's tokens (ranks' shares add up).
+        return loss_sum, logprobs.cpu(), (None if terms is None else terms.cpu())  # .cpu() waits for the micro-batches
+
+    def _objective_metrics(self, batch, scores, advantages, logprobs, terms, num_tokens: int) -> dict[str, float]:
+        """The objective's metrics over this rank's rows, as a share of the step's tokens (ranks' shares add up)."""
         with torch.no_grad():
             _, metrics = self.objective.loss_from_terms(logprobs, terms, batch, scores, advantages, num_tokens)
-        weight = int(mask.sum()) / num_tokens
-        extra = {k: float(v) * weight for k, v in metrics.items()}
-        gap_abs, gap_max, gap_tail = gap_sums(gap, self.sampler_gap.bound.tail)
+        weight = int(batch.response_mask.sum()) / num_tokens
+        return {k: float(v) * weight for k, v in metrics.items()}
+
+    def _sampler_gap(self, batch: RolloutBatch, logprobs: torch.Tensor, behaviour: torch.Tensor | None) -> StepGap:
+        """How far the sampler's log-probs of this rank's tokens sit from the learner's under the version that
+        sampled them, and the version test's votes (their extra forwards)."""
+        recomputed = logprobs if behaviour is None else behaviour  # the learner's, under the sampling version
+        tokens = (recomputed - batch.rollout_log_probs).abs()[batch.response_mask.bool()]
+        abs_sum, largest, tail = gap_sums(tokens, self.sampler_gap.bound.tail)
         votes = self.sampler_gap.version_votes(batch, recomputed, self.publisher, self.sampled_logprobs)
-        loss = loss_sum.item()
-        # The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the
-        # teacher's scores come straight from the scorer: a sum over this rank's tokens / the step's tokens.
-        # A lagging batch's tokens come from an older policy: its estimate of the current policy's reverse KL
-        # weighs each token's log-ratio by the truncated importance ratio q_theta / q_sampler.
+        return StepGap(tokens, abs_sum, largest, tail, votes)
+
+    @staticmethod
+    def _reverse_kl(batch: RolloutBatch, scores: TeacherScores, logprobs: torch.Tensor, lag: int) -> float:
+        """The k1 reverse-KL estimate of the step (controller.rollout_metrics' formula), here because the teacher's
+        scores come straight from the scorer: a sum over this rank's tokens (the caller divides by the step's).
+        A lagging batch's tokens come from an older policy: its estimate of the current policy's reverse KL weighs
+        each token's log-ratio by the truncated importance ratio q_theta / q_sampler."""
         if lag:
             w = importance_ratio(logprobs, batch.rollout_log_probs).clamp(max=DEFAULT_IS_CAP)  # [B, Tr]
             k1 = w * (logprobs - scores.teacher_log_probs)
         else:
             k1 = batch.rollout_log_probs - scores.teacher_log_probs
-        reverse_kl = float((k1 * batch.response_mask).sum())
+        return float((k1 * batch.response_mask).sum())
+
+    def _check_step(self, gap: StepGap, num_tokens: int, version: int) -> dict[str, float]:
+        """Sum the gradients over the ranks, then refuse the step when the sampler's gap or the version test fails
+        (_check_sampler_gap); returns the version test's metrics."""
         if self.world_size > 1:
             self._sum_gradients()
-        version_z = self._check_sampler_gap(gap_abs, gap_max, gap_tail, votes, num_tokens, batch.policy_version)
-        checked = time.time()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        skipped = self._step_if_finite(loss, float(grad_norm))
-        self.window = (start, time.time())
-        return {
-            **update_split(start, prepared, backward, checked, self.window[1]),
-            "skipped_step": float(skipped),
-            "loss": loss,
-            "grad_norm": float(grad_norm),
-            "sampler_gap_mean": gap_abs / max(num_tokens, 1),
-            "sampler_gap_max": gap_max,
-            "sampler_gap_p99": float(torch.quantile(gap.float(), 0.99)) if gap.numel() else 0.0,  # this rank's
-            "sampler_gap_tail_frac": gap_tail / max(num_tokens, 1),
-            # the version test: z of 'the sampler sits nearer the previous version / the base model than the batch's
-            # version' (< 0: it does not; 0: not voted); the tokens it recomputed
-            **version_z,
-            "response_tokens": num_tokens,
-            "micro_batch_tokens": float(self.max_tokens),  # 0: row-count micro-batches; drops after an OOM
-            "reverse_kl": reverse_kl / max(num_tokens, 1),
-            **extra,
-            **lag_metrics(delta, num_tokens, self.staleness),
-        }
+        return self._check_sampler_gap(gap.abs_sum, gap.largest, gap.tail, gap.votes, num_tokens, version)
+
+    def _apply(self, loss: float) -> tuple[float, bool]:
+        """Clip the gradients and take the optimizer step unless a value is not finite; (grad norm, skipped)."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        return grad_norm, self._step_if_finite(loss, grad_norm)
+
+    @staticmethod
+    def _drift(batch: RolloutBatch, logprobs: torch.Tensor) -> torch.Tensor:
+        """log of q_theta / q_sampler on this rank's tokens: how far the policy updated now is from the sampler."""
+        return (logprobs - batch.rollout_log_probs)[batch.response_mask.bool()]
 
     def update_parts(
         self,

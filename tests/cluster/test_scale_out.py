@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from miniverl.batches import PromptBatch, concat_rollouts, group_bounds
-from miniverl.cluster.placement import plan_placement
 from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings
 from miniverl.objectives.gkd import GkdObjective
 from miniverl.process import ProcessSettings
 from miniverl.rewards import ExactMatchReward
 from miniverl.rollout.sampling import SamplingParams
+from miniverl.setup.placement import plan_placement
 from miniverl.step.controller import StrictSyncController, combine_rank_metrics
 from miniverl.workers.learner import LearnerWorker
 from miniverl.workers.rollout import RolloutWorker

@@ -8,9 +8,8 @@ from typing import ClassVar
 
 import pytest
 
-from miniverl.observe.dashboard import STEP_GAUGES, RunGauges
 from miniverl.observe.plots import MISSING_MATPLOTLIB, write_plots
-from miniverl.observe.tracking import REPLACED_METRICS, trim_metrics
+from miniverl.observe.tracking import REPLACED_METRICS, STEP_GAUGES, RunGauges, trim_metrics
 from tests.ray_local import init_local_ray
 
 STEP = {

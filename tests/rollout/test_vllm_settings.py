@@ -22,7 +22,6 @@ from miniverl.rollout.vllm_settings import (
     VllmSettings,
     adapter_config,
     base_linear_weights,
-    check_settings,
     memory_plan,
     merged_weights,
     served_weight_bytes,
@@ -57,31 +56,6 @@ def test_settings_from_config_size_the_engine_for_the_run():
     assert (s.gpu_share, s.gpu_cap_gib, s.refresh, s.seeding) == (0.4, 6.4, "adapter", "row")
     cfg.rollout.vllm.cudagraph_capture_size = 128
     assert settings_from_config(cfg, 0.4, None, 256).cudagraph_capture_size == 128
-
-
-@pytest.mark.parametrize(
-    ("field", "value", "names"),
-    [
-        ("refresh", "copy", "rollout.vllm.refresh"),
-        ("engine_process", "thread", "rollout.vllm.engine_process"),
-        ("seeding", "batch", "rollout.vllm.seeding"),
-        ("kv_cache_gib", 0.0, "rollout.vllm.kv_cache_gib"),
-        ("max_num_batched_tokens", 8, r"rollout.vllm.max_num_batched_tokens=8 is below the \d+ rows"),
-    ],
-)
-def test_bad_settings_name_the_key(field, value, names):
-    """Settings built without a config (the bench's plans) get validate's checks of rollout.vllm
-    (tests/test_config_sections.py refuses each of these through validate)."""
-    check_settings(settings())
-    with pytest.raises(ConfigError, match=names):
-        check_settings(settings(**{field: value}))
-
-
-def test_merged_refresh_needs_the_engine_in_process():
-    with pytest.raises(ConfigError, match="engine_process=inprocess"):
-        check_settings(settings(refresh="merged", engine_process="subprocess"))
-    with pytest.raises(ConfigError, match="refresh=merged: merging the adapter into 4-bit weights"):
-        check_settings(settings(refresh="merged", quantization="nf4"))
 
 
 def test_lora_rank_rounds_up_to_what_vllm_supports_and_refuses_above():

@@ -335,9 +335,9 @@ def test_what_the_launcher_hands_the_actors_is_resolved_before_ray(student_dir, 
     Setup), not out of the launcher after Ray started: on the CPU the one-replica placement and no engine; on an
     emulated card the engine sized for the rollout's chosen share, its cap, and the run's rows."""
     import miniverl.setup.prepare as prep
-    from miniverl.cluster.placement import plan_placement
     from miniverl.models.lora import LoraSettings
     from miniverl.process import emulated_cap_gib
+    from miniverl.setup.placement import plan_placement
 
     quiet = lambda *_: None  # noqa: E731
     cfg = with_models(student_dir, teacher_dir)

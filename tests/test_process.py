@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from miniverl.cluster.gpu_memory import device_used_gib
+from miniverl.process import device_used_gib
 
 GIB = 2**30
 

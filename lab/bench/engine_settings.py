@@ -1,0 +1,48 @@
+"""The engines' settings of a bench's plan (lab.bench runner, decode_profile), built without a config and checked as
+validate checks rollout.vllm and rollout.sglang: a plan's attributes are rollout.<engine> keys no validate has seen.
+A run's settings come from a config validate has checked (the backends' settings_from_config), so the product
+checks them once, there."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from miniverl.config import SglangRolloutConfig, VllmRolloutConfig, check_quantized_rollout
+from miniverl.errors import ConfigError
+from miniverl.rollout.sglang import SglangSettings
+from miniverl.rollout.vllm_settings import VllmSettings
+
+
+def check_vllm_settings(s: VllmSettings) -> None:
+    """validate's checks of rollout.vllm (config/rollout.py, config/checks.py) for a bench's vllm plan."""
+    section = VllmRolloutConfig(**{f.name: getattr(s, f.name) for f in fields(VllmRolloutConfig)})
+    section.check()
+    section.check_batched_tokens(s.max_num_seqs)
+    check_quantized_rollout(s.quantization, "vllm", s.refresh)
+
+
+def sglang_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
+    """A bench's SGLang engine: sized for its widest call and longest row, half the GPU and rollout.sglang's defaults
+    unless `attributes` (rollout.sglang keys, or gpu_share) say otherwise, checked as validate checks rollout.sglang."""
+    a = {"gpu_share": 0.5} | dict(attributes)
+    share = a.pop("gpu_share")
+    known = {f.name for f in fields(SglangRolloutConfig)}
+    if set(a) - known:
+        raise ConfigError(
+            f"the bench's sglang settings {sorted(set(a) - known)} are not rollout.sglang keys; use"
+            f" {', '.join(sorted(known))} or gpu_share"
+        )
+    if not (isinstance(share, int | float) and 0 < share <= 1):
+        raise ConfigError(f"the bench's sglang gpu_share={share!r}: a fraction of the GPU in (0, 1]")
+    section = SglangRolloutConfig(**a)
+    section.check()
+    return SglangSettings(
+        section.attention_backend,
+        section.mem_fraction_static,
+        section.chunked_prefill_size,
+        section.batch_invariant,
+        section.running_rows(rows),
+        context,
+        share,
+        None,
+    )
