@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=2)
-    ap.add_argument("--lrs", nargs="+", type=float, default=[2e-4, 2e-5])
+    ap.add_argument("--lrs", nargs="*", type=float, default=[2e-4, 2e-5])
     ap.add_argument("--fault-steps", type=int, default=12)
     ap.add_argument("--honest-steps", type=int, default=1000)
     ap.add_argument("--honest-lr", type=float, default=2e-4)
