@@ -25,7 +25,7 @@ which any of the three tests false-alarms no sooner than every 10,000 steps on a
 10,953 for any (standard-normal steps: about 170,000 each, Siegmund's approximation). Measured honest steps sit well
 inside that null (lab/results/sampler-gap/cusum-cpu.md). A sampler at the older policy whose 8 rows all vote alike
 gives z = 2.8 a step, over the threshold at the third stale step; a gap drifting up by one spread unit a step crosses
-at the fourth (the per-step bound, at six units, at the seventh).
+at the fourth (the per-step bound, six units and twice the honest mean up, not before the seventh).
 
 The statistics start from 0 at the gate (a resumed run runs its gate again) and are not in checkpoints.
 """
