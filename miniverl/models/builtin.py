@@ -344,6 +344,33 @@ def built_accuracy(model_dir: Path) -> float:
     return float(json.loads((Path(model_dir) / "build.json").read_text())["greedy_accuracy"])
 
 
+# The best greedy accuracy the built-in teacher recipe reached on a task it cannot learn, at the easiest lengths tried
+# (addition of 1-2 digits: 0.76, 30291ee; longer numbers are harder). A build for such a task under a higher
+# model.builtin_min_teacher_accuracy ends refused, so it is refused before the build (2 minutes of training).
+BUILTIN_TEACHER_CEILING = {"addition": 0.76}
+
+
+def require_learnable_task(recipe: BuiltinRecipe, threshold: float, cache_dir: str | Path) -> None:
+    """Refuse, before any training, a built-in teacher that would be built for a task whose measured ceiling
+    (BUILTIN_TEACHER_CEILING) is below `threshold` (model.builtin_min_teacher_accuracy). A teacher already cached or
+    shipped is judged by its own recorded accuracy instead (require_competent_teacher)."""
+    from miniverl.errors import ConfigError
+
+    ceiling = BUILTIN_TEACHER_CEILING.get(recipe.task)
+    if ceiling is None or ceiling >= threshold:
+        return
+    if (builtin_dir(cache_dir, recipe) / "teacher" / "build.json").exists():
+        return
+    if (shipped_dir(recipe, "teacher") / "build.json").exists():
+        return
+    raise ConfigError(
+        f"data.task={recipe.task} with a built-in teacher (builtin:teacher): the built-in recipe reaches at most"
+        f" {ceiling} greedy accuracy on {recipe.task} (1-2 digits, the easiest lengths tried), below"
+        f" model.builtin_min_teacher_accuracy={threshold}, so it is refused before its build (minutes of training);"
+        " pass a trained teacher (model.teacher.path=DIR), or use data.task=reverse or sort"
+    )
+
+
 def require_competent_teacher(accuracy: float, threshold: float, recipe: BuiltinRecipe, model_dir: Path) -> None:
     """Refuse a built-in teacher that cannot do its task: distilling from it would teach nothing."""
     from miniverl.errors import ConfigError

@@ -18,6 +18,7 @@ from miniverl.models.builtin import (
     ensure_builtin_models,
     parse_builtin_ref,
     require_competent_teacher,
+    require_learnable_task,
 )
 from miniverl.models.gguf import ensure_converted
 from miniverl.models.hub import check_model_dir, resolve_model_ref
@@ -39,6 +40,7 @@ from miniverl.rewards import build_reward
 from miniverl.rollout import require_engine, sglang, vllm_settings
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.routing import check_sources_routed, routing_of
+from miniverl.setup.estimate import check_planned_work, plan_work
 from miniverl.setup.fit import card_plan, short_prompts_hint
 from miniverl.setup.placement import placement_gpus, plan_placement, replica_share
 from miniverl.setup.preflight import (
@@ -117,7 +119,11 @@ def resolve_model_paths(
         else:
             check_model_dir(converted, f"{field}={path} (converted)", f"delete {converted} so it is converted again")
             out[role] = str(converted)
-    for recipe, roles in builtin_recipes(builtin, data.min_len, data.max_len):
+    recipes = builtin_recipes(builtin, data.min_len, data.max_len)
+    for recipe, roles in recipes:  # before any build: a teacher known not to learn its task costs no training
+        if "teacher" in roles:
+            require_learnable_task(recipe, model.builtin_min_teacher_accuracy, model.cache_dir)
+    for recipe, roles in recipes:
         built = ensure_builtin_models(model.cache_dir, recipe, log, roles)
         for role, (which, _) in ((r, ref) for r, ref in builtin.items() if ref[1] == recipe.task):
             fix = f"delete {built[which].parent} so the built-in models are rebuilt (scripts/build_models.py)"
@@ -285,6 +291,9 @@ def prepare_run(
     check_gpu_request(cfg, device, cuda_device_count(), ray.is_initialized())
     check_tracking(cfg.tracking.wandb_mode)
     check_diagnostics(log)
+    d, r, t = cfg.data, cfg.rollout, cfg.trainer  # a step or evaluation the device cannot do in minutes, before models
+    planned = plan_work(d.prompts_per_step, r.n, r.max_new_tokens, d.eval_prompts, t.total_steps, t.eval_every, device)
+    check_planned_work(planned, log)
     return resume, load_setup(cfg, device, log)  # models, vocabularies, the card's plan, prompts, rewards
 
 

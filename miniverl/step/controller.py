@@ -45,6 +45,10 @@ SAME_ON_EVERY_RANK = (
     "sampler_vs_previous_armed",
     "sampler_vs_base_armed",
     "sampler_version_tokens",
+    "sampler_gap_z",  # the sequential tests (objectives/sequential_check.py) judge the whole step's sums
+    "sampler_gap_cusum",
+    "sampler_vs_previous_cusum",
+    "sampler_vs_base_cusum",
 )
 MAX_OVER_RANKS = ("sampler_gap_max", "sampler_gap_p99", "policy_drift_max", "ratio_max", "micro_batch_tokens")
 MAX_OVER_RANKS_PREFIX = "time/update/"  # the learner's own split of its update (workers/learner.py update_split)

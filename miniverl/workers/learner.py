@@ -23,7 +23,7 @@ from miniverl.models.logprobs import packed_logprobs, packed_token_loss
 from miniverl.models.lora import LoraSettings, RoundedAdapter, build_lora_model
 from miniverl.models.packing import batch_micro_batches, pack_rows, row_lengths
 from miniverl.objectives.ratios import DEFAULT_IS_CAP, importance_ratio
-from miniverl.objectives.sampler_check import SamplerGapError, judge_step
+from miniverl.objectives.sampler_check import SamplerGapError
 from miniverl.observe.profile import CallProfile, profiled
 from miniverl.policy import PolicyIdentity, PolicySnapshot
 from miniverl.process import ProcessSettings, gpu_uuid, memory_report, setup_process
@@ -420,13 +420,14 @@ class LearnerWorker:
         from the learner's than this run's bound (`sampler_gap.bound`: calibrated at the conformance gate from the
         honest gap of this backend and dtype, else the objective's): the mean, or the share of tokens beyond its
         tail; or when they sit nearer the learner's previous version or its base model than the batch's `version`
-        (the version test, `votes`). Every rank sees the whole step. Returns the version test's metrics: each
-        comparison's z (mean vote / its error) and the tokens it recomputed."""
+        (the version test, `votes`); or when the steps' gaps or votes so far, added up, sit above the honest ones
+        beyond what chance allows (objectives/sequential_check.py). Every rank sees the whole step. Returns the
+        version test's metrics (each comparison's z, mean vote / its error, and the tokens it recomputed) and the
+        sequential tests' step z and statistics."""
         if self.world_size > 1:
             gap_abs, gap_max, gap_tail, votes = sum_over_ranks(gap_abs, gap_max, gap_tail, votes, self.device)
-        bound = self.sampler_gap.bound
-        try:
-            return judge_step(bound, gap_abs, gap_max, gap_tail, votes, num_tokens, version, self.version)
+        try:  # the per-step bound, the version test, then the evidence of the run's steps so far (gap_cusum.py)
+            return self.sampler_gap.judge(gap_abs, gap_max, gap_tail, votes, num_tokens, version, self.version)
         except SamplerGapError:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step reaches the adapter
             raise

@@ -17,7 +17,8 @@ import torch
 
 from miniverl.batches import RolloutBatch
 from miniverl.objectives.ratios import SamplerTolerance
-from miniverl.objectives.sampler_check import VERSION_TESTS, version_test_rows
+from miniverl.objectives.sampler_check import VERSION_TESTS, judge_step, version_test_rows
+from miniverl.objectives.sequential_check import SequentialSamplerTests
 from miniverl.workers.batch_checks import version_test_sums
 from miniverl.workers.publisher import PolicyPublisher
 
@@ -32,13 +33,33 @@ class SamplerGapCheck:
         # batch of version v is scored under v's adapter for the sampler-gap check (docs/objectives.md), and some
         # of its rows under v - 1's for the version test (`version_votes`)
         self.behaviour: dict[int, dict[str, torch.Tensor]] = {}
+        # the steps' evidence added up over the run (objectives/sequential_check.py): the gap's, armed by the gate
+        self.sequential = SequentialSamplerTests()
 
     def calibrate(self, gate_mean: float, gate_p99: float, gate_std: float) -> dict[str, float | str]:
         """Hold every later step to the bound calibrated from the conformance gate's honest gap (mean, p99 and
         per-token std in nats, of this run's backend, dtype and model; objectives/ratios.py, step_bound). Returns
         the bound."""
         self.bound = self.tolerance.step_bound(gate_mean, gate_p99, gate_std)
+        self.sequential.calibrate(gate_mean)
         return dataclasses.asdict(self.bound)
+
+    def judge(
+        self,
+        gap_abs: float,
+        gap_max: float,
+        gap_tail: int,
+        votes: list[float],
+        num_tokens: int,
+        version: int,
+        learner_version: int,
+    ) -> dict[str, float]:
+        """A step's decision on its whole sums (every rank's): the per-step bound and the version test (judge_step),
+        then the run's accumulated evidence (SequentialSamplerTests); SamplerGapError from either. Returns the
+        version test's metrics and the sequential tests' step z and statistics."""
+        metrics = judge_step(self.bound, gap_abs, gap_max, gap_tail, votes, num_tokens, version, learner_version)
+        sequential = self.sequential.observe(gap_abs, num_tokens, self.bound, votes, version, learner_version)
+        return {**metrics, **sequential}
 
     def keep(self, version: int, weights: dict[str, torch.Tensor], staleness: int) -> None:
         """Keep the adapter `weights` just published as `version`; drop those no batch may still come from (more
