@@ -176,9 +176,10 @@ def test_a_second_run_into_the_same_directory_is_refused_at_start(tmp_path, stud
 def test_a_gpu_run_writes_its_plan_before_ray_so_a_run_killed_from_outside_keeps_it(
     tmp_path, student_dir, teacher_dir, monkeypatch
 ):
-    """Session 40: the device's time ran out under a run at step 38, which wrote no summary.json, so its plan could
-    not be set against what it measured. The plan goes to plan.json before Ray starts (here Ray's start fails, as a
-    machine taken back would end it); summary.json keeps it too where the run gets to write one."""
+    """fit-planner.md, 2026-12-06 16:18 UTC: the device's time ran out under a run at step 38, which wrote no
+    summary.json, so its plan could not be set against what it measured. The plan goes to plan.json before Ray starts
+    (here Ray's start fails, as a machine taken back would end it); summary.json keeps it too where the run gets to
+    write one."""
     import dataclasses
 
     import miniverl.cluster.launch as launch

@@ -372,7 +372,7 @@ def test_the_scorer_sizes_its_forwards_for_the_support_it_is_built_for_and_refus
     """The sizing a scorer runs on a GPU (called here with an emulated share on the CPU): the chunk is counted in
     the dtype its path keeps (bf16 logits with the Triton passes for sampled log-probs or a top-K at temperature
     1; fp32 copies for a full support), and a share that cannot hold one row is refused with the fixes instead
-    of scoring a row per forward (the 4080 recipe's run 6)."""
+    of scoring a row per forward (the 4080 recipe's qlora-4080.md run 6)."""
     from miniverl.models import vocab_kernels
     from miniverl.models.sizing import LearnerShape, scorer_tokens
     from miniverl.process import ProcessSettings

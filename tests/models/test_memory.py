@@ -24,7 +24,7 @@ def test_teacher_support_bytes_by_hand():
 @pytest.mark.parametrize("topk", [4, 0])
 def test_the_count_is_what_the_scorer_hands_over(random_model_dir, topk):
     """The bytes of a real TeacherScores (ScorerWorker.score, top-K and full support) are what the refusal counts:
-    the ids travel as int32 (the count said int64 until session 20, twice the ids' bytes)."""
+    the ids travel as int32 (an earlier count said int64, twice the ids' bytes)."""
     from miniverl.batches import RolloutBatch
     from miniverl.process import ProcessSettings
     from miniverl.workers.scorer import ScorerWorker

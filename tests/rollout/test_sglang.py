@@ -89,7 +89,7 @@ def test_a_good_sglang_config_passes_and_its_settings_follow_the_run():
     assert s.chunked_prefill_size == 2048  # SGLang's own for a card under 20 GB, whatever card the run is on
     assert s.max_running_requests == max(8 * 4, cfg.data.eval_prompts)  # the run's largest generate call
     assert s.context_length == cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    assert s.batch_invariant is False  # the default: as exact and faster (run 3)
+    assert s.batch_invariant is False  # the default: as exact and faster (sglang-gpu/run3.md)
     cfg.rollout.sglang.max_running_requests = 12
     assert settings_from_config(cfg, 0.4, 12.0, 32).max_running_requests == 12  # a bound below the largest call
     cfg.rollout.sglang.max_running_requests = 1000
@@ -107,15 +107,16 @@ def test_sglang_on_the_cpu_or_without_the_package_is_refused_with_the_fix(monkey
 
 
 def test_the_kv_pool_is_the_share_or_the_cap_less_the_weights_and_the_engines_overhead():
-    """SGLang's static fraction is of the memory free when its scheduler starts (run 3's engine took its 0.041 of what
-    the other actors' loading left), so the pool is sized here: the actor's budget less the weights, the adapter and
-    the overhead (graphs, 36 bytes per row decoded at once and vocabulary entry, a bounded chunk of prompt log-probs),
-    in tokens. Run 3's scheduler (256 rows, Qwen2.5's vocabulary) read 4,754 MiB once started with a static part of
-    3.0-3.3 GiB and one 0.66 GiB context: its graphs and the shared output buffer are within the model's."""
+    """SGLang's static fraction is of the memory free when its scheduler starts (sglang-gpu/run3.md's engine took its
+    0.041 of what the other actors' loading left), so the pool is sized here: the actor's budget less the weights, the
+    adapter and the overhead (graphs, 36 bytes per row decoded at once and vocabulary entry, a bounded chunk of prompt
+    log-probs), in tokens. That run's scheduler (256 rows, Qwen2.5's vocabulary) read 4,754 MiB once started with a
+    static part of 3.0-3.3 GiB and one 0.66 GiB context: its graphs and the shared output buffer are within the
+    model's."""
     total, vocab, token = 140 * GIB, 151936, 12 * 2**10
     overhead = engine_overhead_bytes(256, vocab) / GIB
     assert overhead == pytest.approx(0.8 + (256 * 36 + 256 * 10) * vocab / GIB) and 2.45 < overhead < 2.5
-    started = (4754 - 3.0 * 1024) / 1024 - 0.66  # run 3, after start, with the smaller static part
+    started = (4754 - 3.0 * 1024) / 1024 - 0.66  # sglang-gpu/run3.md, after start, with the smaller static part
     assert started - 0.05 < SGLANG_GRAPHS_GIB + 256 * vocab * 4 / GIB < started + 0.05
     assert engine_overhead_bytes(64, vocab) < engine_overhead_bytes(256, vocab)  # fewer rows at once: less
     weights, adapter = int(0.92 * GIB), int(0.07 * GIB)
@@ -222,11 +223,11 @@ def test_a_refused_flush_stops_the_run():
 
 
 def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(monkeypatch, tmp_path):
-    """sglang 0.5.17 re-registers model types that transformers 5.17 has, which transformers refuses (run 1 on the
-    H200); the shim, first on the PYTHONPATH the engine's processes inherit, lets it. Checked in a child process as
-    the engine's scheduler would start: with the shim a second registration passes, without it transformers
-    refuses it (what broke the scheduler). And the engine is asked for deterministic inference, without which
-    SGLang ignores sampling_seed (run 1: other tokens for the same seed)."""
+    """sglang 0.5.17 re-registers model types that transformers 5.17 has, which transformers refuses
+    (sglang-gpu/run1.md on the H200); the shim, first on the PYTHONPATH the engine's processes inherit, lets it.
+    Checked in a child process as the engine's scheduler would start: with the shim a second registration passes,
+    without it transformers refuses it (what broke the scheduler). And the engine is asked for deterministic inference,
+    without which SGLang ignores sampling_seed (sglang-gpu/run1.md: other tokens for the same seed)."""
     import os
     import subprocess
     import sys
@@ -268,9 +269,9 @@ def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(m
     monkeypatch.setattr(backend, "model_size", lambda *a: type("S", (), {"weight_bytes": lambda self, q, b: GIB})())
     backend.SglangBackend("m", LoraSettings(4, 8.0, 0.0, ("q_proj",), 0), torch.bfloat16, "cuda", settings())
     assert started["enable_deterministic_inference"] is True and "sampling_backend" not in started
-    # sized from the run, not from the card: SGLang chose an 8,192-token chunk on the 80 GB H100 (run 2)
+    # sized from the run, not from the card: SGLang chose an 8,192-token chunk on the 80 GB H100 (sglang-gpu/run2.md)
     assert started["chunked_prefill_size"] == 2048 and started["cuda_graph_max_bs_decode"] == 64
-    assert os.environ[backend.BATCH_INVARIANT_ENV] == "0"  # the default: SGLang's usual kernels (run 3)
+    assert os.environ[backend.BATCH_INVARIANT_ENV] == "0"  # the default: SGLang's usual kernels (sglang-gpu/run3.md)
     assert os.environ["SGLANG_LOGPROB_CHUNK_SIZE"] == "256"  # prompt log-probs in bounded chunks (SGLang's: 2,048)
     assert backend.MEMORY_CAP_ENV not in os.environ  # no emulated card: the scheduler's allocator is not capped
     planned = int(0.4 * 140 * GIB - 0.66 * GIB) - GIB - engine_overhead_bytes(64, 151936)  # share, weights, overhead
@@ -314,8 +315,8 @@ def test_the_shim_keeps_sglangs_batch_invariant_mode_off_when_asked_and_only_the
 
 def test_the_shim_caps_the_schedulers_allocator_before_its_model_runner_allocates_and_only_when_asked(tmp_path):
     """An emulated card (resources.emulate_gpu_gib): every actor's process is capped at its budget, and so is SGLang's
-    scheduler, the process that builds its ModelRunner (run 3's, uncapped, kept 7.7 GiB against a 4.9 GiB budget).
-    In a child process started as the scheduler is (the shim first on PYTHONPATH), stand-ins for torch.cuda and
+    scheduler, the process that builds its ModelRunner (sglang-gpu/run3.md's, uncapped, kept 7.7 GiB against a 4.9 GiB
+    budget). In a child process started as the scheduler is (the shim first on PYTHONPATH), stand-ins for torch.cuda and
     SGLang's model_runner record the order: the cap on the runner's GPU first, then the runner's own start."""
 
     from miniverl.rollout import sglang as backend

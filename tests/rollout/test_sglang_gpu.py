@@ -102,9 +102,9 @@ def test_a_stale_sglang_replica_is_caught_at_its_first_stale_refresh(model_dir, 
 
 
 def test_with_batch_invariant_kernels_samples_still_match_the_oracle_and_follow_the_row_seeds(model_dir):
-    """rollout.sglang.batch_invariant=true (run 2's default; run 3 measured it as exact as false and 1.13-1.24x
-    slower): SGLang's batch-invariant Triton kernels in place of cuBLAS; the rows still come from the policy's law and
-    from their seeds."""
+    """rollout.sglang.batch_invariant=true (sglang-gpu/run2.md's default; run3.md measured it as exact as false and
+    1.13-1.24x slower): SGLang's batch-invariant Triton kernels in place of cuBLAS; the rows still come from the
+    policy's law and from their seeds."""
     import dataclasses
 
     from miniverl.rollout.sglang import SglangBackend
@@ -136,9 +136,9 @@ def scheduler_mib() -> float:
 
 
 def test_on_an_emulated_card_the_scheduler_stays_inside_its_budget_with_a_real_vocabulary(tmp_path):
-    """Run 3: the scheduler, uncapped, kept 7.7 GiB of sampler buffers against a 4.9 GiB budget (Qwen2.5's 151,936
-    tokens, 256 rows). With a cap (resources.emulate_gpu_gib) the shim caps its allocator at the budget and the KV
-    pool is what the budget leaves beside the modelled overhead: 256 rows of that vocabulary decode three times
+    """sglang-gpu/run3.md: the scheduler, uncapped, kept 7.7 GiB of sampler buffers against a 4.9 GiB budget (Qwen2.5's
+    151,936 tokens, 256 rows). With a cap (resources.emulate_gpu_gib) the shim caps its allocator at the budget and the
+    KV pool is what the budget leaves beside the modelled overhead: 256 rows of that vocabulary decode three times
     without running out, and nvidia-smi then sees the scheduler within its budget and one CUDA context."""
     import dataclasses
 

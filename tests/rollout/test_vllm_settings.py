@@ -234,7 +234,8 @@ class _RecordingLLM:
 
 def test_the_bench_vllm_peer_never_gives_every_prompt_the_same_seed(fake_vllm):
     """The peer used to seed every prompt's request with the call's one seed, so G prompts x n samples were n noise
-    streams (vLLM seeds sample j with seed + j): the rows' stop hazard read 0.71x the law's on the H200 (session 20).
+    streams (vLLM seeds sample j with seed + j): the rows' stop hazard read 0.71x the law's on the H200
+    (lab/results/decode-profile.md).
     It now samples unseeded (vLLM's batched sampler, the default) or with the product's per-row seeds."""
     from lab.bench.baselines import RawVllm
 

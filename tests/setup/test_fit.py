@@ -66,14 +66,14 @@ def test_the_4080_recipe_plans_the_learners_measured_micro_batch_and_fits(qwen_c
     import miniverl.rollout.hf_cached as hf_cached
 
     monkeypatch.setattr(hf_cached, "PREFILL_TOKENS", 10**9)  # the rollout's cells were measured with one pass
-    p = plan(recipe(trainer__compile_layers=False), qwen_configs)  # run 7's eager learner
+    p = plan(recipe(trainer__compile_layers=False), qwen_configs)  # qlora-4080.md run 7's eager learner
     learner, scorer, rollout = p.actors
     assert learner.share_bytes == int(0.3 * 16 * GIB - 0.66 * GIB)
     assert "micro-batches of up to 17,322 tokens" in learner.choice  # what the learner's own fit_tokens gives
     # Measured on the H200 (lab/results/qlora-4080.md run 7, allocated): learner 3.29, scorer 3.65
     assert learner.peak_bytes / GIB == pytest.approx(3.29, rel=0.05)
-    # and reserved, the cells the allocator's reserve (fitted in session 38 on other cells) was not fitted to:
-    # learner 4.02, scorer 3.98
+    # and reserved, the cells the allocator's reserve (fitted on mopd-gpu.md run 2's cells, 2026-12-06) was not fitted
+    # to: learner 4.02, scorer 3.98
     assert learner.reserved_bytes / GIB == pytest.approx(4.02, rel=0.05)
     assert scorer.reserved_bytes / GIB == pytest.approx(3.98, rel=0.08)
     # compiled by default there (a Qwen2 student on a GPU): more activations a token, so shorter micro-batches; at
@@ -106,9 +106,10 @@ def test_the_4080_recipe_plans_the_learners_measured_micro_batch_and_fits(qwen_c
 
 
 def test_the_plan_a_run_records_is_the_plan_it_prints_with_the_peak_each_model_stands_for(qwen_configs):
-    """summary.json keeps FitPlan.record (session 38: the MOPD cells' plans had to be recomputed from their overrides to
-    be checked against the measured peaks): exact GiB of each actor and the card, and which measured peak each model
-    is of: torch's allocated for the learner and scorer, reserved for an HF rollout, the engine's process for vLLM."""
+    """summary.json keeps FitPlan.record (mopd-gpu.md run 2, 2026-12-06: the MOPD cells' plans had to be recomputed
+    from their overrides to be checked against the measured peaks): exact GiB of each actor and the card, and which
+    measured peak each model is of: torch's allocated for the learner and scorer, reserved for an HF rollout, the
+    engine's process for vLLM."""
     p = plan(recipe(), qwen_configs)
     record = p.record()
     assert record["card_gib"] == 16 and record["contexts"] == 3
@@ -213,12 +214,12 @@ def test_the_7b_recipes_vllm_rollout_gets_from_the_engine_the_kv_cache_the_plan_
 
 
 def test_an_sglang_rollout_is_planned_with_the_engines_own_overhead(qwen_configs):
-    """rollout=sglang (issue 37): run 3's scheduler kept 7.7 GiB against a 4.9 GiB share, mostly the sampler's buffers
-    for the rows decoded at once. The plan and the engine share one overhead (graphs and 36 bytes per row and
-    vocabulary entry), so the KV pool the engine asks for (max_total_tokens) is what the plan leaves; the scheduler's
-    own CUDA context is on the card beside the share; and a share too small for it is reported as not fitting, naming
-    rollout.sglang.max_running_requests: a warning, as the rollout's other estimates are (the overhead is measured
-    once), so `python -m miniverl.fit` says "does not fit" and a run is not refused."""
+    """rollout=sglang (issue 37): sglang-gpu/run3.md's scheduler kept 7.7 GiB against a 4.9 GiB share, mostly the
+    sampler's buffers for the rows decoded at once. The plan and the engine share one overhead (graphs and 36 bytes per
+    row and vocabulary entry), so the KV pool the engine asks for (max_total_tokens) is what the plan leaves; the
+    scheduler's own CUDA context is on the card beside the share; and a share too small for it is reported as not
+    fitting, naming rollout.sglang.max_running_requests: a warning, as the rollout's other estimates are (the overhead
+    is measured once), so `python -m miniverl.fit` says "does not fit" and a run is not refused."""
     from transformers import AutoConfig
 
     from miniverl.models.lora import adapter_params
@@ -514,15 +515,17 @@ def test_the_7b_recipe_plans_a_15b_student_and_a_7b_nf4_teacher_inside_16_gib(qw
     assert 5 * GIB < p.actors[1].weight_bytes < 5.5 * GIB  # the 7B teacher in 4 bits
     assert "31 of the step's 256 rows at full length at once" in p.actors[2].choice  # vLLM runs the rows in waves
     # the full shape on an H100 under 16 GiB caps (fit-planner.md): nvidia-smi's whole-card peak 15.06 GiB at the
-    # recipe's rollout share of 0.25 (session 40, a cell the outside-torch term was not fitted to), 15.37 GiB at 0.27
-    # (session 39: without that term planned 14.55, -5.4%); the learner's allocated peak 2.73 GiB, the scorer's 5.78
+    # recipe's rollout share of 0.25 (fit-planner.md, 2026-12-06 16:18 UTC: a cell the outside-torch term was not
+    # fitted to), 15.37 GiB at 0.27 (fit-planner.md, 2026-12-06 14:29 UTC: without that term planned 14.55,
+    # -5.4%); the learner's allocated peak 2.73 GiB, the scorer's 5.78
     learner, scorer, _ = p.actors
     assert abs(p.device_peak_bytes / GIB / 15.06 - 1) <= 0.05
     assert abs(learner.peak_bytes / GIB / 2.73 - 1) <= 0.05 and abs(scorer.peak_bytes / GIB / 5.78 - 1) <= 0.05
     cfg.resources.rollout.num_gpus = 0.27
     assert abs(plan(cfg, qwen_configs, student="1.5b", teacher="7b").device_peak_bytes / GIB / 15.37 - 1) <= 0.05
     cfg.resources.rollout.num_gpus = 0.25
-    cfg.data.prompts_per_step = 16  # the fallback, 50 steps (session 41): 14.71 GiB, as in session 40's 38 steps
+    # the fallback, 50 steps (fit-planner.md, 2026-12-06 18:13 UTC): 14.71 GiB, as in the 38 steps at 16:18
+    cfg.data.prompts_per_step = 16
     assert abs(plan(cfg, qwen_configs, student="1.5b", teacher="7b").device_peak_bytes / GIB / 14.71 - 1) <= 0.05
     cfg.data.prompts_per_step = 64
     old = composed("gkd_4080", "resources.emulate_gpu_gib=16", "model.teacher.quantization=nf4", "rollout=vllm")

@@ -112,8 +112,8 @@ def test_an_emulated_card_counts_each_actors_cuda_context():
 
 
 def test_the_colocated_process_is_capped_below_the_card_by_its_measured_context():
-    """Issue 15, run 9: the colocated process (one context, three roles, an NF4 teacher) holds 0.97 GiB outside
-    torch's allocator, not one actor's 0.66; capped as one actor, the 12 GiB layout peaked at 12.3 GiB."""
+    """Issue 15, qlora-4080.md run 9: the colocated process (one context, three roles, an NF4 teacher) holds 0.97 GiB
+    outside torch's allocator, not one actor's 0.66; capped as one actor, the 12 GiB layout peaked at 12.3 GiB."""
     from miniverl.process import COLOCATED_CONTEXT_GIB, emulated_cap_gib
 
     measured_outside_allocator_gib = (12_603 - 11_610) / 1024  # nvidia-smi peak less torch's reserved peak, MiB
@@ -174,9 +174,10 @@ def test_gpus_asked_for_must_exist_unless_an_existing_ray_cluster_has_them():
 
 
 def test_a_teacher_its_scorer_share_cannot_hold_is_refused_before_any_actor(student_dir, teacher_dir, monkeypatch):
-    """Session 8 on the GPU: a 12 GiB emulated card left the 1.5B bf16 teacher's scorer no room, and the scorer said
-    so only after Ray had started and the student had loaded. On an emulated card the share is known in the driver,
-    so prepare refuses it with the same arithmetic; what fits passes, and a 4-bit teacher is left to the scorer."""
+    """On the GPU (qlora-4080.md run 7, 2026-12-02): a 12 GiB emulated card left the 1.5B bf16 teacher's scorer no
+    room, and the scorer said so only after Ray had started and the student had loaded. On an emulated card the share
+    is known in the driver, so prepare refuses it with the same arithmetic; what fits passes, and a 4-bit teacher is
+    left to the scorer."""
     import miniverl.setup.prepare as prep
     from miniverl.models.loading import checkpoint_numel
 
@@ -295,9 +296,9 @@ def test_what_the_plan_chose_is_applied_and_kept_in_the_setup(student_dir, teach
 def test_a_gpu_run_whose_prompts_are_far_shorter_than_planned_is_told_the_setting_that_plans_for_them(
     student_dir, teacher_dir, monkeypatch
 ):
-    """MOPD run 2 (session 38): four NF4 teachers' learner got 5,179-token micro-batches because the plan sized every
-    row for 320-token prompts, and the prompts had 10 tokens. The run says so, with the value to set; not where the
-    prompts come near the limit, and not on the CPU (no plan)."""
+    """mopd-gpu.md run 2 (2026-12-06): four NF4 teachers' learner got 5,179-token micro-batches because the plan sized
+    every row for 320-token prompts, and the prompts had 10 tokens. The run says so, with the value to set; not where
+    the prompts come near the limit, and not on the CPU (no plan)."""
     import miniverl.setup.prepare as prep
     from miniverl.setup.fit import short_prompts_hint
 
