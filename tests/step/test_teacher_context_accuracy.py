@@ -156,3 +156,14 @@ def test_the_cadence_asks_at_step_0_with_teacher_self_only(monkeypatch):
         metrics = loop.evaluate(step)
         assert asked[-1] is expected and (TEACHER_CONTEXT_ACCURACY in metrics) is expected
         assert any("the teacher with its context: accuracy 0.500 on 4" in line for line in lines) is expected
+
+
+def test_the_final_summary_prints_it_where_it_was_measured(tmp_path, capsys):
+    from miniverl.main import print_summary
+
+    summary = {"steps": 1, "objective": "gkd", "device": "cpu", "wall_seconds": 1.0, "memory": {}}
+    summary |= {"start_reverse_kl": 1.0, "end_reverse_kl": 0.5, "start_accuracy": 0.1, "end_accuracy": 0.2}
+    print_summary(summary | {"teacher_context_accuracy": None}, tmp_path)
+    assert "the teacher with its context" not in capsys.readouterr().out
+    print_summary(summary | {"teacher_context_accuracy": 0.35}, tmp_path)
+    assert "the teacher with its context:       0.350 (greedy, step 0)" in capsys.readouterr().out
