@@ -282,6 +282,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         "  reverse KL to teacher (nats/token): {start_reverse_kl:.4f} -> {end_reverse_kl:.4f}\n"
         "  greedy task accuracy:               {start_accuracy:.3f} -> {end_accuracy:.3f}".format(**summary)
     )
+    if summary.get("teacher_context_accuracy") is not None:  # model.teacher.path=self with teacher prompts
+        print(f"  the teacher with its context:       {summary['teacher_context_accuracy']:.3f} (greedy, step 0)")
     print(f"  run directory: {run_dir} ({', '.join(written(run_dir))})")
     memory = {k: v for k, v in summary["memory"].items() if v}
     if memory:

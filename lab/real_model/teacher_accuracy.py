@@ -3,6 +3,11 @@ the teacher's solved demonstrations before each question (the with-context teach
 distillation run closes. The problems, demonstrations and scoring are the product's own (PromptSource, reward
 numeric), so the numbers compare with a run's eval/accuracy on the same data.seed.
 
+A run with model.teacher.path=self and data.teacher_demonstrations now reports the with-context number itself, at
+step 0 through its own rollout path (eval/teacher_context_accuracy, summary.json teacher_context_accuracy; see
+docs/objectives.md). This script stays to measure both ends without a run (no adapter, no actors, no training
+step), and for a model a run cannot decode: a separate teacher only scores.
+
     PYTHONPATH=. python lab/real_model/teacher_accuracy.py --model smollm2-135m-instruct --out acc.json
 """
 

@@ -27,7 +27,7 @@ from miniverl.process import device_used_gib
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.seeds import sampling_seed
 from miniverl.step.controller import StrictSyncController
-from miniverl.step.evaluation import eval_line, evaluate
+from miniverl.step.evaluation import TEACHER_CONTEXT_ACCURACY, eval_line, evaluate, teacher_context_line
 
 
 @dataclasses.dataclass
@@ -74,9 +74,12 @@ class TrainingLoop:
             s.reward_fn,
             s.tokenizer,
             self.cfg.trainer.eval_samples,
+            teacher_context=step == 0 and self.cfg.model.teacher_is_self,  # the policy is still the teacher
         )
         self.tracker.log_samples(step, result.samples)
         self.tracker.write(eval_line(step, result.metrics))
+        if TEACHER_CONTEXT_ACCURACY in result.metrics:
+            self.tracker.write(teacher_context_line(result.metrics, len(s.eval_batch)))
         return result.metrics
 
     def save(self, done: int) -> str:

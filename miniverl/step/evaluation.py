@@ -1,6 +1,7 @@
 """Evaluation on the held-out prompts: greedy accuracy (overall and per data_source), the temperature-1
-reverse-KL estimate, response length, and a few sample rows for people to read; and the finished run's summary
-(summary.json and the last lines it prints), its first and last evaluation at its head."""
+reverse-KL estimate, response length, and a few sample rows for people to read; at step 0 with the student's base as
+its teacher, the teacher's own accuracy with its context; and the finished run's summary (summary.json and the last
+lines it prints), its first and last evaluation at its head."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from miniverl.routing import teacher_name
 from miniverl.setup.records import Setup
 from miniverl.step.controller import StrictSyncController, rollout_metrics
 
+# The step-0 evaluation's greedy accuracy of the teacher itself on the held-out teacher prompts
+TEACHER_CONTEXT_ACCURACY = "eval/teacher_context_accuracy"
+
 
 @dataclass
 class EvalResult:
@@ -35,15 +39,19 @@ def evaluate(
     reward_fn,
     tokenizer,
     num_samples: int,
+    teacher_context: bool = False,
 ) -> EvalResult:
     """Greedy accuracy and response length, and the k1 reverse KL of temperature-1 samples, on `batch`.
 
     reverse KL must be estimated on samples of the student itself (temperature 1, no truncation) to be
     unbiased, so it uses a second, sampled generation; accuracy is that of greedy answers. `sample_seed`
-    seeds that sample (miniverl/seeds.py: purpose eval).
+    seeds that sample (miniverl/seeds.py: purpose eval). `teacher_context`: the served policy is the teacher
+    (model.teacher.path=self, before any update), so the teacher's own accuracy with its context is measured too
+    (teacher_context_accuracy).
     """
     identity = controller.ensure_served()
-    greedy = controller.sample(batch, SamplingParams(1, max_new_tokens, 0.0, stop_token_ids=stop_ids), identity)
+    greedy_params = SamplingParams(1, max_new_tokens, 0.0, stop_token_ids=stop_ids)
+    greedy = controller.sample(batch, greedy_params, identity)
     sampled = controller.sample(
         batch,
         SamplingParams(1, max_new_tokens, 1.0, stop_token_ids=stop_ids, seed=sample_seed),
@@ -62,7 +70,30 @@ def evaluate(
         **reverse_kl_by_source(sampled, teacher),
         **({"eval/teacher_prompt_tokens": m["teacher_prompt_tokens"]} if "teacher_prompt_tokens" in m else {}),
     }
+    if teacher_context:
+        metrics |= teacher_context_accuracy(controller, batch, greedy_params, identity, reward_fn)
     return EvalResult(metrics, sample_rows(greedy, rewards, tokenizer, num_samples))
+
+
+def teacher_context_accuracy(
+    controller: StrictSyncController, batch: PromptBatch, greedy: SamplingParams, identity, reward_fn
+) -> dict[str, float]:
+    """{TEACHER_CONTEXT_ACCURACY: the greedy accuracy of `batch`'s teacher prompts}, decoded by the rollout side and
+    scored by the run's reward as the student's own greedy answers are; {} where the rows carry no teacher prompts.
+
+    Only where the served policy is the teacher: model.teacher.path=self (the student's base) at version 0. Its
+    LoRA adapter starts with lora_B = 0 (peft's initialization, models/lora.py build_lora_model; model.lora.init_seed
+    draws only lora_A), so every adapted projection adds exactly 0 and v0 computes as the base does. A later version
+    has moved off the base: {} there. A separate teacher model is never decoded (a scorer only scores), so the caller
+    asks for this with `self` alone. `identity`: the served policy, as ensure_served proved it.
+    """
+    if batch.teacher_prompt_ids is None or identity.version != 0:
+        return {}
+    as_prompts = PromptBatch(
+        batch.teacher_prompt_ids, batch.uid, batch.ground_truth, batch.data_source, batch.extra_info
+    )
+    rewards = reward_fn(controller.sample(as_prompts, greedy, identity))  # [G]
+    return {TEACHER_CONTEXT_ACCURACY: float((rewards > 0.5).float().mean())}
 
 
 def accuracy_by_source(rewards: torch.Tensor, data_source: list[str]) -> dict[str, float]:
@@ -146,6 +177,8 @@ def run_summary(
         "end_reverse_kl": result.last_eval["eval/reverse_kl"],
         "start_accuracy": result.first_eval["eval/accuracy"],
         "end_accuracy": result.last_eval["eval/accuracy"],
+        # the with-context teacher's greedy accuracy at step 0 (model.teacher.path=self with teacher prompts), else None
+        "teacher_context_accuracy": result.first_eval.get(TEACHER_CONTEXT_ACCURACY),
         "by_source": summary_by_source(result.first_eval, result.last_eval),
         "teachers": {
             teacher_name(r): f"self ({setup.paths[r]})" if cfg.model.teacher_is_self else setup.paths[r]
@@ -166,4 +199,12 @@ def eval_line(step: int, m: dict[str, float]) -> str:
     return (
         f"[miniverl] eval @ step {step}: greedy accuracy {m['eval/accuracy']:.3f},"
         f" reverse KL {m['eval/reverse_kl']:.4f} nats/token, response length {m['eval/response_length']:.1f}"
+    )
+
+
+def teacher_context_line(m: dict[str, float], prompts: int) -> str:
+    """What the context does at the start: the with-context teacher's greedy accuracy beside the student's."""
+    return (
+        f"[miniverl] the teacher with its context: accuracy {m[TEACHER_CONTEXT_ACCURACY]:.3f} on {prompts} held-out"
+        f" prompts; the student starts at {m['eval/accuracy']:.3f}"
     )
