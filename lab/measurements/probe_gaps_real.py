@@ -131,7 +131,12 @@ def main() -> None:
                 "fixed_learner_logprob_median": float(lw[~kind].median()),
                 "on_policy_learner_logprob_median": float(lw[kind].median()),
                 "probe_seconds": seconds,
-                "per_token": {"learner": lw.tolist(), "served": lg.tolist(), "fp32": lr.tolist(), "on_policy": kind.tolist()},
+                "per_token": {
+                    "learner": lw.tolist(),
+                    "served": lg.tolist(),
+                    "fp32": lr.tolist(),
+                    "on_policy": kind.tolist(),
+                },
             }
             rows.append(row)
             if std == 0.0:
