@@ -116,7 +116,7 @@ class PolicySync:
         replica that merges wrongly or drops the adapter term serves v0 exactly. The served digest and the gap
         test run on it now; the change test at the next refresh (v0 against the trial: the run's first refresh,
         which always probes), which then publishes the learner's real policy. Returns the max gap under the
-        trial adapter (nats)."""
+        trial adapter as the gap test weighs it (served_policy.weighed_gap, nats)."""
         self._refresh(trial=True)
         self.identity = None  # the replicas hold the trial adapter now
         return self.last_probe["probe_gap_max"]
