@@ -26,10 +26,10 @@ BACKENDS.register("sglang", "miniverl.rollout.sglang:SglangBackend")
 
 @dataclass
 class VllmRolloutConfig:
-    """rollout=vllm only (miniverl/rollout/vllm.py); lab/results/rollout-rl-sizes.md measured the choices."""
+    """rollout=vllm only (miniverl/rollout/vllm.py); lab/results/rollout-rl-sizes.md measured the choices. The
+    engine's fixed choices (CUDA graphs, prefix caching, where adapters go) are rollout/vllm_settings.py constants."""
 
     refresh: str = "adapter"  # adapter: a new LoRA request per version | merged: adapter merged into the base in place
-    enforce_eager: bool = False  # True turns CUDA graphs off (engine start ~30 s instead of ~90 s)
     engine_process: str = "inprocess"  # inprocess: engine core in the actor | subprocess: vLLM's own child process
     seeding: str = "row"  # row: one seed per sampled row (the project's rule) | prompt: one seed per prompt, n samples
     max_num_seqs: int = 0  # rows decoded at once; 0 = the largest rollout batch of the run
@@ -37,11 +37,7 @@ class VllmRolloutConfig:
     # prompt tokens one engine step prefills (chunked prefill); 0 = vLLM's default (16,384). Its activations are not
     # in the engine's fixed overhead: a 1.5B student's MLP alone takes ~0.3 GiB per 16k-token chunk
     max_num_batched_tokens: int = 0
-    enable_prefix_caching: bool = True
-    async_scheduling: bool = False
-    sleep_between_steps: bool = False  # sleep(level=1) after generating: weights to host memory, KV cache freed
     kv_cache_gib: float | None = None  # explicit KV cache size; null = derived from the actor's GPU share
-    adapter_root: str = "/dev/shm"  # adapter versions are written here (shared memory), one at a time
 
     def check(self) -> None:
         """The section's own values, whichever backend the run uses (as every section's are): the choices, the sizes
