@@ -19,6 +19,8 @@ def check_vllm_settings(s: VllmSettings) -> None:
     section.check()
     section.check_batched_tokens(s.max_num_seqs)
     check_quantized_rollout(s.quantization, "vllm", s.refresh)
+    if s.cudagraph_capture_size < 1:  # a bench's own setting (a run captures max_num_seqs)
+        raise ConfigError(f"the bench's vllm cudagraph_capture_size={s.cudagraph_capture_size}: a positive batch size")
 
 
 def sglang_settings(rows: int, context: int, attributes: dict) -> SglangSettings:

@@ -33,7 +33,6 @@ class VllmRolloutConfig:
     engine_process: str = "inprocess"  # inprocess: engine core in the actor | subprocess: vLLM's own child process
     seeding: str = "row"  # row: one seed per sampled row (the project's rule) | prompt: one seed per prompt, n samples
     max_num_seqs: int = 0  # rows decoded at once; 0 = the largest rollout batch of the run
-    cudagraph_capture_size: int = 0  # largest decode batch with a CUDA graph; 0 = max_num_seqs
     # prompt tokens one engine step prefills (chunked prefill); 0 = vLLM's default (16,384). Its activations are not
     # in the engine's fixed overhead: a 1.5B student's MLP alone takes ~0.3 GiB per 16k-token chunk
     max_num_batched_tokens: int = 0
@@ -52,7 +51,7 @@ class VllmRolloutConfig:
             f"rollout.vllm.engine_process={self.engine_process!r}: use one of {', '.join(ENGINE_PROCESSES)}",
         )
         require(self.seeding in SEEDING, f"rollout.vllm.seeding={self.seeding!r}: use one of {', '.join(SEEDING)}")
-        for key in ("max_num_seqs", "cudagraph_capture_size", "max_num_batched_tokens"):
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, key)
             require(value >= 0, f"rollout.vllm.{key}={value}: use 0 (derived) or a positive count")
         require(

@@ -57,7 +57,8 @@ class VllmSettings:
     engine_process: str  # inprocess: engine core inside the actor; subprocess: vLLM's child process
     seeding: str  # row: one request (and seed) per sampled row; prompt: one request with n samples per prompt
     max_num_seqs: int  # rows the engine decodes at once
-    cudagraph_capture_size: int  # largest decode batch captured as a CUDA graph
+    # largest decode batch captured as a CUDA graph: a run's max_num_seqs (every batch it decodes); a bench may set less
+    cudagraph_capture_size: int
     max_num_batched_tokens: int  # tokens one engine step prefills; 0 = vLLM's default
     max_model_len: int  # prompt + response tokens of the longest row
     gpu_share: float  # the fraction of the device Ray gave this actor
@@ -224,7 +225,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, max_n
         engine_process=v.engine_process,
         seeding=v.seeding,
         max_num_seqs=max_num_seqs,
-        cudagraph_capture_size=v.cudagraph_capture_size or max_num_seqs,
+        cudagraph_capture_size=max_num_seqs,
         max_num_batched_tokens=v.max_num_batched_tokens,
         max_model_len=cfg.longest_row,
         gpu_share=gpu_share,

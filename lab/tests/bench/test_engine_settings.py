@@ -27,6 +27,7 @@ def settings(**kw) -> VllmSettings:
         ("seeding", "batch", "rollout.vllm.seeding"),
         ("kv_cache_gib", 0.0, "rollout.vllm.kv_cache_gib"),
         ("max_num_batched_tokens", 8, r"rollout.vllm.max_num_batched_tokens=8 is below the \d+ rows"),
+        ("cudagraph_capture_size", 0, "the bench's vllm cudagraph_capture_size=0: a positive batch size"),
     ],
 )
 def test_bad_settings_name_the_key(field, value, names):
