@@ -10,7 +10,7 @@ from dataclasses import fields
 from miniverl.config import SglangRolloutConfig, VllmRolloutConfig, check_quantized_rollout
 from miniverl.errors import ConfigError
 from miniverl.rollout.sglang import SglangSettings
-from miniverl.rollout.vllm_settings import VllmSettings
+from miniverl.rollout.vllm_settings import ENGINE_PROCESSES, SEEDING, VllmSettings
 
 
 def check_vllm_settings(s: VllmSettings) -> None:
@@ -19,8 +19,20 @@ def check_vllm_settings(s: VllmSettings) -> None:
     section.check()
     section.check_batched_tokens(s.max_num_seqs)
     check_quantized_rollout(s.quantization, "vllm", s.refresh)
-    if s.cudagraph_capture_size < 1:  # a bench's own setting (a run captures max_num_seqs)
+    # A bench's own settings (a run has VllmSettings' defaults for them: rollout/vllm_settings.py).
+    if s.cudagraph_capture_size < 1:
         raise ConfigError(f"the bench's vllm cudagraph_capture_size={s.cudagraph_capture_size}: a positive batch size")
+    if s.seeding not in SEEDING:
+        raise ConfigError(f"the bench's vllm seeding={s.seeding!r}: use one of {', '.join(SEEDING)}")
+    if s.engine_process not in ENGINE_PROCESSES:
+        raise ConfigError(
+            f"the bench's vllm engine_process={s.engine_process!r}: use one of {', '.join(ENGINE_PROCESSES)}"
+        )
+    if s.refresh == "merged" and s.engine_process != "inprocess":
+        raise ConfigError(
+            "the bench's vllm refresh=merged loads weights into the engine's model in place, which needs"
+            " engine_process=inprocess"
+        )
 
 
 def sglang_settings(rows: int, context: int, attributes: dict) -> SglangSettings:

@@ -188,13 +188,11 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
 
         # A bench preregistered before the backend existed (rollout-runtime-v3) names no attributes: it gets
         # the product's defaults and half the GPU.
-        # The engine's fixed choices (enforce_eager, async_scheduling, ...) are VllmSettings' defaults; a plan's
+        # The engine's fixed choices (seeding, engine_process, enforce_eager, ...) are VllmSettings' defaults; a plan's
         # attributes may set them on the settings built here.
         product = VllmRolloutConfig()
         a = {
             "refresh": product.refresh,
-            "seeding": product.seeding,
-            "engine_process": product.engine_process,
             "gpu_share": 0.5,
             "quantization": "none",  # the bench's model is bf16
         } | dict(plan.attributes)

@@ -41,6 +41,12 @@ AUTO_SHARE = 0.4
 # engine without log-probs or row seeds, not this backend. No sleep between steps: level-1 sleep frees the weights and
 # KV cache for other actors (2.01 GiB in the vLLM GPU tests, lab/results/rollout-rl-sizes.md) and reloads them every
 # step. Adapter versions are written to shared memory, one at a time.
+# Row seeds (seeding=row): one request per sampled row, seeded by the row's seed, so a row's tokens depend on its seed
+# alone (the project's rule; "prompt", one request with n samples per prompt, is a bench's comparison). The engine core
+# in the actor's process (engine_process=inprocess): a merged refresh hands the engine's model GPU tensors in place,
+# which a child process would get pickled through a socket every step; vLLM's own child process is a bench's choice.
+SEEDING = ("row", "prompt")  # the seedings a VllmSettings may hold (row: a run's)
+ENGINE_PROCESSES = ("inprocess", "subprocess")  # where the engine core may run (inprocess: a run's)
 ENFORCE_EAGER = False
 PREFIX_CACHING = True
 ASYNC_SCHEDULING = False
@@ -54,8 +60,6 @@ class VllmSettings:
     choices (the constants above)."""
 
     refresh: str  # adapter: a new LoRA request per version; merged: adapter merged into the base in place
-    engine_process: str  # inprocess: engine core inside the actor; subprocess: vLLM's child process
-    seeding: str  # row: one request (and seed) per sampled row; prompt: one request with n samples per prompt
     max_num_seqs: int  # rows the engine decodes at once
     # largest decode batch captured as a CUDA graph: a run's max_num_seqs (every batch it decodes); a bench may set less
     cudagraph_capture_size: int
@@ -67,6 +71,8 @@ class VllmSettings:
     quantization: str  # model.student.quantization: nf4 serves the base through vLLM's bitsandbytes loader
     # The engine's fixed choices: a run always gets these; the lab's benches set them on the settings they build
     # (lab/bench/runner.py, lab/conf/bench/rollout-rl-sizes-vllm.yaml).
+    seeding: str = SEEDING[0]  # row: one request (and seed) per sampled row; prompt: one with n samples per prompt
+    engine_process: str = ENGINE_PROCESSES[0]  # inprocess: engine core inside the actor; subprocess: vLLM's child
     enforce_eager: bool = ENFORCE_EAGER  # True turns CUDA graphs off
     enable_prefix_caching: bool = PREFIX_CACHING
     async_scheduling: bool = ASYNC_SCHEDULING
@@ -222,8 +228,6 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, max_n
     v = cfg.rollout.vllm
     return VllmSettings(
         refresh=v.refresh,
-        engine_process=v.engine_process,
-        seeding=v.seeding,
         max_num_seqs=max_num_seqs,
         cudagraph_capture_size=max_num_seqs,
         max_num_batched_tokens=v.max_num_batched_tokens,

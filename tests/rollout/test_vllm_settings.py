@@ -165,7 +165,7 @@ def test_nf4_student_is_served_quantized_and_never_merged():
 
 
 @pytest.mark.parametrize("backend", ["vllm", "hf_cached"])
-@pytest.mark.parametrize("override", ["rollout.vllm.refresh=copy", "rollout.vllm.seeding=batch"])
+@pytest.mark.parametrize("override", ["rollout.vllm.refresh=copy", "rollout.vllm.kv_cache_gib=0"])
 def test_a_misspelled_vllm_option_fails_in_validate_before_ray(override, backend):
     """Whichever backend the run uses, a CPU run with rollout=hf_cached too: rollout.vllm's own values are checked as
     every section's are (its sizes always were), so a typo never waits for the day the backend changes."""
