@@ -9,7 +9,7 @@ from dataclasses import fields
 
 from miniverl.config import SglangRolloutConfig, VllmRolloutConfig, check_quantized_rollout
 from miniverl.errors import ConfigError
-from miniverl.rollout.sglang import SglangSettings
+from miniverl.rollout.sglang import BATCH_INVARIANT, SglangSettings
 from miniverl.rollout.vllm_settings import ENGINE_PROCESSES, SEEDING, VllmSettings
 
 
@@ -37,14 +37,16 @@ def check_vllm_settings(s: VllmSettings) -> None:
 
 def sglang_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
     """A bench's SGLang engine: sized for its widest call and longest row, half the GPU and rollout.sglang's defaults
-    unless `attributes` (rollout.sglang keys, or gpu_share) say otherwise, checked as validate checks rollout.sglang."""
+    unless `attributes` (rollout.sglang keys, batch_invariant or gpu_share) say otherwise, checked as validate checks
+    rollout.sglang."""
     a = {"gpu_share": 0.5} | dict(attributes)
     share = a.pop("gpu_share")
+    batch_invariant = a.pop("batch_invariant", BATCH_INVARIANT)  # a bench's own setting (a run's: rollout/sglang.py)
     known = {f.name for f in fields(SglangRolloutConfig)}
     if set(a) - known:
         raise ConfigError(
             f"the bench's sglang settings {sorted(set(a) - known)} are not rollout.sglang keys; use"
-            f" {', '.join(sorted(known))} or gpu_share"
+            f" {', '.join(sorted(known))}, batch_invariant or gpu_share"
         )
     if not (isinstance(share, int | float) and 0 < share <= 1):
         raise ConfigError(f"the bench's sglang gpu_share={share!r}: a fraction of the GPU in (0, 1]")
@@ -54,7 +56,7 @@ def sglang_settings(rows: int, context: int, attributes: dict) -> SglangSettings
         section.attention_backend,
         section.mem_fraction_static,
         section.chunked_prefill_size,
-        section.batch_invariant,
+        bool(batch_invariant),
         section.running_rows(rows),
         context,
         share,

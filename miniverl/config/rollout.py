@@ -81,10 +81,6 @@ class SglangRolloutConfig:
     # rows decoded at once; null = the run's largest generate call. The sampler's buffers grow with it (36 bytes per
     # row and vocabulary entry: rollout/sglang.py engine_overhead_bytes); the rows beyond it wait for a free slot
     max_running_requests: int | None = None
-    # deterministic inference (row seeds need it) also swaps cuBLAS for SGLang's batch-invariant Triton kernels; false
-    # (the default) keeps the row seeds and SGLang's usual kernels: as exact on the oracle and the gate, and 1.13-1.24x
-    # the tokens/s (lab/results/sglang-gpu/run3.md); true makes a row's tokens independent of the batch it shares
-    batch_invariant: bool = False
 
     def running_rows(self, largest_call: int) -> int:
         """Rows SGLang decodes at once: the run's largest generate call, or max_running_requests where smaller."""
