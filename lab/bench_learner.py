@@ -8,7 +8,7 @@ default) sets the model's; "prompt_min" and "response_median" give the rows vari
 vary_lengths: prompts of prompt_min..prompt_tokens, responses geometric with that median, capped), "redraw": true
 draws new lengths for every update (new micro-batch shapes each update, as a run's steps have: a fixed batch repeats
 its shapes, which hides per-shape costs such as cuDNN attention's plans), "cudnn_attention": true lets torch's SDPA
-use cuDNN (resources.cudnn_attention; default flash attention, as the product's actors; a cell of another setting
+use cuDNN (ProcessSettings.cudnn_attention; default flash attention, as the product's actors; a cell of another setting
 than the cell before compiles its layers afresh: process.set_attention_backends). Three switches
 measure what the product no longer does, to credit each change: "peft_lora": true gives peft's own LoRA arithmetic
 back (fp32 adapter matmuls over upcast inputs), "eager_vocab": true turns off the Triton vocabulary passes

@@ -47,8 +47,10 @@ class ProcessSettings:
     # sys.setswitchinterval for this process, seconds (resources.switch_interval_ms: colocated roles share one
     # interpreter); None keeps Python's.
     switch_interval_s: float | None = None
-    # resources.cudnn_attention: whether torch's scaled_dot_product_attention may pick cuDNN's kernels on this
-    # process's GPU (set_attention_backends).
+    # Whether torch's scaled_dot_product_attention may pick cuDNN's kernels on this process's GPU. A run's actors never
+    # do: cuDNN plans every new micro-batch shape, 6.60 s against 4.12 s a realistic 4080 step (set_attention_backends;
+    # lab/results/peers.md, 2026-12-06, 0f81ec5). Until 2026-12-07 the key resources.cudnn_attention; the lab's benches
+    # set it on the settings they build (lab/bench_learner.py, lab/bench/scorer_profile.py).
     cudnn_attention: bool = False
 
 

@@ -148,15 +148,7 @@ def test_validate_runs_the_check_of(section, monkeypatch):
 # rollout.vllm's own values (VllmRolloutConfig.check): the change to the section, and the refusal.
 VLLM_OWN = [
     ({"refresh": "copy"}, "rollout.vllm.refresh='copy': use one of adapter, merged"),
-    ({"engine_process": "thread"}, "rollout.vllm.engine_process='thread': use one of inprocess, subprocess"),
-    ({"seeding": "batch"}, "rollout.vllm.seeding='batch': use one of row, prompt"),
-    ({"cudagraph_capture_size": -8}, "rollout.vllm.cudagraph_capture_size=-8: use 0 (derived) or a positive count"),
     ({"kv_cache_gib": 0.0}, "rollout.vllm.kv_cache_gib=0.0: use a positive size or null (derived)"),
-    (
-        {"refresh": "merged", "engine_process": "subprocess"},
-        "rollout.vllm.refresh=merged loads weights into the engine's model in place, which needs"
-        " rollout.vllm.engine_process=inprocess",
-    ),
 ]
 
 

@@ -9,8 +9,8 @@ from dataclasses import fields
 
 from miniverl.config import SglangRolloutConfig, VllmRolloutConfig, check_quantized_rollout
 from miniverl.errors import ConfigError
-from miniverl.rollout.sglang import SglangSettings
-from miniverl.rollout.vllm_settings import VllmSettings
+from miniverl.rollout.sglang import BATCH_INVARIANT, SglangSettings
+from miniverl.rollout.vllm_settings import ENGINE_PROCESSES, SEEDING, VllmSettings
 
 
 def check_vllm_settings(s: VllmSettings) -> None:
@@ -19,18 +19,34 @@ def check_vllm_settings(s: VllmSettings) -> None:
     section.check()
     section.check_batched_tokens(s.max_num_seqs)
     check_quantized_rollout(s.quantization, "vllm", s.refresh)
+    # A bench's own settings (a run has VllmSettings' defaults for them: rollout/vllm_settings.py).
+    if s.cudagraph_capture_size < 1:
+        raise ConfigError(f"the bench's vllm cudagraph_capture_size={s.cudagraph_capture_size}: a positive batch size")
+    if s.seeding not in SEEDING:
+        raise ConfigError(f"the bench's vllm seeding={s.seeding!r}: use one of {', '.join(SEEDING)}")
+    if s.engine_process not in ENGINE_PROCESSES:
+        raise ConfigError(
+            f"the bench's vllm engine_process={s.engine_process!r}: use one of {', '.join(ENGINE_PROCESSES)}"
+        )
+    if s.refresh == "merged" and s.engine_process != "inprocess":
+        raise ConfigError(
+            "the bench's vllm refresh=merged loads weights into the engine's model in place, which needs"
+            " engine_process=inprocess"
+        )
 
 
 def sglang_settings(rows: int, context: int, attributes: dict) -> SglangSettings:
     """A bench's SGLang engine: sized for its widest call and longest row, half the GPU and rollout.sglang's defaults
-    unless `attributes` (rollout.sglang keys, or gpu_share) say otherwise, checked as validate checks rollout.sglang."""
+    unless `attributes` (rollout.sglang keys, batch_invariant or gpu_share) say otherwise, checked as validate checks
+    rollout.sglang."""
     a = {"gpu_share": 0.5} | dict(attributes)
     share = a.pop("gpu_share")
+    batch_invariant = a.pop("batch_invariant", BATCH_INVARIANT)  # a bench's own setting (a run's: rollout/sglang.py)
     known = {f.name for f in fields(SglangRolloutConfig)}
     if set(a) - known:
         raise ConfigError(
             f"the bench's sglang settings {sorted(set(a) - known)} are not rollout.sglang keys; use"
-            f" {', '.join(sorted(known))} or gpu_share"
+            f" {', '.join(sorted(known))}, batch_invariant or gpu_share"
         )
     if not (isinstance(share, int | float) and 0 < share <= 1):
         raise ConfigError(f"the bench's sglang gpu_share={share!r}: a fraction of the GPU in (0, 1]")
@@ -40,7 +56,7 @@ def sglang_settings(rows: int, context: int, attributes: dict) -> SglangSettings
         section.attention_backend,
         section.mem_fraction_static,
         section.chunked_prefill_size,
-        section.batch_invariant,
+        bool(batch_invariant),
         section.running_rows(rows),
         context,
         share,

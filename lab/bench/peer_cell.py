@@ -118,8 +118,8 @@ def add_harness_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--flash-attention",
         action="store_true",
-        help="keep torch's SDPA off cuDNN's attention, as miniVERL's actors (resources.cudnn_attention=false); default:"
-        " torch's own choice, cuDNN first on Hopper",
+        help="keep torch's SDPA off cuDNN's attention, as miniVERL's actors (ProcessSettings.cudnn_attention=False);"
+        " default: torch's own choice, cuDNN first on Hopper",
     )
 
 

@@ -28,7 +28,7 @@ Realistic shapes, the same in every cell (the defaults pass nothing: the cells o
   model's `generation_config.eos_token_id` list (what transformers' generate stops on and TRL masks after) and vLLM's
   SamplingParams `stop_token_ids` (their scripts' docstrings cite the source lines).
 - `--peer-attention flash` (default `default`): the peers' scripts `--flash-attention`, keeping their training
-  forwards' SDPA off cuDNN as miniVERL's actors are (resources.cudnn_attention=false: cuDNN plans every new shape,
+  forwards' SDPA off cuDNN as miniVERL's actors are (ProcessSettings.cudnn_attention=False: cuDNN plans every new shape,
   peers.md run 10); by default they run torch's own choice. Each peer's JSON records which (`settings.attention`).
 Each cell's JSON records the bounds, the median and the number of stop ids. Trained tokens stay the rows' real
 tokens when lengths vary: a peer's are rows x the median over the timed steps of the mean completion length its
@@ -405,7 +405,7 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         choices=("default", "flash"),
         default="default",
         help="the peers' training attention: torch's default (cuDNN first on Hopper, a plan for every new shape) or"
-        " flash only, the setting miniVERL's actors run with (resources.cudnn_attention=false)",
+        " flash only, the setting miniVERL's actors run with (ProcessSettings.cudnn_attention=False)",
     )
     ap.add_argument(
         "--miniverl-overrides",

@@ -188,13 +188,11 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
 
         # A bench preregistered before the backend existed (rollout-runtime-v3) names no attributes: it gets
         # the product's defaults and half the GPU.
+        # The engine's fixed choices (seeding, engine_process, enforce_eager, ...) are VllmSettings' defaults; a plan's
+        # attributes may set them on the settings built here.
         product = VllmRolloutConfig()
         a = {
             "refresh": product.refresh,
-            "seeding": product.seeding,
-            "enforce_eager": product.enforce_eager,
-            "engine_process": product.engine_process,
-            "async_scheduling": product.async_scheduling,
             "gpu_share": 0.5,
             "quantization": "none",  # the bench's model is bf16
         } | dict(plan.attributes)
@@ -206,9 +204,6 @@ def constructor_options(cfg: BenchConfig, plan: BackendPlan) -> tuple[dict, dict
             max_model_len=context,
             gpu_cap_gib=None,
             kv_cache_gib=product.kv_cache_gib,
-            adapter_root=product.adapter_root,
-            sleep_between_steps=product.sleep_between_steps,
-            enable_prefix_caching=product.enable_prefix_caching,
             **a,
         )
         check_vllm_settings(settings)  # a plan's attributes are rollout.vllm values that no validate has seen

@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--cudnn-attention",
         action="store_true",
-        help="let torch's SDPA use cuDNN (resources.cudnn_attention); default flash attention, as the product's actors",
+        help="let torch's SDPA use cuDNN (ProcessSettings.cudnn_attention); default flash attention, as a run's actors",
     )
     p.add_argument("--topk", type=int, default=64, help="the teacher's support K (0: the whole vocabulary; -1: none)")
     p.add_argument("--chunk", type=int, default=1024, help="LM-head chunk in response tokens (0: one per forward)")

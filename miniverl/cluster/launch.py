@@ -124,9 +124,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
 
     def start(cls, actor: str, i: int, *args, **kwargs):
         share = plan.num_gpus[actor]
-        process = ProcessSettings(
-            setup.device, threads, gpu_cap_gib(actor), share, actor=True, cudnn_attention=res.cudnn_attention
-        )
+        process = ProcessSettings(setup.device, threads, gpu_cap_gib(actor), share, actor=True)
         if res.colocate:  # the role's share sizes its work; the colocated process's cap is their sum
             colocated[actor] = (cls, (*args, dataclasses.replace(process, process_cap=False)), kwargs)
             return actor  # a placeholder until the one actor exists
@@ -233,9 +231,7 @@ def build_actors(cfg: MiniVerlConfig, setup: Setup, objective: Objective) -> tup
         if card is not None:
             cap = emulated_cap_gib(card, share, "the colocated shares", COLOCATED_CONTEXT_GIB)
         switch = None if res.switch_interval_ms is None else res.switch_interval_ms / 1e3
-        process = ProcessSettings(
-            setup.device, threads, cap, share, actor=True, switch_interval_s=switch, cudnn_attention=res.cudnn_attention
-        )
+        process = ProcessSettings(setup.device, threads, cap, share, actor=True, switch_interval_s=switch)
         cpus = sum(plan.num_cpus[role] for role in ROLES)
         cls = colocated_class({role: spec[0] for role, spec in colocated.items()})
         handle = remote_actor(cls, cpus, share, (pg, 0) if pg else None, colocated, process, concurrency_groups=ROLES)

@@ -31,9 +31,7 @@ from miniverl.config.resources import UNPLANNED_SHARES, WEIGHT_SYNC, ActorResour
 from miniverl.config.reward import RewardConfig
 from miniverl.config.rollout import (
     AUTO_BACKEND,
-    ENGINE_PROCESSES,
     REFRESH_MODES,
-    SEEDING,
     RolloutConfig,
     SglangRolloutConfig,
     VllmRolloutConfig,
@@ -45,14 +43,12 @@ from miniverl.config.trainer import NONFINITE_POLICIES, PROBE_EVERY, STALENESS_L
 
 __all__ = [
     "AUTO_BACKEND",
-    "ENGINE_PROCESSES",
     "NONFINITE_POLICIES",
     "OBJECTIVE_CONFIGS",
     "OVERLONG_POLICIES",
     "PROBE_EVERY",
     "REFRESH_MODES",
     "SCHEMA_NAME",
-    "SEEDING",
     "STALENESS_LEVELS",
     "UNPLANNED_SHARES",
     "WEIGHT_SYNC",

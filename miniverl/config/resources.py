@@ -59,13 +59,6 @@ class ResourcesConfig:
     # long (with trainer.staleness=1 the rollout's decode loop beside the learner's launch-bound update). None:
     # Python's 5 ms. Refused without colocate (separate actors each run one role).
     switch_interval_ms: float | None = None
-    # Let torch's scaled_dot_product_attention use cuDNN's attention in every actor: the learner's and the teacher's
-    # forwards, and rollout=hf_reference's (hf_cached, vLLM and SGLang have attention of their own). Off: flash
-    # attention. torch tries cuDNN first on Hopper and newer cards, and cuDNN builds a plan for each new (rows, length)
-    # shape, ~130 ms each on an H100: rows that stop at different lengths make every micro-batch a new shape. The
-    # realistic 4080 step took 6.60 s with it on and 4.12 s off, same sitting (miniverl/process.py
-    # set_attention_backends; lab/results/peers.md, 2026-12-06, 0f81ec5).
-    cudnn_attention: bool = False
     # Each actor's share of the GPU (num_gpus); null shares are chosen before Ray for this card and these models:
     # the HF rollout its modelled peak + 10%, vLLM 0.4, the learner the least share holding 16k-token micro-batches
     # (short of what leaves the scorer 8,000-token forwards), the scorer the rest (setup/layout.py choose_shares;

@@ -8,8 +8,6 @@ from miniverl.config.base import require
 from miniverl.registry import Registry
 
 REFRESH_MODES = ("adapter", "merged")  # rollout.vllm.refresh
-ENGINE_PROCESSES = ("inprocess", "subprocess")  # rollout.vllm.engine_process
-SEEDING = ("row", "prompt")  # rollout.vllm.seeding
 AUTO_BACKEND = "auto"  # rollout.backend chosen from the student (RolloutConfig.chosen_backend)
 SGLANG_ATTENTION = ("triton", "flashinfer", "fa3")  # rollout.sglang.attention_backend
 
@@ -26,49 +24,30 @@ BACKENDS.register("sglang", "miniverl.rollout.sglang:SglangBackend")
 
 @dataclass
 class VllmRolloutConfig:
-    """rollout=vllm only (miniverl/rollout/vllm.py); lab/results/rollout-rl-sizes.md measured the choices."""
+    """rollout=vllm only (miniverl/rollout/vllm.py); lab/results/rollout-rl-sizes.md measured the choices. The
+    engine's fixed choices (row seeds, engine in process, CUDA graphs, ...) are rollout/vllm_settings.py constants."""
 
     refresh: str = "adapter"  # adapter: a new LoRA request per version | merged: adapter merged into the base in place
-    enforce_eager: bool = False  # True turns CUDA graphs off (engine start ~30 s instead of ~90 s)
-    engine_process: str = "inprocess"  # inprocess: engine core in the actor | subprocess: vLLM's own child process
-    seeding: str = "row"  # row: one seed per sampled row (the project's rule) | prompt: one seed per prompt, n samples
     max_num_seqs: int = 0  # rows decoded at once; 0 = the largest rollout batch of the run
-    cudagraph_capture_size: int = 0  # largest decode batch with a CUDA graph; 0 = max_num_seqs
     # prompt tokens one engine step prefills (chunked prefill); 0 = vLLM's default (16,384). Its activations are not
     # in the engine's fixed overhead: a 1.5B student's MLP alone takes ~0.3 GiB per 16k-token chunk
     max_num_batched_tokens: int = 0
-    enable_prefix_caching: bool = True
-    async_scheduling: bool = False
-    sleep_between_steps: bool = False  # sleep(level=1) after generating: weights to host memory, KV cache freed
     kv_cache_gib: float | None = None  # explicit KV cache size; null = derived from the actor's GPU share
-    adapter_root: str = "/dev/shm"  # adapter versions are written here (shared memory), one at a time
 
     def check(self) -> None:
-        """The section's own values, whichever backend the run uses (as every section's are): the choices, the sizes
-        (counts, 0 = derived) and merged refresh's in-process engine. max_num_batched_tokens against the rows the
+        """The section's own values, whichever backend the run uses (as every section's are): the refresh mode and the
+        sizes (counts, 0 = derived). max_num_batched_tokens against the rows the
         engine decodes at once reads the data section too: check_batched_tokens, from check_combinations."""
         require(
             self.refresh in REFRESH_MODES,
             f"rollout.vllm.refresh={self.refresh!r}: use one of {', '.join(REFRESH_MODES)}",
         )
-        require(
-            self.engine_process in ENGINE_PROCESSES,
-            f"rollout.vllm.engine_process={self.engine_process!r}: use one of {', '.join(ENGINE_PROCESSES)}",
-        )
-        require(self.seeding in SEEDING, f"rollout.vllm.seeding={self.seeding!r}: use one of {', '.join(SEEDING)}")
-        for key in ("max_num_seqs", "cudagraph_capture_size", "max_num_batched_tokens"):
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, key)
             require(value >= 0, f"rollout.vllm.{key}={value}: use 0 (derived) or a positive count")
         require(
             self.kv_cache_gib is None or self.kv_cache_gib > 0,
             f"rollout.vllm.kv_cache_gib={self.kv_cache_gib}: use a positive size or null (derived)",
-        )
-        # The merged weights are handed to the engine's model as GPU tensors; a child process would get them pickled
-        # through a socket every step.
-        require(
-            self.refresh != "merged" or self.engine_process == "inprocess",
-            "rollout.vllm.refresh=merged loads weights into the engine's model in place, which needs"
-            " rollout.vllm.engine_process=inprocess",
         )
 
     def check_batched_tokens(self, rows: int) -> None:
@@ -102,10 +81,6 @@ class SglangRolloutConfig:
     # rows decoded at once; null = the run's largest generate call. The sampler's buffers grow with it (36 bytes per
     # row and vocabulary entry: rollout/sglang.py engine_overhead_bytes); the rows beyond it wait for a free slot
     max_running_requests: int | None = None
-    # deterministic inference (row seeds need it) also swaps cuBLAS for SGLang's batch-invariant Triton kernels; false
-    # (the default) keeps the row seeds and SGLang's usual kernels: as exact on the oracle and the gate, and 1.13-1.24x
-    # the tokens/s (lab/results/sglang-gpu/run3.md); true makes a row's tokens independent of the batch it shares
-    batch_invariant: bool = False
 
     def running_rows(self, largest_call: int) -> int:
         """Rows SGLang decodes at once: the run's largest generate call, or max_running_requests where smaller."""

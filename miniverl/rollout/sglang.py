@@ -16,8 +16,8 @@ lab/results/sglang-gpu/run4.md, run5.md). What it relies on:
   with `enable_deterministic_inference=True` (sampling_batch_info.py; without it the first run, sglang-gpu/run1.md, drew
   other tokens for the same seed), which also fixes its sampler to the pytorch one: a draw from (seed, position);
 - sglang_compat/sitecustomize.py in every engine process: sglang 0.5.17 re-registers model types transformers 5.17
-  already has, which transformers refuses (run1.md: the scheduler died at import); with rollout.sglang.batch_invariant
-  false (the default: sglang-gpu/run3.md measured it as exact and 1.1-1.2x faster) it keeps the batch-invariant kernels
+  already has, which transformers refuses (run1.md: the scheduler died at import); with SglangSettings.batch_invariant
+  false (a run's: sglang-gpu/run3.md measured it as exact and 1.1-1.2x faster) it keeps the batch-invariant kernels
   that deterministic inference switches on out of the engine; on an emulated card it caps the scheduler's allocator at
   the actor's budget, as every actor process is capped;
 - every policy version is a new adapter loaded from the learner's tensors under a new name
@@ -72,7 +72,12 @@ LOGPROB_TOKEN_BYTES = 10
 # SGLang's static fraction when the backend sizes the KV pool itself (memory_plan): high, so that SGLang's own
 # profile of the free memory leaves at least the planned pool
 PROFILE_FRACTION = 0.9
-# rollout.sglang.batch_invariant and the allocator cap for sglang_compat/sitecustomize.py, which runs in every engine
+# Deterministic inference (row seeds need it) also swaps cuBLAS for SGLang's batch-invariant Triton kernels; a run keeps
+# them out (the shim below) and SGLang's usual kernels: as exact on the oracle and the gate, and 1.13-1.24x the
+# tokens/s (lab/results/sglang-gpu/run3.md). With them a row's tokens would not depend on the batch it shares; until
+# 2026-12-07 the key rollout.sglang.batch_invariant, now SglangSettings.batch_invariant, which a bench may set.
+BATCH_INVARIANT = False
+# SglangSettings.batch_invariant and the allocator cap for sglang_compat/sitecustomize.py, which runs in every engine
 # process (and holds the same names: importing it here would patch transformers at import)
 BATCH_INVARIANT_ENV = "MINIVERL_SGLANG_BATCH_INVARIANT"
 MEMORY_CAP_ENV = "MINIVERL_SGLANG_MEMORY_CAP_BYTES"
@@ -108,7 +113,7 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, large
         attention_backend=s.attention_backend,
         mem_fraction_static=s.mem_fraction_static,
         chunked_prefill_size=s.chunked_prefill_size,
-        batch_invariant=s.batch_invariant,
+        batch_invariant=BATCH_INVARIANT,
         max_running_requests=s.running_rows(largest_call),
         context_length=cfg.longest_row,
         gpu_share=gpu_share,

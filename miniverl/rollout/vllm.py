@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from miniverl.config.rollout import SEEDING
 from miniverl.errors import ConfigError
 from miniverl.models.lora import LoraSettings, adapter_template
 from miniverl.rollout import Completion
 from miniverl.rollout.sampling import SamplingParams
 from miniverl.rollout.vllm_settings import (
+    SEEDING,
     AdapterStore,
     VllmSettings,
     adapter_config,
@@ -37,7 +37,7 @@ from miniverl.rollout.vllm_settings import (
 )
 from miniverl.served_policy import probe_tolerance
 
-# How generate may seed its requests: the product's rollout.vllm.seeding values, and "none" for bench peers.
+# How generate may seed its requests: VllmSettings' seedings (a run's: row), and "none" for bench peers.
 REQUEST_SEEDINGS = (*SEEDING, "none")
 
 

@@ -34,26 +34,50 @@ ENGINE_OUTSIDE_TORCH_GIB = 0.6
 AUTO_SHARE = 0.4
 
 
+# The engine's fixed choices: until 2026-12-07 rollout.vllm keys that no recipe, README line or test set (issue 75,
+# lab/results/config-surface.md). CUDA graphs on (enforce_eager off): engine start ~90 s instead of ~30, the decode
+# lab/results/rollout-rl-sizes.md measured. Prefix caching on: a prompt's samples share their prefill. vLLM's async
+# scheduling off: the raw-vLLM profiles that turned it on (lab/results/decode-profile.md, 2026-12-04) measured a bare
+# engine without log-probs or row seeds, not this backend. No sleep between steps: level-1 sleep frees the weights and
+# KV cache for other actors (2.01 GiB in the vLLM GPU tests, lab/results/rollout-rl-sizes.md) and reloads them every
+# step. Adapter versions are written to shared memory, one at a time.
+# Row seeds (seeding=row): one request per sampled row, seeded by the row's seed, so a row's tokens depend on its seed
+# alone (the project's rule; "prompt", one request with n samples per prompt, is a bench's comparison). The engine core
+# in the actor's process (engine_process=inprocess): a merged refresh hands the engine's model GPU tensors in place,
+# which a child process would get pickled through a socket every step; vLLM's own child process is a bench's choice.
+SEEDING = ("row", "prompt")  # the seedings a VllmSettings may hold (row: a run's)
+ENGINE_PROCESSES = ("inprocess", "subprocess")  # where the engine core may run (inprocess: a run's)
+ENFORCE_EAGER = False
+PREFIX_CACHING = True
+ASYNC_SCHEDULING = False
+SLEEP_BETWEEN_STEPS = False
+ADAPTER_ROOT = "/dev/shm"
+
+
 @dataclass(frozen=True)
 class VllmSettings:
-    """The `rollout.vllm` config section plus what the builder derives from the rest of the run."""
+    """The `rollout.vllm` config section plus what the builder derives from the rest of the run, and the engine's fixed
+    choices (the constants above)."""
 
     refresh: str  # adapter: a new LoRA request per version; merged: adapter merged into the base in place
-    enforce_eager: bool  # True turns CUDA graphs off
-    engine_process: str  # inprocess: engine core inside the actor; subprocess: vLLM's child process
-    seeding: str  # row: one request (and seed) per sampled row; prompt: one request with n samples per prompt
     max_num_seqs: int  # rows the engine decodes at once
-    cudagraph_capture_size: int  # largest decode batch captured as a CUDA graph
+    # largest decode batch captured as a CUDA graph: a run's max_num_seqs (every batch it decodes); a bench may set less
+    cudagraph_capture_size: int
     max_num_batched_tokens: int  # tokens one engine step prefills; 0 = vLLM's default
     max_model_len: int  # prompt + response tokens of the longest row
-    enable_prefix_caching: bool
-    async_scheduling: bool
-    sleep_between_steps: bool  # sleep(level=1) after generating, wake before the next use
     gpu_share: float  # the fraction of the device Ray gave this actor
     gpu_cap_gib: float | None  # the 16 GB emulation cap of this actor (None: no cap)
     kv_cache_gib: float | None  # explicit KV budget; None derives it
-    adapter_root: str  # where adapter versions are written (shared memory, not the run directory)
     quantization: str  # model.student.quantization: nf4 serves the base through vLLM's bitsandbytes loader
+    # The engine's fixed choices: a run always gets these; the lab's benches set them on the settings they build
+    # (lab/bench/runner.py, lab/conf/bench/rollout-rl-sizes-vllm.yaml).
+    seeding: str = SEEDING[0]  # row: one request (and seed) per sampled row; prompt: one with n samples per prompt
+    engine_process: str = ENGINE_PROCESSES[0]  # inprocess: engine core inside the actor; subprocess: vLLM's child
+    enforce_eager: bool = ENFORCE_EAGER  # True turns CUDA graphs off
+    enable_prefix_caching: bool = PREFIX_CACHING
+    async_scheduling: bool = ASYNC_SCHEDULING
+    sleep_between_steps: bool = SLEEP_BETWEEN_STEPS  # sleep(level=1) after generating, wake before the next use
+    adapter_root: str = ADAPTER_ROOT  # where adapter versions are written (shared memory, not the run directory)
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -204,19 +228,12 @@ def settings_from_config(cfg, gpu_share: float, gpu_cap_gib: float | None, max_n
     v = cfg.rollout.vllm
     return VllmSettings(
         refresh=v.refresh,
-        enforce_eager=v.enforce_eager,
-        engine_process=v.engine_process,
-        seeding=v.seeding,
         max_num_seqs=max_num_seqs,
-        cudagraph_capture_size=v.cudagraph_capture_size or max_num_seqs,
+        cudagraph_capture_size=max_num_seqs,
         max_num_batched_tokens=v.max_num_batched_tokens,
         max_model_len=cfg.longest_row,
-        enable_prefix_caching=v.enable_prefix_caching,
-        async_scheduling=v.async_scheduling,
-        sleep_between_steps=v.sleep_between_steps,
         gpu_share=gpu_share,
         gpu_cap_gib=gpu_cap_gib,
         kv_cache_gib=v.kv_cache_gib,
-        adapter_root=v.adapter_root,
         quantization=cfg.model.student.quantization,
     )

@@ -285,9 +285,10 @@ def test_the_engine_processes_get_the_registration_shim_and_seeds_are_honoured(m
 
 
 def test_the_shim_keeps_sglangs_batch_invariant_mode_off_when_asked_and_only_then(tmp_path):
-    """rollout.sglang.batch_invariant=false: deterministic inference (for the row seeds) without the batch-invariant
-    kernels it turns on. In a child process started as the engine's scheduler is (the shim first on PYTHONPATH), a
-    stand-in sglang.srt.batch_invariant_ops is imported and its switch called the way model_runner.py calls it."""
+    """SglangSettings.batch_invariant=False (a run's): deterministic inference (for the row seeds) without the
+    batch-invariant kernels it turns on. In a child process started as the engine's scheduler is (the shim first on
+    PYTHONPATH), a stand-in sglang.srt.batch_invariant_ops is imported and its switch called the way model_runner.py
+    calls it."""
 
     from miniverl.rollout import sglang as backend
     from miniverl.rollout.sglang_compat import sitecustomize as shim

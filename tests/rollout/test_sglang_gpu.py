@@ -102,7 +102,7 @@ def test_a_stale_sglang_replica_is_caught_at_its_first_stale_refresh(model_dir, 
 
 
 def test_with_batch_invariant_kernels_samples_still_match_the_oracle_and_follow_the_row_seeds(model_dir):
-    """rollout.sglang.batch_invariant=true (sglang-gpu/run2.md's default; run3.md measured it as exact as false and
+    """SglangSettings.batch_invariant=True (sglang-gpu/run2.md's default; run3.md measured it as exact as false and
     1.13-1.24x slower): SGLang's batch-invariant Triton kernels in place of cuBLAS; the rows still come from the
     policy's law and from their seeds."""
     import dataclasses

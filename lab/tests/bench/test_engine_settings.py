@@ -23,10 +23,11 @@ def settings(**kw) -> VllmSettings:
     ("field", "value", "names"),
     [
         ("refresh", "copy", "rollout.vllm.refresh"),
-        ("engine_process", "thread", "rollout.vllm.engine_process"),
-        ("seeding", "batch", "rollout.vllm.seeding"),
+        ("engine_process", "thread", "the bench's vllm engine_process='thread': use one of inprocess, subprocess"),
+        ("seeding", "batch", "the bench's vllm seeding='batch': use one of row, prompt"),
         ("kv_cache_gib", 0.0, "rollout.vllm.kv_cache_gib"),
         ("max_num_batched_tokens", 8, r"rollout.vllm.max_num_batched_tokens=8 is below the \d+ rows"),
+        ("cudagraph_capture_size", 0, "the bench's vllm cudagraph_capture_size=0: a positive batch size"),
     ],
 )
 def test_bad_settings_name_the_key(field, value, names):

@@ -9,10 +9,11 @@ class answer SGLang's own lookups of those types; miniVERL's models (qwen2, llam
 Python runs the first sitecustomize it finds on sys.path: in the engine's processes this one stands in for the
 interpreter's own (Debian's only installs an apport hook).
 
-With MINIVERL_SGLANG_BATCH_INVARIANT=0 (rollout.sglang.batch_invariant=false) it also keeps SGLang's batch-invariant
-mode off. 0.5.17 turns that mode on with deterministic inference, which row seeds need (sampling_batch_info.py reads
-`sampling_seed` only then): its own Triton matmul, log-softmax, mean and RMSNorm kernels replace cuBLAS's process-wide
-(model_runner.py maybe_enable_batch_invariant_mode). The seeds reach the sampler either way.
+With MINIVERL_SGLANG_BATCH_INVARIANT=0 (SglangSettings.batch_invariant=False, a run's) it also keeps SGLang's
+batch-invariant mode off. 0.5.17 turns that mode on with deterministic inference, which row seeds need
+(sampling_batch_info.py reads `sampling_seed` only then): its own Triton matmul, log-softmax, mean and RMSNorm kernels
+replace cuBLAS's process-wide (model_runner.py maybe_enable_batch_invariant_mode). The seeds reach the sampler either
+way.
 
 With MINIVERL_SGLANG_MEMORY_CAP_BYTES (an emulated card: resources.emulate_gpu_gib) it caps torch's allocator in the
 process that builds SGLang's ModelRunner, the scheduler, at the rollout actor's budget (cap_scheduler_memory).
