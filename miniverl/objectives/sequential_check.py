@@ -27,7 +27,8 @@ inside that null (lab/results/sampler-gap/cusum-cpu.md). A sampler at the older 
 gives z = 2.8 a step, over the threshold at the third stale step; a gap drifting up by one spread unit a step crosses
 at the fourth (the per-step bound, six units and twice the honest mean up, not before the seventh).
 
-The statistics start from 0 at the gate (a resumed run runs its gate again) and are not in checkpoints.
+The statistics start from 0 at the gate and are not in checkpoints: the evidence is about this run's serving
+processes, and a resumed run starts new ones and runs its gate again (whose calibration sets the gap z's unit).
 """
 
 from __future__ import annotations
