@@ -97,19 +97,3 @@ def real_model_dir(tmp_path_factory):
 
     cache = tmp_path_factory.mktemp("real") / "cache"
     return ensure_converted("smollm2-135m-instruct", "model.student.path", cache, _quiet)
-
-
-RAY_GROUP = "ray"  # pytest-xdist's group of the tests that start Ray (.ci/run: `-n 2 --dist loadgroup`)
-RAY_MARKS = ("init_local_ray", "start_main(")  # a module that starts a local cluster, or the driver as a subprocess
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist every test that starts Ray runs on one worker, one after another: two Ray instances starting
-    at once on 2 loaded cores time out (2026-12-07), while the rest, single-threaded, share both cores."""
-    texts: dict[str, str] = {}
-    for item in items:
-        path = str(item.path)
-        if path not in texts:
-            texts[path] = item.path.read_text() if item.path.suffix == ".py" else ""
-        if item.get_closest_marker("slow") or any(mark in texts[path] for mark in RAY_MARKS):
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
