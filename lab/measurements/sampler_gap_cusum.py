@@ -48,6 +48,7 @@ def step_record(ctl, m: dict) -> dict:
         "cusum": round(m["sampler_gap_cusum"], 3),
         "version_tokens": m["sampler_version_tokens"],
         "vz": (round(m["sampler_vs_previous_z"], 2), round(m["sampler_vs_base_z"], 2)),
+        "sz": (round(m["sampler_vs_previous_step_z"], 2), round(m["sampler_vs_base_step_z"], 2)),
         "vcusum": (round(m["sampler_vs_previous_cusum"], 2), round(m["sampler_vs_base_cusum"], 2)),
     }
 
@@ -102,10 +103,8 @@ def main() -> None:
                         )
                         out["fault"].append(r)
                         at = f"step {r['alarms'][0]['step']} by {r['alarms'][0]['test']}" if r["alarms"] else "missed"
-                        gaps = [(s["gap"], s["bound"], s["z"], s["cusum"], s["vz"], s["vcusum"]) for s in r["steps"]]
-                        print(
-                            f"fault {backend} {dtype} lr {lr:g} cusum {cusum}: {at}; (gap, bound, z, S, vz, vS) {gaps}"
-                        )
+                        gaps = [(s["gap"], s["z"], s["cusum"], s["sz"], s["vcusum"]) for s in r["steps"]]
+                        print(f"fault {backend} {dtype} lr {lr:g} cusum {cusum}: {at}; (gap, z, S, vz, vS) {gaps}")
                         args.out.write_text(json.dumps(out, indent=1))
                 if args.honest_steps:
                     r = run(

@@ -36,7 +36,7 @@ import math
 from collections import deque
 
 from miniverl.objectives.ratios import STEP_MEAN_FLOOR, STEP_SPREAD_Z, StepGapBound
-from miniverl.objectives.sampler_check import VERSION_TESTS, SamplerGapError
+from miniverl.objectives.sampler_check import VERSION_TESTS, VOTE_SUMS, SamplerGapError
 
 CUSUM_ALLOWANCE = 1.0  # k: half the shift (in z) detected fastest; evidence below it drains away
 CUSUM_THRESHOLD = 5.2  # h: in-control average run length >= exp(2kh) = 32,860 steps a test (module docstring)
@@ -61,10 +61,11 @@ def gap_z(mean_gap: float, tokens: int, bound: StepGapBound, honest_mean: float)
     return (mean_gap - honest_mean) / unit
 
 
-def vote_step_z(sums: list[float]) -> float | None:
-    """A version comparison's step statistic from its vote_sums (sum, squares, rows, tokens): sum / sqrt(squares);
-    None where no row voted, or every vote was 0 (policies that do not differ at all: no evidence)."""
-    total, squares, _, _ = sums
+def evidence_step_z(sums: list[float]) -> float | None:
+    """A version comparison's step statistic from its VOTE_SUMS sums (sampler_check.py vote_sums, then
+    evidence_sums): the tokens' evidence sum / the root of its sum of squares; None where no token was voted, or
+    every token's evidence was 0 (policies that do not differ at all: no evidence)."""
+    total, squares = sums[4], sums[5]
     return total / math.sqrt(squares) if squares > 0 else None
 
 
@@ -131,17 +132,19 @@ class SequentialSamplerTests:
                 )
             out.update(sampler_gap_z=max(min(z, 1e6), -1e6), sampler_gap_cusum=self.gap.statistic)
         for i, (name, older) in enumerate(VERSION_TESTS.items()):
-            sums = votes[4 * i : 4 * i + 4]
-            z = vote_step_z(sums)
+            sums = votes[VOTE_SUMS * i : VOTE_SUMS * (i + 1)]
+            z = evidence_step_z(sums)
             test = self.versions[name]
             if z is not None and test.add(z):
                 raise SamplerGapError(
                     f"the sampler's log-probs have sat nearer the learner's {older.format(version - 1)} than the"
-                    f" version each batch is stamped with, step after step: the run's CUSUM of each step's row votes"
-                    f" (their sum / the root of their squares; this step {sums[2]:.0f} rows, {sums[3]:.0f} tokens,"
+                    f" version each batch is stamped with, step after step: the run's CUSUM of each step's token"
+                    f" evidence (|gap| to the stamped version less |gap| to it, summed over the step's tokens / the"
+                    f" root of its squares; this step {sums[2]:.0f} rows, {sums[3]:.0f} tokens,"
                     f" stamped v{version})"
                     f" {test.said()}; the update was not applied. The rollout side sampled an older policy than it"
                     f" was proven to serve: {STALE_PATH}"
                 )
+            out[f"sampler_vs_{name}_step_z"] = 0.0 if z is None else z
             out[f"sampler_vs_{name}_cusum"] = test.statistic
         return out
