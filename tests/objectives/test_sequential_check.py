@@ -1,5 +1,6 @@
 """The sequential sampler tests (objectives/sequential_check.py): one-sided CUSUMs of the per-step gap, in the gate's
-own units, and of the version votes; a slow drift each step passes is stopped, honest statistics never are."""
+own units, and of the version comparisons' token evidence; a slow drift each step passes is stopped, honest statistics
+never are."""
 
 from __future__ import annotations
 
