@@ -22,8 +22,7 @@ TIMING = ("time/", "rollout_tokens_per_s")  # wall-clock metrics: allowed to dif
 # a resumed run is the conformance gate's trial adapter (and the gate, not a step, proves the restored one); and the
 # version test's vote against the previous version, which a resumed learner does not hold for its first step; and the
 # sequential sampler tests, whose evidence restarts at a resumed run's gate (test_resume_experiments.py says why).
-SYNC_HISTORY = ("probe_", "sampler_vs_previous_z", "sampler_vs_previous_cusum", "sampler_gap_z", "sampler_gap_cusum")
-SYNC_HISTORY += ("sampler_vs_base_cusum",)
+SYNC_HISTORY = ("probe_", "sampler_vs_previous_", "sampler_gap_z", "sampler_gap_cusum", "sampler_vs_base_cusum")
 CPUS = 4
 
 
