@@ -5,8 +5,7 @@ built-in reverse models, at small batches (issue 76: --prompts 4 x n 2 = 8 rows)
   while its buffers, digest and probe are current) at each --lrs, twice: with the CUSUM, and with it switched off (its
   threshold infinite: the per-step bound and the version test alone); the step each is stopped at and which test
   stopped it, with every step's mean gap, per-step bound, z and CUSUM statistic;
-- honest: --honest-steps steps of an honest replica at --honest-lr; alarms of either test, the largest z and CUSUM,
-  and each version comparison's step z of token evidence (mean, sd, max: the null the CUSUM's bound assumes).
+- honest: --honest-steps steps of an honest replica at --honest-lr; alarms of either test, the largest z and CUSUM.
 In-process (no Ray), as lab/measurements/sampler_gap_faults.py, whose builders it reuses.
 
     PYTHONPATH=. python lab/measurements/sampler_gap_cusum.py --out lab/results/sampler-gap/cusum-cpu.json
@@ -49,19 +48,8 @@ def step_record(ctl, m: dict) -> dict:
         "cusum": round(m["sampler_gap_cusum"], 3),
         "version_tokens": m["sampler_version_tokens"],
         "vz": (round(m["sampler_vs_previous_z"], 2), round(m["sampler_vs_base_z"], 2)),
-        "sz": (round(m["sampler_vs_previous_step_z"], 2), round(m["sampler_vs_base_step_z"], 2)),
         "vcusum": (round(m["sampler_vs_previous_cusum"], 2), round(m["sampler_vs_base_cusum"], 2)),
     }
-
-
-def evidence_summary(zs: list[float]) -> dict[str, float]:
-    """A version comparison's honest step z of token evidence over the voted steps (0 = not voted: left out)."""
-    voted = [z for z in zs if z != 0.0]
-    if len(voted) < 2:
-        return {"voted": len(voted)}
-    mean = sum(voted) / len(voted)
-    sd = math.sqrt(sum((z - mean) ** 2 for z in voted) / (len(voted) - 1))
-    return {"voted": len(voted), "mean": round(mean, 3), "sd": round(sd, 3), "max": max(voted)}
 
 
 def run(worker_cls, backend, dtype, lr, steps, prompts, params, cusum: bool, stop_on_alarm: bool) -> dict:
@@ -114,8 +102,10 @@ def main() -> None:
                         )
                         out["fault"].append(r)
                         at = f"step {r['alarms'][0]['step']} by {r['alarms'][0]['test']}" if r["alarms"] else "missed"
-                        gaps = [(s["gap"], s["z"], s["cusum"], s["sz"], s["vcusum"]) for s in r["steps"]]
-                        print(f"fault {backend} {dtype} lr {lr:g} cusum {cusum}: {at}; (gap, z, S, vz, vS) {gaps}")
+                        gaps = [(s["gap"], s["bound"], s["z"], s["cusum"], s["vz"], s["vcusum"]) for s in r["steps"]]
+                        print(
+                            f"fault {backend} {dtype} lr {lr:g} cusum {cusum}: {at}; (gap, bound, z, S, vz, vS) {gaps}"
+                        )
                         args.out.write_text(json.dumps(out, indent=1))
                 if args.honest_steps:
                     r = run(
@@ -137,8 +127,7 @@ def main() -> None:
                         "z_median": sorted(zs)[len(zs) // 2],
                         "cusum_max": max(s["cusum"] for s in r["steps"]),
                         "vote_z_max": [max(s["vz"][i] for s in r["steps"]) for i in (0, 1)],
-                        "version_cusum_max": [max(s["vcusum"][i] for s in r["steps"]) for i in (0, 1)],
-                        "evidence_z": [evidence_summary([s["sz"][i] for s in r["steps"]]) for i in (0, 1)],
+                        "vote_cusum_max": [max(s["vcusum"][i] for s in r["steps"]) for i in (0, 1)],
                     }
                     out["honest"].append(r)
                     print(f"honest {backend} {dtype}: {r['summary']} ({r['seconds']} s)")

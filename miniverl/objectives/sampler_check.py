@@ -30,9 +30,6 @@ VERSION_TEST_TOKENS = 4096
 # previous version (a sampler one refresh behind) and the base model, v0 (one that never took an adapter, or kept
 # the first it served: a graph captured once, an engine copy never refreshed).
 VERSION_TESTS = {"previous": "v{}", "base": "base model (v0, the adapter off)"}
-# Each comparison's sums in a step's `votes` list: vote_sums' 4 (the rows' votes), then evidence_sums' 2 (the
-# tokens' evidence, for the sequential test).
-VOTE_SUMS = 6
 # What the test can see on a step. A row's vote flips sign when its sampler swaps which of the two policies it sits
 # at (the same rounding in its log-probs), so a sampler that had kept the older policy votes about the mirror image
 # of an honest one: an honest z below -STEP_SPREAD_Z means that sampler would have been refused this step (the
@@ -76,29 +73,10 @@ def vote_sums(votes: torch.Tensor, tokens: int) -> list[float]:
     return [float(votes.sum()), float((votes * votes).sum()), float(votes.numel()), float(tokens)]
 
 
-def token_evidence(
-    sampler: torch.Tensor, learner: torch.Tensor, older: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Each voted token's evidence for 'the sampler used the older policy': |sampler - learner under the batch's
-    version| - |sampler - learner under the older policy| (nats), the magnitude a row's vote divides away. An honest
-    token is below 0 by up to the two policies' difference where it shows past the rounding, around 0 where it does
-    not; a stale one is the mirror image. Bounded by |learner - older|, so a token far out in the sampler's rounding
-    weighs no more than the policies' own difference (sequential_check.py self-normalizes the step's sum).
-    Shapes: [B, T] x 4 -> [n] float64 (the masked tokens)."""
-    s, cur, old = (x.detach().double() for x in (sampler, learner, older))
-    return ((s - cur).abs() - (s - old).abs())[mask.bool()]
-
-
-def evidence_sums(evidence: torch.Tensor) -> list[float]:
-    """[sum of the tokens' evidence, sum of its squares]: what sequential_check.py's step z needs, adding across
-    ranks."""
-    return [float(evidence.sum()), float((evidence * evidence).sum())]
-
-
 def vote_z(sums: list[float]) -> tuple[float, float]:
     """(mean vote, its z: mean / standard error over rows) from `vote_sums`; z 0 with fewer than 2 rows or no
     spread (where every row votes alike, the mean alone decides: +-inf)."""
-    total, squares, rows = sums[:3]
+    total, squares, rows, _ = sums
     if rows < 2:
         return 0.0, 0.0
     mean = total / rows
@@ -119,13 +97,13 @@ def judge_step(
     learner_version: int,
 ) -> dict[str, float]:
     """The per-step decision on the whole step's sums (every rank's added): raise SamplerGapError when the sampler's
-    log-probs sit nearer an older policy than the batch's `version` (the version test, `votes`: VERSION_TESTS'
-    order, VOTE_SUMS sums each), are not finite, or sit further from the learner's than `bound` allows (mean |gap|
-    from `gap_abs`, the share of tokens beyond its tail from `gap_tail`). Returns the version test's metrics: each
-    comparison's z and the tokens it recomputed."""
-    version_metrics = {"sampler_version_tokens": max(votes[3::VOTE_SUMS])}
+    log-probs sit nearer an older policy than the batch's `version` (the version test, `votes`: VERSION_TESTS' order,
+    4 sums each), are not finite, or sit further from the learner's than `bound` allows (mean |gap| from `gap_abs`,
+    the share of tokens beyond its tail from `gap_tail`). Returns the version test's metrics: each comparison's z
+    and the tokens it recomputed."""
+    version_metrics = {"sampler_version_tokens": max(votes[3::4])}
     for i, (name, older) in enumerate(VERSION_TESTS.items()):
-        sums = votes[VOTE_SUMS * i : VOTE_SUMS * i + 4]
+        sums = votes[4 * i : 4 * i + 4]
         vote, z = vote_z(sums)
         voted = sums[2] >= VERSION_TEST_MIN_ROWS
         version_metrics[f"sampler_vs_{name}_z"] = max(min(z, 1e6), -1e6)  # finite in the metrics

@@ -12,28 +12,20 @@ stops the run (SamplerGapError, as the per-step tests) once S_t > CUSUM_THRESHOL
 - the gap: z = (step mean |gap| - the gate's honest mean) / (the gate's per-token spread / sqrt(N)), the spread
   the per-step bound uses (max of the gate's std and p99: StepGapBound.spread / STEP_SPREAD_Z), never below
   STEP_MEAN_FLOOR / STEP_SPREAD_Z (fp32's rounding, as the bound's floor). Armed once the gate has calibrated.
-- each version comparison (VERSION_TESTS: the previous version, the base model): z = the step's sum of its voted
-  tokens' evidence / the root of its sum of squares (self-normalized; sampler_check.py token_evidence: a token's
-  |gap| to the stamped version less its |gap| to the older policy, the magnitude a row's vote divides away). An
-  honest token's evidence sits around 0 where the policies do not differ past the rounding and below it where they
-  do; for evidence symmetric about 0 with signs independent of each other given the magnitudes, this z is a
-  Rademacher sum with unit-norm weights, so sub-Gaussian with variance proxy 1 at any number of tokens and any scale
-  (Hoeffding): it needs no sample variance, so it counts at 8 rows as at 32. The independence is assumed: measured
-  where it is weakest (hf_cached bf16 at lr 2e-5: policies unmoved past the rounding, evidence around 0), honest
-  step z have mean -0.02 and sd 1.06 over 1,000 steps, as the row votes of the same steps self-normalized alike
-  (the rows of one prompt share its prefix; lab/results/sampler-gap/cusum-cpu.md). Tokens that agree give
-  z = sqrt(tokens): at 8 rows of ~50 tokens one step's z reaches 7, where 8 row votes stop at 2.8.
+- each version comparison (VERSION_TESTS: the previous version, the base model): z = the step's sum of row votes /
+  the root of their sum of squares (self-normalized). An honest sampler's votes sit around 0 where the policies do
+  not differ and below it where they do (sampler_check.py); for votes symmetric about 0 this z is a Rademacher sum
+  with unit-norm weights, so sub-Gaussian with variance proxy 1 at any number of rows and any vote scale (Hoeffding):
+  it needs no sample variance, so it counts at 2 rows as at 32. Rows that agree on a positive vote give z = sqrt(rows).
 
 The false-alarm bound: for increments of mean <= 0 that are sub-Gaussian with variance proxy 1, a CUSUM with
 allowance k and threshold h runs on average at least exp(2kh) steps before a false alarm (the moment-generating
 function's root is at least 2k; in_control_run_length). With allowance 1, threshold 5.2 is the smallest tenth for
 which any of the three tests false-alarms no sooner than every 10,000 steps on average: >= 32,860 steps each, >=
-10,953 for any (standard-normal steps: about 170,000 each, Siegmund's approximation). Measured honest gap steps sit
-well inside that null; the version evidence where the policies do not differ sits at it, sd 1.06, where the bound is
-exp(2kh / sd^2) = 9,935 steps a test (Siegmund: about 50,000; lab/results/sampler-gap/cusum-cpu.md). A sampler
-at the older policy whose tokens' evidence gives z = 3 a step is over the threshold at the third stale step; a gap
-drifting up by one spread unit a step crosses at the fourth (the per-step bound, six units and twice the honest
-mean up, not before the seventh).
+10,953 for any (standard-normal steps: about 170,000 each, Siegmund's approximation). Measured honest steps sit well
+inside that null (lab/results/sampler-gap/cusum-cpu.md). A sampler at the older policy whose 8 rows all vote alike
+gives z = 2.8 a step, over the threshold at the third stale step; a gap drifting up by one spread unit a step crosses
+at the fourth (the per-step bound, six units and twice the honest mean up, not before the seventh).
 
 The statistics start from 0 at the gate and are not in checkpoints: the evidence is about this run's serving
 processes, and a resumed run starts new ones and runs its gate again (whose calibration sets the gap z's unit).
@@ -45,7 +37,7 @@ import math
 from collections import deque
 
 from miniverl.objectives.ratios import STEP_MEAN_FLOOR, STEP_SPREAD_Z, StepGapBound
-from miniverl.objectives.sampler_check import VERSION_TESTS, VOTE_SUMS, SamplerGapError
+from miniverl.objectives.sampler_check import VERSION_TESTS, SamplerGapError
 
 CUSUM_ALLOWANCE = 1.0  # k: half the shift (in z) detected fastest; evidence below it drains away
 CUSUM_THRESHOLD = 5.2  # h: in-control average run length >= exp(2kh) = 32,860 steps a test (module docstring)
@@ -70,11 +62,10 @@ def gap_z(mean_gap: float, tokens: int, bound: StepGapBound, honest_mean: float)
     return (mean_gap - honest_mean) / unit
 
 
-def evidence_step_z(sums: list[float]) -> float | None:
-    """A version comparison's step statistic from its VOTE_SUMS sums (sampler_check.py vote_sums, then
-    evidence_sums): the tokens' evidence sum / the root of its sum of squares; None where no token was voted, or
-    every token's evidence was 0 (policies that do not differ at all: no evidence)."""
-    total, squares = sums[4], sums[5]
+def vote_step_z(sums: list[float]) -> float | None:
+    """A version comparison's step statistic from its vote_sums (sum, squares, rows, tokens): sum / sqrt(squares);
+    None where no row voted, or every vote was 0 (policies that do not differ at all: no evidence)."""
+    total, squares, _, _ = sums
     return total / math.sqrt(squares) if squares > 0 else None
 
 
@@ -141,19 +132,17 @@ class SequentialSamplerTests:
                 )
             out.update(sampler_gap_z=max(min(z, 1e6), -1e6), sampler_gap_cusum=self.gap.statistic)
         for i, (name, older) in enumerate(VERSION_TESTS.items()):
-            sums = votes[VOTE_SUMS * i : VOTE_SUMS * (i + 1)]
-            z = evidence_step_z(sums)
+            sums = votes[4 * i : 4 * i + 4]
+            z = vote_step_z(sums)
             test = self.versions[name]
             if z is not None and test.add(z):
                 raise SamplerGapError(
                     f"the sampler's log-probs have sat nearer the learner's {older.format(version - 1)} than the"
-                    f" version each batch is stamped with, step after step: the run's CUSUM of each step's token"
-                    f" evidence (|gap| to the stamped version less |gap| to it, summed over the step's tokens / the"
-                    f" root of its squares; this step {sums[2]:.0f} rows, {sums[3]:.0f} tokens,"
+                    f" version each batch is stamped with, step after step: the run's CUSUM of each step's row votes"
+                    f" (their sum / the root of their squares; this step {sums[2]:.0f} rows, {sums[3]:.0f} tokens,"
                     f" stamped v{version})"
                     f" {test.said()}; the update was not applied. The rollout side sampled an older policy than it"
                     f" was proven to serve: {STALE_PATH}"
                 )
-            out[f"sampler_vs_{name}_step_z"] = 0.0 if z is None else z
             out[f"sampler_vs_{name}_cusum"] = test.statistic
         return out

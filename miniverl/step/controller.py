@@ -47,8 +47,6 @@ SAME_ON_EVERY_RANK = (
     "sampler_version_tokens",
     "sampler_gap_z",  # the sequential tests (objectives/sequential_check.py) judge the whole step's sums
     "sampler_gap_cusum",
-    "sampler_vs_previous_step_z",
-    "sampler_vs_base_step_z",
     "sampler_vs_previous_cusum",
     "sampler_vs_base_cusum",
 )

@@ -15,7 +15,7 @@ from collections.abc import Container, Sequence
 import torch
 
 from miniverl.errors import PolicyMismatchError
-from miniverl.objectives.sampler_check import VOTE_SUMS, evidence_sums, token_evidence, version_votes, vote_sums
+from miniverl.objectives.sampler_check import version_votes, vote_sums
 from miniverl.policy import PolicyIdentity
 
 
@@ -87,18 +87,16 @@ def gap_sums(gap: torch.Tensor, tail: float) -> tuple[float, float, int]:
 def version_test_sums(
     sampler: torch.Tensor, recomputed: torch.Tensor, mask: torch.Tensor, olders: Sequence[torch.Tensor | None]
 ) -> list[float]:
-    """The version test's sums (objectives/sampler_check.py vote_sums then evidence_sums, VOTE_SUMS per
-    comparison) of the rows it recomputed: the sampler's log-probs voted, row by row and token by token, between the
-    learner's under the batch's version (`recomputed`) and under each older policy (`olders`, VERSION_TESTS'
-    order); zeros for an older policy that is None (not held, or one that cannot differ). Shapes: sampler,
-    recomputed, mask and each older [R, Tr]."""
+    """The version test's sums (objectives/sampler_check.py vote_sums, 4 per comparison) of the rows it recomputed:
+    the sampler's log-probs voted between the learner's under the batch's version (`recomputed`) and under each
+    older policy (`olders`, VERSION_TESTS' order); zeros for an older policy that is None (not held, or one that
+    cannot differ). Shapes: sampler, recomputed, mask and each older [R, Tr]."""
     sums, tokens = [], int(mask.sum())
     for older in olders:
         if older is None:
-            sums += [0.0] * VOTE_SUMS
+            sums += [0.0] * 4
         else:
             sums += vote_sums(version_votes(sampler, recomputed, older, mask), tokens)
-            sums += evidence_sums(token_evidence(sampler, recomputed, older, mask))
     return sums
 
 

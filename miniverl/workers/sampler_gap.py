@@ -17,7 +17,7 @@ import torch
 
 from miniverl.batches import RolloutBatch
 from miniverl.objectives.ratios import SamplerTolerance
-from miniverl.objectives.sampler_check import VERSION_TESTS, VOTE_SUMS, judge_step, version_test_rows
+from miniverl.objectives.sampler_check import VERSION_TESTS, judge_step, version_test_rows
 from miniverl.objectives.sequential_check import SequentialSamplerTests
 from miniverl.workers.batch_checks import version_test_sums
 from miniverl.workers.publisher import PolicyPublisher
@@ -86,7 +86,7 @@ class SamplerGapCheck:
         batches, the previous version after a restore. Shapes: recomputed [B, Tr]."""
         previous = self.behaviour.get(batch.policy_version - 1)
         if batch.policy_version == 0:
-            return [0.0] * VOTE_SUMS * len(VERSION_TESTS)
+            return [0.0] * 4 * len(VERSION_TESTS)
         rows = version_test_rows(batch.response_mask.sum(-1).tolist())
         part = batch.select(rows)
         live = publisher.adapter_outbox().tensors

@@ -118,7 +118,7 @@ def test_a_sampler_at_the_older_policy_votes_the_mirror_image_of_an_honest_one()
 
 def judged(votes: torch.Tensor) -> dict[str, float]:
     """judge_step's version metrics for one set of row votes used for both comparisons, the |gap| bound wide."""
-    sums = [*vote_sums(votes, 10 * votes.numel()), 0.0, 0.0] * 2  # no token evidence (the sequential test's alone)
+    sums = vote_sums(votes, 10 * votes.numel()) * 2
     return judge_step(GKD.sampler_tolerance.step_bound(), 0.0, 0.0, 0, sums, 10 * votes.numel(), 3, 3)
 
 
