@@ -312,9 +312,9 @@ def test_an_unknown_follow_is_refused(cfg_walk):
 
 
 def test_the_config_from_main_train_stays_within_the_walk_it_had_when_issue_36_measured_it(cfg_walk):
-    # 31 stays and 10 climbs after the config's model roles, its choices and one validate moved home (session 26);
+    # 31 stays and 10 climbs after the config's model roles, its choices and one validate moved home (9a81d71);
     # 28 and 5 after the planner's helpers took the values they read, Setup moved to a leaf and the launcher's
-    # settings were resolved in setup (session 30), as issue 36 asks (<= 40 and <= 5); the same 28 stays and 7 climbs
+    # settings were resolved in setup (e866eaa), as issue 36 asks (<= 40 and <= 5); the same 28 stays and 7 climbs
     # once the package's imports stopped running back up (2026-12-07, 3383e63): the rollout backends' registry moved
     # into config/rollout.py and the bench's engine settings out, so those modules sit on lower floors and two calls
     # after them count as climbs, with no function added to the trip. A change that lengthens the trip fails here,
